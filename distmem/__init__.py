@@ -1,0 +1,17 @@
+"""distmem: GPU memory in distributed training, planned per rank, enforced, and reported from all ranks.
+
+    import distmem
+    plan = distmem.init(strategy="data")   # first, before any GPU op
+    ...
+    distmem.report()                       # collective; rank 0 prints the table
+"""
+__version__ = "0.1.0"
+
+from .api import check_plan, current_plan, init, plan_from_env, report, reset, snapshot
+from .errors import ConfigError, DistmemError, DoesNotFitError, GatherTimeoutError, TooLateError
+from .plan import Allocation, DeviceSlot, Plan
+from .stats import Report, Snapshot
+
+__all__ = ["init", "report", "snapshot", "plan_from_env", "current_plan", "check_plan", "reset",
+           "Plan", "Allocation", "DeviceSlot", "Snapshot", "Report",
+           "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]

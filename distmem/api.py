@@ -1,0 +1,240 @@
+"""The public entry points: init, snapshot, report. The only module that wires the pieces together."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from . import comm as _comm
+from . import devices as _devices
+from . import topology as _topology
+from .errors import ConfigError, DistmemError, DoesNotFitError
+from .frameworks import adapter, detect_framework
+from .plan import Plan, make_plan
+from .render import table, write_json
+from .stats import Report, Snapshot, aggregate
+from .units import format_bytes
+
+__all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset", "check_plan"]
+
+log = logging.getLogger("distmem")
+
+_state: Dict[str, Any] = {"plan": None, "framework": None, "applied": None, "topology": None, "inventory": None}
+
+
+def _say(msg: str) -> None:
+    """Rank-prefixed line on stderr: visible in horovodrun/mpirun logs without logging setup."""
+    if os.environ.get("DISTMEM_QUIET") != "1":
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _inventory(fleet: Optional[str]) -> _devices.Inventory:
+    fleet = fleet or os.environ.get("DISTMEM_FLEET")
+    inv = _devices.inventory(quiet=True)
+    if inv.gpus:
+        return inv
+    if fleet:
+        return _devices.fleet_inventory(fleet)
+    return inv
+
+
+def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **options: Any) -> Plan:
+    """Compute this job's plan from the launcher environment and NVML, without applying anything.
+
+    ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"``) declares GPUs for a dry run on a machine
+    without them; real GPUs found through NVML take precedence.
+    """
+    topo = _topology.detect()
+    inv = _inventory(fleet)
+    plan = make_plan(strategy, topo, inv, **options)
+    _state.update(topology=topo, inventory=inv)
+    return plan
+
+
+def _check_foreign(plan: Plan, inv: _devices.Inventory) -> None:
+    """Warn (never fail) about memory used on our GPUs by processes that are not ours."""
+    if not inv.real:
+        return
+    mine = plan.mine
+    for slot in mine.devices:
+        gpu = next((g for g in inv.gpus if g.index == slot.index), None)
+        if gpu is None:
+            continue
+        foreign = [p for p in gpu.processes if p.pid != os.getpid()]
+        if foreign and mine.local_rank == min(a.local_rank for a in plan.allocations
+                                              if a.node == mine.node and any(d.index == slot.index for d in a.devices)):
+            used = sum(p.used_bytes or 0 for p in foreign)
+            msg = (f"GPU {slot.index} already holds {format_bytes(used)} in {len(foreign)} other process(es) "
+                   f"(pid {', '.join(str(p.pid) for p in foreign[:5])}); the plan assumed "
+                   f"{format_bytes(plan.options.get('foreign_bytes', 0))} foreign use")
+            free_needed = slot.planned_bytes * slot.shared_by
+            if gpu.free_bytes and free_needed > gpu.free_bytes + used:
+                msg += f"; only {format_bytes(gpu.free_bytes)} is free - pass foreign='{format_bytes(used)}'"
+            plan.warnings.append(msg)
+
+
+def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
+         reserve: Any = "256MiB", limit: Any = None, overhead: Any = None, foreign: Any = 0,
+         fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, **strategy_options: Any) -> Plan:
+    """Plan this job's GPU memory and apply this rank's share to the framework. Returns the Plan.
+
+    Call it first, before the framework touches a GPU (before or after ``hvd.init()``).
+
+    strategy: ``"data"`` (equal split), ``"pipeline"``, ``"model"`` or ``"tenants"``.
+    framework: ``"tensorflow"``, ``"torch"`` or ``"none"``; detected when omitted.
+    memory: ``"auto"`` (growth alone on a GPU, a hard limit when shared), ``"growth"`` or ``"limit"``.
+    reserve: kept free on every GPU (bytes, ``"256MiB"`` or ``"5%"``).
+    limit: an explicit per-rank limit (bytes, ``"6GiB"``, ``"45%"`` or a fraction of the GPU).
+    overhead: per-process memory outside the framework allocator (default 768 MiB, see DESIGN).
+    foreign: memory other jobs hold on each GPU that the plan must leave alone.
+    fleet: ``"4x16GiB"`` to plan against declared GPUs where none are present (dry run).
+    enforce: ``"framework"`` (the framework's own limit) or ``"native"`` (also require distmem's
+    LD_PRELOAD cap, launched through ``distmem-exec``).
+    """
+    if enforce not in ("framework", "native"):
+        raise ConfigError(f"enforce={enforce!r} is not 'framework' or 'native'")
+    fw = detect_framework(framework)
+    options = dict(memory=memory, reserve=reserve, limit=limit, overhead=overhead, foreign=foreign)
+    if strategy != "data":
+        options.pop("limit")
+        if limit is not None:
+            raise ConfigError(f"limit= applies to strategy='data'; strategy={strategy!r} derives limits from "
+                              "its own inputs (stages, layers or tenants)")
+    options.update(strategy_options)
+    if strategy == "model" or strategy == "tenants":
+        options.setdefault("framework", fw)
+    plan = plan_from_env(strategy, fleet=fleet, **options)
+    inv = _state["inventory"]
+    _check_foreign(plan, inv)
+    applied: Dict[str, Any] = {"framework": fw, "applied": [], "dry_run": not inv.real}
+    if inv.real or plan.extras.get("cpu_logical_devices"):
+        applied = adapter(fw).apply(plan)
+        applied["dry_run"] = not inv.real
+    if enforce == "native":
+        from . import native
+
+        native.require_active(plan.mine.limit_bytes)
+    _state.update(plan=plan, framework=fw, applied=applied)
+    if verbose:
+        mine = plan.mine
+        where = "dry run, nothing applied" if not inv.real else f"{fw}: {'; '.join(applied.get('applied', []))}"
+        _say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
+        for w in plan.warnings:
+            _say(f"[distmem rank {mine.rank}] WARNING: {w}")
+    return plan
+
+
+def current_plan() -> Optional[Plan]:
+    """The plan ``init()`` applied in this process, or None before ``init()``."""
+    return _state["plan"]
+
+
+def reset() -> None:
+    """Forget the applied plan and cached transport (tests; a process cannot un-apply a framework)."""
+    _state.update(plan=None, framework=None, applied=None, topology=None, inventory=None)
+    _comm.set_comm(None)
+
+
+def _rss() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - psutil missing: fall back to /proc
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return None
+
+
+def snapshot(step: Optional[int] = None) -> Snapshot:
+    """This rank's memory now: allocator, NVML per-process and RSS figures beside its plan."""
+    plan: Optional[Plan] = _state["plan"]
+    if plan is None:
+        raise DistmemError("distmem.snapshot()/report() need a plan: call distmem.init() first")
+    mine = plan.mine
+    fw = _state["framework"] or "none"
+    st = adapter(fw).stats(plan)
+    topo = _state["topology"] or _topology.detect()
+    pid = os.getpid()
+    nvml: Dict[int, Optional[int]] = {}
+    gpu_pids: Dict[int, List[int]] = {}
+    uuids: Dict[int, str] = {}
+    inv = _state["inventory"]
+    if inv is not None and inv.real:
+        live = _devices.inventory(quiet=True)
+        for g in live.gpus:
+            if any(p.pid == pid for p in g.processes):
+                nvml[g.index] = next(p.used_bytes for p in g.processes if p.pid == pid)
+            if any(d.index == g.index for d in mine.devices):
+                gpu_pids[g.index] = [p.pid for p in g.processes]
+                uuids[g.index] = g.uuid
+    native_status = None
+    if os.environ.get("DISTMEM_CAP_BYTES"):
+        try:
+            from . import native
+
+            native_status = native.status()
+        except Exception as exc:  # noqa: BLE001 - the report must not fail on the optional cap
+            native_status = {"error": str(exc)}
+    return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=topo.local_rank, host=topo.node, pid=pid,
+                    framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
+                    allocation=mine.to_dict(), limit_bytes=mine.limit_bytes,
+                    enforced=any(d.enforce for d in mine.devices), current_bytes=st.get("current_bytes"),
+                    peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
+                    rss_bytes=_rss(), gpu_pids=gpu_pids, gpu_uuids=uuids, stage=mine.stage, step=step,
+                    plan_fingerprint=plan.fingerprint(), plan_source=plan.source, overhead_bytes=plan.overhead_bytes, native=native_status,
+                    extra={"framework_devices": st.get("devices", [])})
+
+
+def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detail: str = "full",
+           step: Optional[int] = None, print_table: bool = True) -> Optional[Report]:
+    """Collective: every rank calls it; rank 0 gets the job's Report, prints the table and writes JSON
+    to ``path`` (or ``DISTMEM_REPORT``); the other ranks get None.
+
+    ``timeout`` (seconds, default ``DISTMEM_TIMEOUT`` or 60) bounds the wait for other ranks; ranks
+    that do not arrive are listed as missing. ``detail="summary"`` reduces a fixed-size vector with
+    all-reduce instead of gathering every row, for jobs of thousands of ranks.
+    """
+    if detail not in ("full", "summary"):
+        raise ConfigError(f"detail={detail!r} is not 'full' or 'summary'")
+    timeout = _comm.DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    snap = snapshot(step)
+    c = _comm.get_comm()
+    if detail == "summary":
+        from .summary import summary_report
+
+        rep = summary_report(snap, c, timeout)
+    else:
+        t0 = time.monotonic()
+        rows, missing = c.gather(snap.to_dict(), 0, timeout)
+        if rows is None:
+            return None
+        snaps = [Snapshot.from_dict(r) for r in rows if r is not None]
+        rep = aggregate(snaps, c.size, missing, strategy=snap.strategy)
+        rep.aggregates["gather_seconds"] = time.monotonic() - t0
+        rep.aggregates["transport"] = c.name
+    if rep is None:
+        return None
+    if print_table:
+        print(table(rep), flush=True)
+    path = path or os.environ.get("DISTMEM_REPORT")
+    if path:
+        write_json(rep, path)
+    return rep
+
+
+def check_plan(timeout: Optional[float] = None) -> List[str]:
+    """Collective: gather every rank's plan fingerprint; raise if they differ, listing each rank's."""
+    plan = _state["plan"]
+    if plan is None:
+        raise DistmemError("check_plan() needs distmem.init() first")
+    c = _comm.get_comm()
+    prints = c.allgather(plan.fingerprint(), _comm.DEFAULT_TIMEOUT if timeout is None else timeout)
+    if len(set(prints)) > 1:
+        raise DoesNotFitError("ranks computed different plans: " + ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
+                              + "; pass identical options (and DISTMEM_FLEET) on every rank")
+    return prints

@@ -1,0 +1,65 @@
+"""``distmem`` command line: plan | estimate | report | doctor (| launch-tf).
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+this file only registers them, so a missing optional dependency breaks one subcommand, not all.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+from .errors import DistmemError
+
+__all__ = ["main", "SUBCOMMANDS"]
+
+SUBCOMMANDS = {
+    "plan": ("distmem.commands.plan", "compute a plan (dry run, no GPU needed)"),
+    "estimate": ("distmem.estimate.cli", "per-layer memory estimate of a model"),
+    "report": ("distmem.commands.report", "render a saved report (table, plot)"),
+    "doctor": ("distmem.commands.doctor", "what distmem sees: launcher, GPUs, NVML, frameworks"),
+    "launch-tf": ("distmem.commands.launch_tf", "start N local tf.distribute workers with TF_CONFIG"),
+}
+
+
+def _parser(argv: List[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distmem", description="Planned, enforced and observed GPU memory "
+                                     "for distributed training.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"distmem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = argv[0] if argv and not argv[0].startswith("-") else None
+    for name, (module, helptext) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        if wanted == name:  # import only the module that runs: keeps `distmem plan` fast
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as exc:
+                p.set_defaults(_error=f"'distmem {name}' is not available: {exc}")
+                continue
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "_error", None):
+        print(f"distmem: {args._error}", file=sys.stderr)
+        return 2
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except DistmemError as exc:
+        print(f"distmem {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""CLI subcommands; each module exposes add_arguments(parser) and run(args) -> int."""
+__all__ = []

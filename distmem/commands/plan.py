@@ -1,0 +1,78 @@
+"""``distmem plan``: compute and print a plan without a GPU (declared fleet) or on this node."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Any, Dict
+
+from ..devices import fleet_inventory, inventory
+from ..plan import make_plan
+from ..topology import Topology
+from ..units import format_bytes
+
+__all__ = ["add_arguments", "run"]
+
+# Strategies whose extra CLI options live beside their planner: module exposing
+# add_cli_arguments(parser) and plan_options_from_args(args) -> dict.
+_EXTRA = {"pipeline": "distmem.plan.pipeline", "model": "distmem.plan.model", "tenants": "distmem.plan.tenants"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy", default="data", choices=["data", "pipeline", "model", "tenants"])
+    p.add_argument("--gpus", help="declared GPUs per node, e.g. 4x80GiB or 2x80GiB,2x40GiB (default: this node's, "
+                                  "from NVML)")
+    p.add_argument("--ranks", type=int, default=None, help="total ranks (default: one per GPU)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks on each node (default: --ranks)")
+    p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"])
+    p.add_argument("--reserve", default="256MiB", help="kept free on every GPU (bytes, 256MiB, 5%%)")
+    p.add_argument("--limit", default=None, help="explicit per-rank limit for --strategy data (6GiB, 45%%, 0.4)")
+    p.add_argument("--overhead", default=None, help="per-process memory outside the allocator (default 768MiB)")
+    p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--emit", choices=["k8s"], default=None, help="emit deployment resources for the plan")
+    for module in _EXTRA.values():
+        try:
+            importlib.import_module(module).add_cli_arguments(p)
+        except (ImportError, AttributeError):
+            continue
+
+
+def _options(args: argparse.Namespace) -> Dict[str, Any]:
+    opts: Dict[str, Any] = dict(memory=args.memory, reserve=args.reserve, overhead=args.overhead,
+                                foreign=args.foreign)
+    if args.strategy == "data":
+        opts["limit"] = args.limit
+    else:
+        opts.update(importlib.import_module(_EXTRA[args.strategy]).plan_options_from_args(args))
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    inv = fleet_inventory(args.gpus) if args.gpus else inventory()
+    per_node = args.ranks_per_node or args.ranks or max(len(inv.gpus), 1)
+    ranks = args.ranks or per_node
+    topo = Topology(rank=0, size=ranks, local_rank=0, local_size=per_node, node="node0", source="cli")
+    plan = make_plan(args.strategy, topo, inv, **_options(args))
+    if args.emit == "k8s":
+        from ..launch_k8s import emit_k8s  # written with the launch templates
+
+        print(emit_k8s(plan, args))
+        return 0
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1, default=str))
+        return 0
+    print(f"plan: strategy {plan.strategy}, {plan.world_size} rank(s), {per_node} per node, devices from "
+          f"{plan.source}; per-process overhead {format_bytes(plan.overhead_bytes)}, reserve "
+          f"{format_bytes(plan.reserve_bytes)} per GPU")
+    for a in plan.allocations[:256]:
+        extra = ""
+        if a.demand_bytes is not None:
+            extra = f"  demand {format_bytes(a.demand_bytes)}" + (
+                " (" + ", ".join(f"{k} {format_bytes(v)}" for k, v in a.breakdown.items()) + ")" if a.breakdown else "")
+        print("  " + a.describe() + extra)
+    if len(plan.allocations) > 256:
+        print(f"  ... {len(plan.allocations) - 256} more ranks")
+    for w in plan.warnings:
+        print(f"WARNING: {w}")
+    return 0

@@ -1,0 +1,38 @@
+"""Per-layer memory cost: the one shape the estimator produces and the partitioners consume. Pure."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Sequence
+
+__all__ = ["LayerCost", "total_state", "total_activations"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Memory one layer needs during training.
+
+    ``state_bytes``: weights + gradients + optimizer slots (+ fp32 master weights under mixed
+    precision); held once, whatever the number of micro-batches in flight.
+    ``activation_bytes``: activations this layer keeps for the backward pass for ONE (micro-)batch;
+    multiplied by the micro-batches a pipeline stage keeps in flight.
+    ``output_bytes``: bytes of the layer's output for one (micro-)batch: what crosses a device or
+    stage boundary if the model is cut after this layer.
+    """
+
+    name: str
+    state_bytes: int
+    activation_bytes: int
+    output_bytes: int = 0
+    params: int = 0
+    kind: str = ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def total_state(layers: Sequence[LayerCost]) -> int:
+    return sum(layer.state_bytes for layer in layers)
+
+
+def total_activations(layers: Sequence[LayerCost]) -> int:
+    return sum(layer.activation_bytes for layer in layers)

@@ -1,0 +1,152 @@
+"""TensorFlow adapter: pin, grow or limit, and read allocator stats.
+
+The calls are the ones TensorFlow documents for this: ``tf.config.set_visible_devices`` (pin),
+``tf.config.experimental.set_memory_growth`` (grow on demand, alone on a GPU), and
+``tf.config.set_logical_device_configuration`` with ``memory_limit`` in MiB (a hard limit; several
+logical devices on one GPU for tenants). Growth *inside* a limit is TensorFlow's
+``TF_FORCE_GPU_ALLOW_GROWTH=true``, which must be set before TensorFlow creates its GPU devices.
+
+They must run before TensorFlow initialises its devices (any op, ``list_logical_devices``, a
+strategy). Afterwards TensorFlow refuses changes; an identical re-apply is accepted, a different one
+raises :class:`TooLateError` naming what came too early.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional
+
+from ..errors import ConfigError, TooLateError
+from ..units import format_bytes, to_mib_floor
+
+__all__ = ["apply", "stats", "reset_peak", "logical_devices", "TOO_LATE_HINT"]
+
+TOO_LATE_HINT = ("call distmem.init() right after the imports, before any TensorFlow op, model build, "
+                 "tf.config.list_logical_devices() or tf.distribute strategy is created (hvd.init() may come "
+                 "before or after it)")
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _too_late(what: str, live: Any, wanted: Any) -> TooLateError:
+    return TooLateError(f"TensorFlow already initialised its devices, so distmem cannot {what}: live "
+                        f"configuration {live}, planned {wanted}; {TOO_LATE_HINT}")
+
+
+def _limits_of(configs: Optional[List[Any]]) -> Optional[List[Optional[int]]]:
+    if configs is None:
+        return None
+    return [getattr(c, "memory_limit", None) for c in configs]
+
+
+def _set_logical(cfg: Any, device: Any, wanted: List[Any], what: str) -> str:
+    try:
+        cfg.set_logical_device_configuration(device, wanted)
+        return f"{device.name}: logical devices {_limits_of(wanted)} MiB"
+    except RuntimeError:
+        live = cfg.get_logical_device_configuration(device)
+        if _limits_of(live) == _limits_of(wanted):
+            return f"{device.name}: logical devices already {_limits_of(wanted)} MiB"
+        raise _too_late(what, f"{_limits_of(live)} MiB", f"{_limits_of(wanted)} MiB") from None
+
+
+def _apply_cpu(cfg: Any, count: int) -> List[str]:
+    cpus = cfg.list_physical_devices("CPU")
+    wanted = [cfg.LogicalDeviceConfiguration() for _ in range(count)]
+    return [_set_logical(cfg, cpus[0], wanted, f"split the CPU into {count} logical devices")]
+
+
+def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
+    """Configure TensorFlow for ``plan.mine``. ``tf_config`` replaces ``tf.config`` in tests."""
+    alloc = plan.mine
+    slots = alloc.devices
+    if any(s.enforce and s.growth for s in slots) and "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ:
+        # Read by TensorFlow's GPU allocator when it is created, i.e. at device initialisation.
+        os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+    cfg = tf_config if tf_config is not None else _tf().config
+    actions: List[str] = []
+    cpu_split = int(plan.extras.get("cpu_logical_devices") or 0)
+    gpus = cfg.list_physical_devices("GPU")
+    if not gpus or not slots:
+        if cpu_split > 1:
+            actions += _apply_cpu(cfg, cpu_split)
+        return {"framework": "tensorflow", "applied": actions, "gpus_seen": len(gpus)}
+    by_index: "OrderedDict[int, list]" = OrderedDict()
+    for s in slots:
+        by_index.setdefault(s.index, []).append(s)
+    for idx in by_index:
+        if idx >= len(gpus):
+            raise ConfigError(f"the plan gives rank {alloc.rank} GPU {idx}, but TensorFlow sees only {len(gpus)} "
+                              f"GPU(s) ({[g.name for g in gpus]}); check CUDA_VISIBLE_DEVICES on this node")
+    want_visible = [gpus[i] for i in by_index]
+    try:
+        cfg.set_visible_devices(want_visible, "GPU")
+        actions.append(f"visible GPUs {[g.name for g in want_visible]}")
+    except RuntimeError:
+        live = cfg.get_visible_devices("GPU")
+        if [g.name for g in live] != [g.name for g in want_visible]:
+            raise _too_late(f"pin rank {alloc.rank} to {[g.name for g in want_visible]}",
+                            [g.name for g in live], [g.name for g in want_visible]) from None
+        actions.append("visible GPUs already as planned")
+    for idx, group in by_index.items():
+        device = gpus[idx]
+        if len(group) == 1 and not group[0].enforce:
+            try:
+                cfg.experimental.set_memory_growth(device, True)
+                actions.append(f"{device.name}: memory growth")
+            except (RuntimeError, ValueError):
+                if not cfg.experimental.get_memory_growth(device):
+                    raise _too_late(f"turn on memory growth for {device.name}", "growth off", "growth on") from None
+                actions.append(f"{device.name}: memory growth already on")
+            continue
+        wanted = [cfg.LogicalDeviceConfiguration(memory_limit=to_mib_floor(s.planned_bytes)) for s in group]
+        for s in group:
+            if to_mib_floor(s.planned_bytes) < 1:
+                raise ConfigError(f"planned limit {format_bytes(s.planned_bytes)} on GPU {idx} is below 1 MiB")
+        actions.append(_set_logical(cfg, device, wanted,
+                                    f"limit {device.name} to {[to_mib_floor(s.planned_bytes) for s in group]} MiB"))
+    if cpu_split > 1:
+        actions += _apply_cpu(cfg, cpu_split)
+    return {"framework": "tensorflow", "applied": actions, "gpus_seen": len(gpus)}
+
+
+def logical_devices() -> List[str]:
+    """Names of the logical devices whose allocator stats describe this rank (GPUs, else CPU:0)."""
+    tf = _tf()
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name.replace("/device:", "") for d in gpus] if gpus else ["CPU:0"]
+
+
+def stats(plan: Any = None) -> Dict[str, Any]:
+    """Allocator figures from ``tf.config.experimental.get_memory_info`` (works for CPU:0 too)."""
+    if "tensorflow" not in sys.modules:
+        return {"framework": "tensorflow", "current_bytes": None, "peak_bytes": None, "reserved_bytes": None,
+                "devices": []}
+    tf = _tf()
+    devices = []
+    for name in logical_devices():
+        try:
+            info = tf.config.experimental.get_memory_info(name)
+        except (ValueError, RuntimeError):
+            continue  # an allocator without stats (e.g. a CPU built without them)
+        devices.append({"device": name, "current_bytes": int(info["current"]), "peak_bytes": int(info["peak"])})
+    total = lambda key: sum(d[key] for d in devices) if devices else None  # noqa: E731
+    return {"framework": "tensorflow", "current_bytes": total("current_bytes"), "peak_bytes": total("peak_bytes"),
+            "reserved_bytes": None, "devices": devices}
+
+
+def reset_peak() -> None:
+    """Start a new peak measurement (``tf.config.experimental.reset_memory_stats``)."""
+    tf = _tf()
+    for name in logical_devices():
+        try:
+            tf.config.experimental.reset_memory_stats(name)
+        except (ValueError, RuntimeError):
+            pass
+
+

@@ -1,0 +1,147 @@
+"""Plain data of a plan: what every rank gets on which device. Pure; serialises to JSON."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..errors import ConfigError
+from ..units import format_bytes
+
+__all__ = ["DeviceSlot", "Allocation", "Plan", "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RESERVE",
+           "STRATEGIES", "MEMORY_MODES"]
+
+#: Memory a process holds on a GPU outside the framework allocator: CUDA context, cuBLAS/cuDNN
+#: handles and workspaces. Measured on an H200 with CUDA 13: 612 MiB right after CUDA starts and
+#: about 760 MiB once cuBLAS/cuDNN have run a training step; we plan for the latter, rounded up to
+#: the next 64 MiB. The torch adapter can measure it on the machine instead (overhead="measure").
+DEFAULT_OVERHEAD_BYTES = 768 * 1024**2
+
+#: Kept free on every GPU for the driver and for fragmentation between processes' pools.
+DEFAULT_RESERVE = "256MiB"
+
+STRATEGIES = ("data", "pipeline", "model", "tenants")
+MEMORY_MODES = ("auto", "growth", "limit")
+
+
+@dataclass
+class DeviceSlot:
+    """One GPU (or one logical slice of it) given to a rank.
+
+    ``index`` is the device's ordinal as the framework sees it (position in CUDA_VISIBLE_DEVICES);
+    ``nvml_index`` and ``uuid`` name the physical GPU. ``planned_bytes`` is what the plan gives this
+    rank on the device; ``enforce`` says whether a hard limit of that size is applied (otherwise the
+    framework grows on demand and the figure is the rank's budget, checked by the report).
+    """
+
+    index: int
+    total_bytes: int
+    planned_bytes: int
+    enforce: bool
+    growth: bool
+    shared_by: int = 1
+    nvml_index: Optional[int] = None
+    uuid: Optional[str] = None
+    name: Optional[str] = None
+    label: Optional[str] = None  # tenant name for strategy="tenants", layer group for "model"
+
+
+@dataclass
+class Allocation:
+    """What one rank applies: its devices, mode and budget, plus the demand behind the budget."""
+
+    rank: int
+    local_rank: int
+    node: str
+    strategy: str
+    mode: str  # "growth" | "limit" | "cpu"
+    devices: List[DeviceSlot] = field(default_factory=list)
+    stage: Optional[int] = None
+    replica: Optional[int] = None
+    demand_bytes: Optional[int] = None
+    breakdown: Dict[str, int] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def limit_bytes(self) -> Optional[int]:
+        """Sum of the planned bytes over this rank's devices (None on a CPU-only rank)."""
+        if not self.devices:
+            return None
+        return sum(d.planned_bytes for d in self.devices)
+
+    @property
+    def device(self) -> Optional[int]:
+        """The framework ordinal of this rank's first device, or None without a GPU."""
+        return self.devices[0].index if self.devices else None
+
+    def describe(self) -> str:
+        if not self.devices:
+            return f"rank {self.rank}: no GPU ({self.mode})"
+        parts = []
+        for d in self.devices:
+            how = "hard limit" if d.enforce else "growth, budget"
+            lab = f" [{d.label}]" if d.label else ""
+            parts.append(f"GPU {d.index}{lab} {how} {format_bytes(d.planned_bytes)}"
+                         + (f" shared by {d.shared_by}" if d.shared_by > 1 else ""))
+        stage = f" stage {self.stage}" if self.stage is not None else ""
+        return f"rank {self.rank} (local {self.local_rank}){stage}: " + "; ".join(parts)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["limit_bytes"] = self.limit_bytes
+        return d
+
+
+@dataclass
+class Plan:
+    """The whole job's plan. Every rank computes the same one; ``rank`` says which row is ours."""
+
+    strategy: str
+    world_size: int
+    rank: int
+    allocations: List[Allocation]
+    source: str  # where device totals came from: "nvml", "fleet:4x16GiB", "none"
+    overhead_bytes: int
+    reserve_bytes: int
+    options: Dict[str, Any] = field(default_factory=dict)
+    extras: Dict[str, Any] = field(default_factory=dict)  # partition, stages, tenants...
+    warnings: List[str] = field(default_factory=list)
+
+    @property
+    def mine(self) -> Allocation:
+        """This rank's allocation."""
+        return self.allocations[self.rank]
+
+    def for_rank(self, rank: int) -> Allocation:
+        if not 0 <= rank < len(self.allocations):
+            raise ConfigError(f"rank {rank} is outside this plan of {len(self.allocations)} ranks")
+        return self.allocations[rank]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "source": self.source,
+            "overhead_bytes": self.overhead_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "options": self.options,
+            "extras": self.extras,
+            "warnings": list(self.warnings),
+            "allocations": [a.to_dict() for a in self.allocations],
+        }
+
+    def fingerprint(self) -> str:
+        """Hash of everything but ``rank`` and warnings: equal on every rank of a consistent job."""
+        d = self.to_dict()
+        d.pop("rank")
+        d.pop("warnings")
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        lines = [f"distmem plan: strategy={self.strategy} ranks={self.world_size} devices from {self.source}"]
+        lines += ["  " + a.describe() for a in self.allocations[:64]]
+        if len(self.allocations) > 64:
+            lines.append(f"  ... {len(self.allocations) - 64} more ranks")
+        return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""One place that converts sizes: human strings at the edges, bytes everywhere inside.
+
+Accepted forms: ``1234`` (bytes), ``"512MB"`` / ``"6GiB"`` / ``"1.5 TiB"`` (decimal SI and binary
+IEC units, case-insensitive, ``B`` optional), ``"45%"`` (of a given total), and floats in (0, 1] as
+fractions of a given total where the caller allows it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional, Union
+
+from .errors import ConfigError
+
+__all__ = ["parse_bytes", "format_bytes", "to_mib_floor", "KiB", "MiB", "GiB", "TiB", "SizeLike"]
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+SizeLike = Union[int, float, str]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
+
+
+def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "size",
+                allow_fraction: bool = False) -> int:
+    """Return ``value`` as a whole number of bytes.
+
+    ``total`` is what a percentage (``"45%"``) or, with ``allow_fraction``, a float in (0, 1]
+    refers to. ``what`` names the argument in error messages.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as 6GiB, 512MB or 45%, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}: a size cannot be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if allow_fraction and 0 < value <= 1:
+            if total is None:
+                raise ConfigError(f"{what}: the fraction {value} needs a device total to refer to; "
+                                  "give bytes (e.g. '6GiB') instead")
+            return int(total * value)
+        if allow_fraction and value > 1 and value < 1024:
+            raise ConfigError(f"{what}: a fraction must lie in (0, 1], got {value}; "
+                              "for a size give bytes or a string such as '6GiB'")
+        if value < 0 or not math.isfinite(value):
+            raise ConfigError(f"{what}: a size must be a finite non-negative number, got {value}")
+        if value <= 0 and allow_fraction:
+            raise ConfigError(f"{what}: a fraction must lie in (0, 1], got {value}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{what}: expected a size such as 6GiB, 512MB or 45%, got {type(value).__name__} {value!r}")
+    text = value.strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ConfigError(f"{what}: cannot read {value!r} as a percentage; write e.g. '45%'") from None
+        if not 0 < pct <= 100:
+            raise ConfigError(f"{what}: a percentage must lie in (0, 100], got {value!r}")
+        if total is None:
+            raise ConfigError(f"{what}: {value!r} needs a device total to refer to; give bytes (e.g. '6GiB') instead")
+        return int(total * pct / 100.0)
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '6GiB', '512MB', "
+                          "'1.5TiB', a number of bytes, or a percentage such as '45%'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: Optional[float], precision: int = 1) -> str:
+    """``1610612736`` -> ``'1.5 GiB'``; ``None`` -> ``'-'``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{sign}{n / size:.{precision}f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def to_mib_floor(n: int) -> int:
+    """Bytes to whole MiB, rounding down (TensorFlow's ``memory_limit`` unit): never above the plan."""
+    return int(n) // MiB

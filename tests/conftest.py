@@ -1,0 +1,35 @@
+"""Suite-wide setup.
+
+Layout: unit/ (pure, in-process), mpi/ and horovod/ (each test launches `mpirun -np N` or
+`horovodrun -np 4` over the files in its ranked/ folder, with a hard timeout), gpu/ (skipped without
+a GPU; with DISTMEM_REQUIRE_GPU=1 a skip is a failure), tfdist/ (tf.distribute workers).
+ranked/ folders run only under a launcher: they are never collected by the top-level run.
+"""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+collect_ignore_glob = ["*/ranked/*", "gpu/native_progs/*"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without; DISTMEM_REQUIRE_GPU=1 fails)")
+    config.addinivalue_line("markers", "horovod: needs Horovod (main environment only)")
+    config.addinivalue_line("markers", "mpi: launches mpirun")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = str(item.fspath)
+        if os.sep + "horovod" + os.sep in path:
+            item.add_marker(pytest.mark.horovod)
+        if os.sep + "mpi" + os.sep in path:
+            item.add_marker(pytest.mark.mpi)
