@@ -118,6 +118,17 @@ class Plan:
             raise ConfigError(f"rank {rank} is outside this plan of {len(self.allocations)} ranks")
         return self.allocations[rank]
 
+    def device(self, name: str) -> str:
+        """The framework device string planned for a named tenant or layer group, e.g. ``"/GPU:1"``.
+
+        Planners that name devices record them in ``extras["devices"]`` (name -> device string).
+        """
+        names = self.extras.get("devices") or {}
+        if name not in names:
+            raise ConfigError(f"no device named {name!r} in this {self.strategy} plan; known names: "
+                              f"{sorted(names) or 'none (this strategy names no devices)'}")
+        return names[name]
+
     def to_dict(self) -> Dict[str, Any]:
         return {
             "strategy": self.strategy,
