@@ -108,14 +108,15 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     plan = plan_from_env(strategy, fleet=fleet, **options)
     inv = _state["inventory"]
     _check_foreign(plan, inv)
+    if enforce == "native":
+        from . import native
+
+        # Before the framework starts CUDA: a missing cap must fail while nothing is allocated yet.
+        native.require_active(plan.mine.limit_bytes)
     applied: Dict[str, Any] = {"framework": fw, "applied": [], "dry_run": not inv.real}
     if inv.real or plan.extras.get("cpu_logical_devices"):
         applied = adapter(fw).apply(plan)
         applied["dry_run"] = not inv.real
-    if enforce == "native":
-        from . import native
-
-        native.require_active(plan.mine.limit_bytes)
     _state.update(plan=plan, framework=fw, applied=applied)
     if verbose:
         mine = plan.mine
@@ -182,7 +183,8 @@ def snapshot(step: Optional[int] = None) -> Snapshot:
             native_status = {"error": str(exc)}
     return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=topo.local_rank, host=topo.node, pid=pid,
                     framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
-                    allocation=mine.to_dict(), limit_bytes=mine.limit_bytes,
+                    allocation=mine.to_dict(),
+                    limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
                     enforced=any(d.enforce for d in mine.devices), current_bytes=st.get("current_bytes"),
                     peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
                     rss_bytes=_rss(), gpu_pids=gpu_pids, gpu_uuids=uuids, stage=mine.stage, step=step,

@@ -112,7 +112,10 @@ class MPIComm(Comm):
         tag = self._next_tag()
         deadline = time.monotonic() + timeout
         if self.rank != root:
-            req = self.comm.isend(obj, dest=root, tag=tag)
+            # Raw bytes, not mpi4py's pickled isend/recv: its recv uses matched probes
+            # (MPI_Mprobe), which crash Open MPI 4.1 while Horovod's thread uses MPI too.
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            req = self.comm.Isend([payload, self._MPI.BYTE], dest=root, tag=tag)
             while not req.Test():
                 if time.monotonic() > deadline:
                     req.Cancel()
@@ -126,8 +129,11 @@ class MPIComm(Comm):
         pending = set(range(self.size)) - {root}
         while pending and time.monotonic() < deadline:
             for r in sorted(pending):
-                if self.comm.iprobe(source=r, tag=tag):
-                    out[r] = self.comm.recv(source=r, tag=tag)
+                status = self._MPI.Status()
+                if self.comm.Iprobe(source=r, tag=tag, status=status):
+                    buf = bytearray(status.Get_count(self._MPI.BYTE))
+                    self.comm.Recv([buf, self._MPI.BYTE], source=r, tag=tag)
+                    out[r] = pickle.loads(buf)
                     pending.discard(r)
             if pending:
                 time.sleep(_POLL)

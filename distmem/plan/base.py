@@ -76,15 +76,17 @@ class Allocation:
         return self.devices[0].index if self.devices else None
 
     def describe(self) -> str:
+        stage = f" stage {self.stage}" if self.stage is not None else ""
         if not self.devices:
-            return f"rank {self.rank}: no GPU ({self.mode})"
+            planned = self.breakdown.get("planned_bytes")
+            budget = f", planned {format_bytes(planned)}" if planned else ""
+            return f"rank {self.rank}{stage}: no GPU ({self.mode}{budget})"
         parts = []
         for d in self.devices:
             how = "hard limit" if d.enforce else "growth, budget"
             lab = f" [{d.label}]" if d.label else ""
             parts.append(f"GPU {d.index}{lab} {how} {format_bytes(d.planned_bytes)}"
                          + (f" shared by {d.shared_by}" if d.shared_by > 1 else ""))
-        stage = f" stage {self.stage}" if self.stage is not None else ""
         return f"rank {self.rank} (local {self.local_rank}){stage}: " + "; ".join(parts)
 
     def to_dict(self) -> Dict[str, Any]:
