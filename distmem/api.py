@@ -95,6 +95,13 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     """
     if enforce not in ("framework", "native"):
         raise ConfigError(f"enforce={enforce!r} is not 'framework' or 'native'")
+    # Per-rank settings from the environment (Kubernetes pods, launch wrappers); arguments win.
+    if memory == "auto":
+        memory = os.environ.get("DISTMEM_MEMORY") or memory
+    if overhead is None:
+        overhead = os.environ.get("DISTMEM_OVERHEAD") or None
+    if limit is None and strategy == "data":
+        limit = os.environ.get("DISTMEM_LIMIT") or None
     fw = detect_framework(framework)
     options = dict(memory=memory, reserve=reserve, limit=limit, overhead=overhead, foreign=foreign)
     if strategy != "data":
@@ -120,7 +127,9 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     _state.update(plan=plan, framework=fw, applied=applied)
     if verbose:
         mine = plan.mine
-        where = "dry run, nothing applied" if not inv.real else f"{fw}: {'; '.join(applied.get('applied', []))}"
+        done = applied.get("applied") or []
+        where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not inv.real
+                                                          else f"{fw}: nothing to apply")
         _say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
         for w in plan.warnings:
             _say(f"[distmem rank {mine.rank}] WARNING: {w}")

@@ -316,7 +316,8 @@ def get_comm() -> Comm:
         if topo is not None and topo.size > 1:
             raise ConfigError(
                 f"this process is rank {topo.rank} of {topo.size} ({topo.source}) but no transport is ready to "
-                "gather from the other ranks; call hvd.init() first, install mpi4py for mpirun jobs, or "
-                "init torch.distributed")
+                "gather from the other ranks; call hvd.init() first, install mpi4py for mpirun jobs, init "
+                "torch.distributed, or for tf.distribute (TF_CONFIG) call distmem.comm_tf.use_strategy(strategy) "
+                "after creating the strategy")
     _current["comm"] = comm
     return comm

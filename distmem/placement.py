@@ -120,7 +120,9 @@ def variable_devices(model: Any) -> List[Tuple[str, str, str]]:
     out = []
     for layer in getattr(model, "layers", []):
         for v in layer.weights:
-            out.append((layer.name, v.name, v.device))
+            # Keras 3 variables carry the device on their backing tf.Variable (.value).
+            device = getattr(v, "device", None) or getattr(getattr(v, "value", None), "device", "")
+            out.append((layer.name, v.name, device))
     return out
 
 

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--emit", choices=["k8s"], default=None, help="emit deployment resources for the plan")
+    from ..launch_k8s import add_cli_arguments as add_k8s_arguments
+
+    add_k8s_arguments(p)
     for module in _EXTRA.values():
         try:
             importlib.import_module(module).add_cli_arguments(p)

@@ -14,7 +14,9 @@ that are partitioned exactly, with the stage-dependent multiplier (:mod:`distmem
 """
 from __future__ import annotations
 
+
 import argparse
+import importlib
 import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -61,7 +63,9 @@ def layers_from_model(model: Any, *, batch_size: Optional[int] = None, optimizer
     if isinstance(model, (list, tuple)):
         return layers_from_dicts(model)
     try:
-        from .. import estimate as est  # written beside the planners; optional here
+        # import_module consults sys.modules first, unlike `from .. import estimate`, which would
+        # return the package attribute even where the module has been replaced or removed.
+        est = importlib.import_module("distmem.estimate")
     except ImportError as exc:
         raise ConfigError(f"model= needs distmem's per-layer estimator (distmem.estimate), which did not import "
                           f"({exc}); pass layers=[LayerCost(...), ...] or stages=['9GiB', ...] instead") from None

@@ -89,6 +89,8 @@ def test_every_variable_lands_on_its_planned_logical_cpu():
     # forward computation follows the variables, also after the scope (here: a new trace)
     for op, device in result["ops"].items():
         layer = op.split("/")[-2]
+        if layer not in placement:  # Keras 3 names a traced layer call "dense0_1"
+            layer = layer.rsplit("_", 1)[0]
         assert device.endswith(placement[layer][1:]), (op, device)
 
 
