@@ -53,6 +53,26 @@ def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **opti
     return plan
 
 
+def _measured_overhead(fw: str, how: str) -> Any:
+    """overhead="measure": this machine's per-process overhead; "auto": measured on a GPU with torch,
+    else the default."""
+    inv = _devices.inventory(quiet=True)
+    if not (inv.real and inv.gpus and fw == "torch"):
+        if how == "measure":
+            raise ConfigError("overhead='measure' needs a GPU seen by NVML and framework='torch' (it runs a short "
+                              "PyTorch probe); pass overhead='768MiB' or your own figure")
+        return None
+    from .frameworks.torch import measure_context_overhead
+
+    topo = _topology.detect()
+    try:
+        return measure_context_overhead(topo.local_rank % len(inv.gpus))
+    except ConfigError:  # no transport yet to agree over (torchrun/horovodrun before their init)
+        if how == "measure":
+            raise
+        return None
+
+
 def _check_foreign(plan: Plan, inv: _devices.Inventory) -> None:
     """Warn (never fail) about memory used on our GPUs by processes that are not ours."""
     if not inv.real:
@@ -62,7 +82,11 @@ def _check_foreign(plan: Plan, inv: _devices.Inventory) -> None:
         gpu = next((g for g in inv.gpus if g.index == slot.index), None)
         if gpu is None:
             continue
+        # Neighbour ranks of this job that started first hold about one overhead each: not foreign.
+        job_share = (slot.shared_by - 1) * plan.overhead_bytes
         foreign = [p for p in gpu.processes if p.pid != os.getpid()]
+        if sum(p.used_bytes or 0 for p in foreign) <= job_share:
+            continue
         if foreign and mine.local_rank == min(a.local_rank for a in plan.allocations
                                               if a.node == mine.node and any(d.index == slot.index for d in a.devices)):
             used = sum(p.used_bytes or 0 for p in foreign)
@@ -87,7 +111,8 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     memory: ``"auto"`` (growth alone on a GPU, a hard limit when shared), ``"growth"`` or ``"limit"``.
     reserve: kept free on every GPU (bytes, ``"256MiB"`` or ``"5%"``).
     limit: an explicit per-rank limit (bytes, ``"6GiB"``, ``"45%"`` or a fraction of the GPU).
-    overhead: per-process memory outside the framework allocator (default 768 MiB, see DESIGN).
+    overhead: per-process memory outside the framework allocator (default 768 MiB, see DESIGN);
+    ``"measure"`` probes it with PyTorch on this GPU, ``"auto"`` measures where that is possible.
     foreign: memory other jobs hold on each GPU that the plan must leave alone.
     fleet: ``"4x16GiB"`` to plan against declared GPUs where none are present (dry run).
     enforce: ``"framework"`` (the framework's own limit) or ``"native"`` (also require distmem's
@@ -112,6 +137,8 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     options.update(strategy_options)
     if strategy == "model" or strategy == "tenants":
         options.setdefault("framework", fw)
+    if options.get("overhead") in ("measure", "auto"):
+        options["overhead"] = _measured_overhead(fw, options["overhead"])
     plan = plan_from_env(strategy, fleet=fleet, **options)
     inv = _state["inventory"]
     _check_foreign(plan, inv)

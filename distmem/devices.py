@@ -52,6 +52,10 @@ class Gpu:
     free_bytes: int = 0
     processes: List[GpuProcess] = field(default_factory=list)
     mig: bool = False
+    #: Memory the driver and firmware keep (``nvidia-smi -q``: FB Memory Usage / Reserved; NVML's v2
+    #: memory query). CUDA's total (``cudaMemGetInfo``) is ``total_bytes - reserved_bytes``: on an
+    #: H200 NVML reports 143771 MiB and CUDA about 143160 MiB.
+    reserved_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -184,13 +188,21 @@ def _processes(handle: Any) -> List[GpuProcess]:
     return procs
 
 
+def _reserved(handle: Any) -> int:
+    """Bytes the driver keeps on the GPU, from NVML's v2 memory query; 0 where the driver or binding lacks it."""
+    version = getattr(_nvml(), "nvmlMemory_v2", None)
+    info = nvml_query("nvmlDeviceGetMemoryInfo", handle, version, default=None) if version else None
+    return int(getattr(info, "reserved", 0) or 0)
+
+
 def _gpu(ordinal: int, handle: Any, nvml_index: Optional[int], mig: bool) -> Gpu:
     mem = nvml_query("nvmlDeviceGetMemoryInfo", handle, default=None)
     return Gpu(index=ordinal, nvml_index=nvml_index,
                uuid=_text(nvml_query("nvmlDeviceGetUUID", handle, default="")),
                name=_text(nvml_query("nvmlDeviceGetName", handle, default="unknown")),
                total_bytes=int(mem.total) if mem else 0, used_bytes=int(mem.used) if mem else 0,
-               free_bytes=int(mem.free) if mem else 0, processes=_processes(handle), mig=mig)
+               free_bytes=int(mem.free) if mem else 0, processes=_processes(handle), mig=mig,
+               reserved_bytes=_reserved(handle))
 
 
 def inventory(env: Optional[Dict[str, str]] = None, quiet: bool = False) -> Inventory:

@@ -60,8 +60,10 @@ def resolve_options(gpus: List[Gpu], *, memory: str = "auto", reserve: SizeLike 
 
 
 def equal_share(gpu: Gpu, k: int, opts: Options) -> int:
-    """``(total - reserve - foreign - k * overhead) / k``, in whole MiB; raises when nothing is left."""
-    usable = gpu.total_bytes - opts["reserve_bytes"] - opts["foreign_bytes"] - k * opts["overhead_bytes"]
+    """``(total - driver reserved - reserve - foreign - k * overhead) / k``, in whole MiB; raises when
+    nothing is left. ``driver reserved`` is what NVML's total holds that CUDA can never hand out."""
+    usable = (gpu.total_bytes - gpu.reserved_bytes - opts["reserve_bytes"] - opts["foreign_bytes"]
+              - k * opts["overhead_bytes"])
     share = floor_mib(usable // k) if usable > 0 else 0
     if share <= 0:
         raise DoesNotFitError(

@@ -1,0 +1,521 @@
+"""PyTorch adapter: pin, limit and read allocator stats; measure the per-process CUDA overhead.
+
+The calls are PyTorch's own: ``torch.cuda.set_device`` (pin), ``torch.cuda.set_per_process_memory_fraction``
+(a hard limit on the caching allocator, as a fraction of the total ``cudaMemGetInfo`` reports; distmem
+converts the plan's bytes to that fraction once) and ``PYTORCH_CUDA_ALLOC_CONF`` /
+``PYTORCH_ALLOC_CONF`` (allocator settings such as expandable segments, read when CUDA starts).
+PyTorch always grows on demand, so a rank alone on its GPU is pinned and nothing else.
+
+Order matters: ``set_device``, ``set_per_process_memory_fraction`` and ``mem_get_info`` create a
+CUDA context on the device they touch, so the adapter calls them only for planned devices and only
+after pinning. If CUDA already holds a context on a device this rank was not planned for,
+:func:`apply` raises :class:`TooLateError` naming what came too early; a context on the planned
+device itself is accepted (pinning the same device again changes nothing).
+
+``DeviceSlot.index`` is the CUDA ordinal (position in ``CUDA_VISIBLE_DEVICES``). distmem's NVML
+inventory lists GPUs in PCI bus order, so before CUDA starts the adapter sets
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` when it is unset (CUDA's default, fastest first, can differ on
+mixed machines), and after pinning it checks the GPU's UUID against NVML's.
+
+Every CUDA call goes through a small backend (:class:`TorchCuda`), so that all the logic here runs
+in CPU-only tests against a fake with the same methods.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import ConfigError, DistmemError, TooLateError
+from ..units import MiB, format_bytes
+
+__all__ = ["apply", "stats", "reset_peak", "device", "TorchCuda", "set_backend", "to_fraction",
+           "measure_context", "measure_context_overhead", "TOO_LATE_HINT", "OVERHEAD_ROUNDING",
+           "OVERHEAD_TOLERANCE"]
+
+TOO_LATE_HINT = ("call distmem.init(framework='torch') right after the imports, before anything starts CUDA "
+                 "(a tensor or module on 'cuda', .cuda(), torch.cuda.set_device, torch.cuda.mem_get_info, "
+                 "dist.init_process_group with NCCL); or launch each rank with CUDA_VISIBLE_DEVICES set "
+                 "to its GPU")
+
+#: ``measure_context_overhead`` rounds up to a multiple of this: the plan never subtracts less than
+#: was measured, and at most this much more.
+OVERHEAD_ROUNDING = 64 * MiB
+
+#: How far a measurement may sit from the overhead a plan subtracts: the plan is never below what
+#: NVML measured after a training step and at most this much above it (rounding plus run-to-run
+#: jitter of cuBLAS/cuDNN workspaces, observed within a few MiB).
+OVERHEAD_TOLERANCE = 128 * MiB
+
+#: Allocator setting distmem may write, and the environment variables PyTorch reads it from
+#: (``PYTORCH_ALLOC_CONF`` since 2.9; ``PYTORCH_CUDA_ALLOC_CONF`` before, still honoured).
+_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+# Limits set by apply(), by CUDA ordinal, for stats(): {"limit_bytes", "fraction", "total_bytes"}.
+_applied: Dict[int, Dict[str, Any]] = {}
+
+
+class TorchCuda:
+    """The CUDA calls distmem makes, on real ``torch.cuda``. Tests pass a fake with the same methods.
+
+    Only ``set_device``, ``mem_get_info`` and ``set_memory_fraction`` may create a CUDA context; the
+    others read state without starting CUDA.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = torch.cuda
+        self.version = str(torch.__version__)
+
+    def available(self) -> bool:
+        return bool(self.cuda.is_available())
+
+    def device_count(self) -> int:
+        return int(self.cuda.device_count())
+
+    def is_initialized(self) -> bool:
+        return bool(self.cuda.is_initialized())
+
+    def contexts(self) -> Optional[List[int]]:
+        """CUDA ordinals that already hold a primary context, or None where torch cannot tell."""
+        has = getattr(self.torch._C, "_cuda_hasPrimaryContext", None)
+        if has is None:
+            return None
+        return [i for i in range(self.device_count()) if has(i)]
+
+    def current_device(self) -> int:
+        return int(self.cuda.current_device())
+
+    def set_device(self, index: int) -> None:
+        self.cuda.set_device(index)
+
+    def mem_get_info(self, index: int) -> Tuple[int, int]:
+        free, total = self.cuda.mem_get_info(index)
+        return int(free), int(total)
+
+    def set_memory_fraction(self, fraction: float, index: int) -> None:
+        self.cuda.set_per_process_memory_fraction(float(fraction), index)
+
+    def memory_stats(self, index: int) -> Dict[str, Any]:
+        return dict(self.cuda.memory_stats(index))
+
+    def reset_peak(self, index: int) -> None:
+        self.cuda.reset_peak_memory_stats(index)
+
+    def device_uuid(self, index: int) -> Optional[str]:
+        props = self.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        return str(uuid) if uuid is not None else None
+
+    def set_allocator_settings(self, conf: str) -> bool:
+        """Apply allocator settings at run time where this torch allows it; False where it cannot."""
+        setter = getattr(self.cuda.memory, "_set_allocator_settings", None)
+        if setter is None:
+            return False
+        setter(conf)
+        return True
+
+
+_backend: Dict[str, Any] = {"override": None}
+
+
+def set_backend(backend: Optional[Any]) -> None:
+    """Use this backend instead of real ``torch.cuda`` (test harnesses; None restores the real one)."""
+    _backend["override"] = backend
+
+
+def _default_backend() -> Any:
+    return _backend["override"] if _backend["override"] is not None else TorchCuda()
+
+
+def to_fraction(planned_bytes: int, total_bytes: int) -> float:
+    """The fraction of ``total_bytes`` that ``set_per_process_memory_fraction`` needs so that the
+    allocator's cap, ``int(fraction * total)``, is at most ``planned_bytes`` (never above the plan)
+    and at most a byte below it. Capped at 1.0."""
+    if total_bytes <= 0:
+        raise ConfigError(f"CUDA reports a total of {total_bytes} bytes; cannot convert a limit of "
+                          f"{format_bytes(planned_bytes)} into a fraction")
+    if planned_bytes >= total_bytes:
+        return 1.0
+    fraction = planned_bytes / total_bytes
+    for _ in range(64):  # the quotient is off by a rounding step at most: a few ulps down always suffice
+        if int(fraction * total_bytes) <= planned_bytes:
+            return fraction
+        fraction = math.nextafter(fraction, 0.0)
+    raise ConfigError(f"cannot express {planned_bytes} bytes as a fraction of {total_bytes} without exceeding it")
+
+
+def _too_late(what: str, live: str, planned: str) -> TooLateError:
+    return TooLateError(f"CUDA already started in this process, so distmem cannot {what}: live {live}, "
+                        f"planned {planned}; {TOO_LATE_HINT}")
+
+
+def _want_expandable(explicit: Optional[bool]) -> Optional[bool]:
+    if explicit is not None:
+        return bool(explicit)
+    raw = os.environ.get("DISTMEM_TORCH_EXPANDABLE_SEGMENTS")
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"DISTMEM_TORCH_EXPANDABLE_SEGMENTS={raw!r}: use 1 (turn expandable segments on), 0 "
+                      "(off) or leave it unset (keep PyTorch's allocator settings)")
+
+
+def _conf_var(version: str) -> str:
+    """The variable to write when the user set neither: the one this torch reads without warning."""
+    for name in _CONF_VARS:
+        if os.environ.get(name):
+            return name
+    try:
+        major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return "PYTORCH_CUDA_ALLOC_CONF"
+    return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 9) else "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def _set_expandable(want: bool, backend: Any, initialised: bool) -> str:
+    item = f"expandable_segments:{'True' if want else 'False'}"
+    name = _conf_var(getattr(backend, "version", "0.0"))
+    parts = [p.strip() for p in os.environ.get(name, "").split(",")
+             if p.strip() and not p.strip().startswith("expandable_segments")]
+    os.environ[name] = ",".join(parts + [item])
+    # The allocator may have parsed its settings when torch was imported; set them at run time too.
+    try:
+        live = backend.set_allocator_settings(item)
+    except Exception as exc:  # noqa: BLE001 - an older torch or another allocator backend
+        if initialised:
+            raise _too_late(f"set {item}", f"allocator settings unchanged ({exc})", item) from None
+        live = False
+    return f"{name}={os.environ[name]}" + (" (and at run time)" if live else "")
+
+
+def _nvml_uuid(nvml_index: Optional[int]) -> Optional[str]:
+    if nvml_index is None:
+        return None
+    from ..devices import nvml_query
+
+    handle = nvml_query("nvmlDeviceGetHandleByIndex", nvml_index, default=None)
+    if handle is None:
+        return None
+    uuid = nvml_query("nvmlDeviceGetUUID", handle, default=None)
+    return uuid.decode() if isinstance(uuid, bytes) else uuid
+
+
+def _check_same_gpu(plan: Any, idx: int, nvml_index: Optional[int], backend: Any) -> Optional[str]:
+    """Compare the UUID of CUDA ordinal ``idx`` with the NVML GPU the plan meant; ConfigError if they differ."""
+    if plan.source != "nvml" or "MIG" in os.environ.get("CUDA_VISIBLE_DEVICES", ""):
+        return None
+    try:
+        cuda_uuid = backend.device_uuid(idx)
+    except Exception:  # noqa: BLE001 - the check is a safeguard, not a requirement
+        return None
+    nvml_uuid = _nvml_uuid(nvml_index)
+    if not cuda_uuid or not nvml_uuid:
+        return None
+    norm = lambda u: u.lower().replace("gpu-", "")  # noqa: E731 - torch prints UUIDs without NVML's prefix
+    if norm(cuda_uuid) != norm(nvml_uuid):
+        raise ConfigError(
+            f"CUDA ordinal {idx} is GPU {cuda_uuid} but the plan meant NVML GPU {nvml_index} ({nvml_uuid}): CUDA "
+            f"and NVML number the GPUs differently (CUDA_DEVICE_ORDER={os.environ.get('CUDA_DEVICE_ORDER', 'unset')}); "
+            "export CUDA_DEVICE_ORDER=PCI_BUS_ID for every rank before anything starts CUDA")
+    return nvml_uuid
+
+
+def apply(plan: Any, *, backend: Any = None, expandable_segments: Optional[bool] = None) -> Dict[str, Any]:
+    """Configure PyTorch for ``plan.mine``: pin the rank's first planned GPU and hard-limit the caching
+    allocator on every planned GPU whose slot is enforced.
+
+    ``expandable_segments`` (default: ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``, else untouched) turns the
+    allocator's expandable segments on or off. ``backend`` replaces ``torch.cuda`` in tests.
+    Returns what was done: ``applied`` (lines), ``gpus_seen``, ``devices`` (per ordinal: total, fraction,
+    limit).
+    """
+    alloc = plan.mine
+    slots = list(alloc.devices)
+    out: Dict[str, Any] = {"framework": "torch", "applied": [], "gpus_seen": 0, "devices": {}}
+    if not slots:
+        return out  # a CPU rank: nothing to pin, and CUDA stays untouched
+    b = backend if backend is not None else _default_backend()
+    actions: List[str] = out["applied"]
+    initialised = b.is_initialized()
+    if not initialised and "CUDA_DEVICE_ORDER" not in os.environ:
+        # Read when CUDA starts; makes CUDA ordinals follow NVML's (PCI bus) order, which the plan uses.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        actions.append("CUDA_DEVICE_ORDER=PCI_BUS_ID")
+    groups: "OrderedDict[int, list]" = OrderedDict()
+    for s in slots:
+        groups.setdefault(s.index, []).append(s)
+    first = slots[0].index
+    if initialised:  # refuse before changing anything
+        live = b.contexts()
+        if live is None:
+            live = [b.current_device()]
+        stray = [i for i in live if i not in groups]
+        if stray:
+            raise _too_late(f"pin rank {alloc.rank} to cuda:{first}",
+                            f"context(s) on {', '.join(f'cuda:{i}' for i in stray)}",
+                            ", ".join(f"cuda:{i}" for i in groups))
+    want = _want_expandable(expandable_segments)
+    if want is not None:
+        actions.append(_set_expandable(want, b, initialised))
+    if not b.available():
+        note = (f"torch {getattr(b, 'version', '?')} sees no CUDA device (a CPU-only build, or "
+                "CUDA_VISIBLE_DEVICES hides the GPUs), so the plan's "
+                f"{', '.join(f'GPU {s.index}' for s in slots)} limits are not applied")
+        if plan.source == "nvml":
+            plan.warnings.append(note)
+        actions.append("nothing applied: " + note)
+        return out
+    n = b.device_count()
+    out["gpus_seen"] = n
+    for idx in groups:
+        if not 0 <= idx < n:
+            raise ConfigError(f"the plan gives rank {alloc.rank} GPU {idx}, but torch sees only {n} CUDA device(s) "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); plan and "
+                              "launch with the same CUDA_VISIBLE_DEVICES on this node")
+    b.set_device(first)
+    actions.append(f"pinned to cuda:{first}" + (" (CUDA had already started there)" if initialised else ""))
+    for idx, group in groups.items():
+        uuid = _check_same_gpu(plan, idx, group[0].nvml_index, b)
+        planned = sum(s.planned_bytes for s in group)
+        info: Dict[str, Any] = {"planned_bytes": planned, "uuid": uuid, "enforced": False}
+        out["devices"][idx] = info
+        if not any(s.enforce for s in group):
+            actions.append(f"cuda:{idx}: grows on demand, budget {format_bytes(planned)} (not enforced)")
+            _applied.pop(idx, None)
+            continue
+        free, total = b.mem_get_info(idx)
+        if initialised:
+            reserved = int(b.memory_stats(idx).get("reserved_bytes.all.current", 0) or 0)
+            if reserved > planned:
+                raise _too_late(f"limit cuda:{idx} to {format_bytes(planned)}",
+                                f"the caching allocator already holds {format_bytes(reserved)}",
+                                f"{format_bytes(planned)}")
+        fraction = to_fraction(planned, total)
+        b.set_memory_fraction(fraction, idx)
+        limit = int(fraction * total)
+        info.update(enforced=True, total_bytes=total, free_bytes=free, fraction=fraction, limit_bytes=limit)
+        _applied[idx] = {"limit_bytes": limit, "fraction": fraction, "total_bytes": total}
+        line = f"cuda:{idx}: hard limit {format_bytes(planned)} = {fraction:.6f} of {format_bytes(total)}"
+        if len(group) > 1:
+            line += (f" (one allocator per device in torch: {len(group)} slices "
+                     f"{[s.label or s.planned_bytes for s in group]} share this one limit)")
+        actions.append(line)
+        if planned > total:
+            plan.warnings.append(f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA "
+                                 "reports, so the limit is the whole device; lower limit= or reserve=")
+        k = max(s.shared_by for s in group)
+        need = k * (planned + plan.overhead_bytes)
+        if k > 1 and need > total:
+            plan.warnings.append(
+                f"GPU {idx}: {k} ranks x (limit {format_bytes(planned)} + per-process overhead "
+                f"{format_bytes(plan.overhead_bytes)}) = {format_bytes(need)}, but CUDA reports a total of "
+                f"{format_bytes(total)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
+                f"run out {format_bytes(need - total)} below its share; pass reserve= at least "
+                f"{format_bytes(plan.reserve_bytes + need - total)}")
+    return out
+
+
+def _indices(plan: Any, backend: Any) -> List[int]:
+    if plan is not None and plan.mine.devices:
+        return sorted({s.index for s in plan.mine.devices})
+    return [backend.current_device()]
+
+
+def stats(plan: Any = None, *, backend: Any = None) -> Dict[str, Any]:
+    """Caching-allocator figures from ``torch.cuda.memory_stats``, summed over the rank's planned GPUs:
+    ``current_bytes`` (``allocated_bytes.all.current``, what ``torch.cuda.memory_allocated`` returns),
+    ``peak_bytes`` (``.peak``), ``reserved_bytes`` (``reserved_bytes.all.current``: what the allocator
+    holds from the driver; ``nvidia-smi`` shows this plus the CUDA context). All None while CUDA has
+    not started (stats never start it) or without torch."""
+    empty = {"framework": "torch", "current_bytes": None, "peak_bytes": None, "reserved_bytes": None, "devices": []}
+    if backend is None and "torch" not in sys.modules:
+        return empty
+    b = backend if backend is not None else _default_backend()
+    if not b.available() or not b.is_initialized():
+        return empty
+    devices = []
+    for idx in _indices(plan, b):
+        st = b.memory_stats(idx)
+        row = {"device": f"cuda:{idx}", "current_bytes": int(st.get("allocated_bytes.all.current", 0)),
+               "peak_bytes": int(st.get("allocated_bytes.all.peak", 0)),
+               "reserved_bytes": int(st.get("reserved_bytes.all.current", 0)),
+               "reserved_peak_bytes": int(st.get("reserved_bytes.all.peak", 0)),
+               "num_ooms": int(st.get("num_ooms", 0))}
+        if idx in _applied:
+            row["limit_bytes"] = _applied[idx]["limit_bytes"]
+        devices.append(row)
+    total = lambda key: sum(d[key] for d in devices) if devices else None  # noqa: E731
+    return {"framework": "torch", "current_bytes": total("current_bytes"), "peak_bytes": total("peak_bytes"),
+            "reserved_bytes": total("reserved_bytes"), "devices": devices}
+
+
+def reset_peak(plan: Any = None, *, backend: Any = None) -> None:
+    """Start a new peak measurement on the rank's GPUs (``torch.cuda.reset_peak_memory_stats``)."""
+    if backend is None and "torch" not in sys.modules:
+        return
+    b = backend if backend is not None else _default_backend()
+    if not b.available() or not b.is_initialized():
+        return
+    for idx in _indices(plan, b):
+        b.reset_peak(idx)
+
+
+def device(plan: Any = None) -> Any:
+    """The ``torch.device`` this rank should put its model on: its planned GPU, or the CPU when the plan
+    has none for it or torch has no CUDA (a dry run on a CPU machine)."""
+    import torch
+
+    if plan is None:
+        from ..api import current_plan
+
+        plan = current_plan()
+    if plan is None:
+        raise DistmemError("distmem.frameworks.torch.device() needs a plan: call distmem.init(framework='torch') first")
+    idx = plan.mine.device
+    if idx is None or not torch.cuda.is_available() or idx >= torch.cuda.device_count():
+        return torch.device("cpu")
+    return torch.device("cuda", idx)
+
+
+# ---------------------------------------------------------------------------- overhead measurement
+
+_MEASURE_TAG = "DISTMEM_MEASURE "
+
+
+def _measure_child(index: int) -> Dict[str, Any]:
+    """Runs in a fresh process: start CUDA on ``index``, run a cuBLAS and a cuDNN step with backward,
+    and read this process's NVML usage beside the caching allocator's reserved bytes."""
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    from ..devices import inventory, nvml_query
+
+    def nvml_device_used() -> Optional[int]:
+        gpus = inventory(quiet=True).gpus
+        return gpus[index].used_bytes if index < len(gpus) else None
+
+    def nvml_mine() -> Optional[int]:
+        for g in inventory(quiet=True).gpus:
+            if g.index == index:
+                for p in g.processes:
+                    if p.pid == os.getpid():
+                        return p.used_bytes
+        return None
+
+    used_before = nvml_device_used()
+    import torch
+
+    torch.cuda.set_device(index)
+    torch.zeros(1, device=index)
+    torch.cuda.synchronize(index)
+    after_init = nvml_mine()
+    used_after_init = nvml_device_used()
+    reserved_init = torch.cuda.memory_reserved(index)
+    # A training step: cuBLAS (fp32 and bf16 under autocast, forward and backward) and cuDNN convolution.
+    dev = torch.device("cuda", index)
+    lin = torch.nn.Linear(1024, 1024).to(dev)
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1).to(dev)
+    bn = torch.nn.BatchNorm2d(32).to(dev)
+    x = torch.randn(64, 1024, device=dev, requires_grad=True)
+    img = torch.randn(8, 16, 64, 64, device=dev, requires_grad=True)
+    loss = lin(x).square().mean() + bn(conv(img)).relu().mean()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss + lin(x).float().square().mean()
+    loss.backward()
+    torch.cuda.synchronize(index)
+    after_step = nvml_mine()
+    used_after_step = nvml_device_used()
+    reserved_step = torch.cuda.memory_reserved(index)
+    free, total = torch.cuda.mem_get_info(index)
+    method = "process"
+    if after_step is None:
+        # NVML cannot attribute memory to our pid (a container's pid namespace): fall back to the
+        # device's used memory before and after, which is exact only when nothing else starts meanwhile.
+        method = "device-delta"
+        if used_before is not None and used_after_step is not None:
+            after_init = used_after_init - used_before if used_after_init is not None else None
+            after_step = used_after_step - used_before
+    overhead = None if after_step is None else after_step - reserved_step
+    props = torch.cuda.get_device_properties(index)
+    return {"device": index, "name": props.name, "method": method, "nvml_after_init_bytes": after_init,
+            "reserved_after_init_bytes": reserved_init, "nvml_after_step_bytes": after_step,
+            "reserved_after_step_bytes": reserved_step, "overhead_bytes": overhead,
+            "overhead_after_init_bytes": None if after_init is None else after_init - reserved_init,
+            "cuda_total_bytes": int(total), "cuda_free_bytes": int(free), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "driver": nvml_query("nvmlSystemGetDriverVersion", default=None)}
+
+
+def measure_context(device: int = 0, *, timeout: float = 120.0) -> Dict[str, Any]:
+    """Measure, in a short subprocess on CUDA ordinal ``device``, the memory a process holds outside
+    PyTorch's caching allocator: NVML's figure for the process (``nvidia-smi``'s process table) after
+    CUDA starts and after a cuBLAS + cuDNN training step with backward, minus ``torch.cuda.memory_reserved``.
+
+    Returns the raw figures in bytes (``overhead_bytes`` is the one plans need). Raises
+    :class:`DistmemError` when no GPU or NVML is available or the child fails.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import json, sys; sys.path.insert(0, %r)\n"
+            "from distmem.frameworks.torch import _measure_child, _MEASURE_TAG\n"
+            "print(_MEASURE_TAG + json.dumps(_measure_child(%d)), flush=True)\n" % (root, int(device)))
+    env = dict(os.environ)
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise DistmemError(f"measuring the CUDA context on GPU {device} took over {timeout:.0f} s; pass "
+                           "overhead='768MiB' (or your own figure) instead of overhead='measure'") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MEASURE_TAG)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise DistmemError(f"measuring the CUDA context on GPU {device} failed (exit code {proc.returncode}): "
+                           f"{' | '.join(tail)}; pass overhead='768MiB' (or your own figure) instead of 'measure'")
+    figures = json.loads(lines[-1][len(_MEASURE_TAG):])
+    if figures.get("overhead_bytes") is None:
+        raise DistmemError(f"NVML could not attribute GPU memory to the measuring process on GPU {device} "
+                           f"({figures}); pass overhead= explicitly")
+    return figures
+
+
+def measure_context_overhead(device: int = 0, *, timeout: float = 120.0, agree: bool = True) -> int:
+    """Per-process memory outside PyTorch's allocator on this machine, in bytes, for a plan's ``overhead=``:
+    :func:`measure_context`'s ``overhead_bytes`` rounded up to a multiple of :data:`OVERHEAD_ROUNDING`
+    (64 MiB). So the figure is never below what NVML measured after a training step and at most 64 MiB
+    above it; NCCL communicators, CUDA graphs and other libraries' buffers are not in it (add them).
+
+    With ``agree`` (default) in a job of several ranks, every rank measures its own GPU and all take
+    the largest value (one all-reduce), so every rank computes the same plan. Takes a few seconds.
+    """
+    raw = int(measure_context(device, timeout=timeout)["overhead_bytes"])
+    value = max(1, math.ceil(raw / OVERHEAD_ROUNDING)) * OVERHEAD_ROUNDING
+    if agree:
+        from ..topology import detect
+
+        if detect().size > 1:
+            from ..comm import get_comm
+
+            value = int(get_comm().allreduce([float(value)], "max")[0])
+    return value
+
+
+def _main(argv: Sequence[str]) -> int:
+    """``python -m distmem.frameworks.torch [DEVICE ...]``: print the measured figures as JSON lines."""
+    for arg in argv or ["0"]:
+        figures = measure_context(int(arg))
+        figures["overhead_rounded_bytes"] = max(1, math.ceil(figures["overhead_bytes"] / OVERHEAD_ROUNDING)) \
+            * OVERHEAD_ROUNDING
+        print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,67 @@
+"""Pinning on real GPUs, judged by NVML (pynvml directly) and by the GPU's UUID as torch reports it:
+under `mpirun -np 2` and `-np 4` over two GPUs every rank's process appears on its planned GPU and on
+no other (no stray context on GPU 0), and nothing before distmem.init() started CUDA. CUDA started
+on another GPU before init() is refused with TooLateError; on the planned GPU it is accepted."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "progs"))
+
+import launch  # noqa: E402
+
+pytestmark = pytest.mark.gpus(2)
+PROGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progs")
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_every_rank_is_on_its_planned_gpu_and_no_other(np):
+    data = launch.scenario("pin_report.py", np)
+    ngpu = len(data["nvml"])
+    rows = sorted(data["rows"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == list(range(np))
+    for r in rows:
+        who = f"rank {r['rank']} (pid {r['pid']}, local rank {r['local_rank']})"
+        assert r["before"] == {}, (f"{who}: NVML lists it on GPU(s) {sorted(r['before'])} before distmem.init(): "
+                                   "the launcher or MPI started CUDA; OMPI_MCA_pml=ob1 keeps UCX off the GPUs")
+        want = r["planned_nvml_index"]
+        assert want is not None, f"{who}: the plan names no NVML GPU (source {data['plan']['source']})"
+        assert r["planned_index"] == r["local_rank"] % ngpu, f"{who}: planned cuda:{r['planned_index']}"
+        assert r["physical_nvml_index"] == want, (f"{who}: torch's cuda:{r['planned_index']} is NVML GPU "
+                                                  f"{r['physical_nvml_index']} by UUID, the plan meant {want}")
+        for when in ("where", "after_report"):
+            assert sorted(int(i) for i in r[when]) == [want], (
+                f"{who}: NVML lists it on GPU(s) {sorted(r[when])} ({when}), planned only GPU {want}: a stray "
+                f"context; NVML per GPU: {[{'gpu': g['index'], 'pids': g['procs']} for g in data['nvml']]}")
+    job = {r["pid"]: r for r in rows}
+    for g in data["nvml"]:
+        ours = sorted(job[int(p)]["rank"] for p in g["procs"] if int(p) in job)
+        planned = sorted(r["rank"] for r in rows if r["planned_nvml_index"] == g["index"])
+        assert ours == planned, f"GPU {g['index']} holds ranks {ours}, planned {planned}"
+    launch.evidence(f"pinning-np{np}", {"placement": {r["rank"]: r["where"] for r in rows},
+                                         "init_s": [r["init_s"] for r in rows]})
+
+
+def _too_late(first):
+    rc, out = launch.run_python([os.path.join(PROGS, "too_late.py"), str(first)], timeout=120)
+    lines = [ln for ln in out.splitlines() if ln.startswith("TOO_LATE ")]
+    assert rc == 0 and lines, f"too_late.py {first} exited {rc}:\n{out[-4000:]}"
+    return json.loads(lines[-1][len("TOO_LATE "):])
+
+
+def test_cuda_started_on_another_gpu_is_too_late():
+    res = _too_late(0)  # the plan gives this process GPU 1
+    launch.evidence("too-late-other-gpu", res)
+    assert res["error_type"] == "TooLateError", res
+    for part in ("cuda:0", "planned cuda:1", "distmem.init(framework='torch')"):
+        assert part in res["error"], f"{part!r} missing from: {res['error']}"
+    assert sorted(res["where"]) == ["0"], f"refusing must not touch GPU 1: NVML shows {res['where']}"
+
+
+def test_cuda_started_on_the_planned_gpu_is_accepted():
+    res = _too_late(1)
+    launch.evidence("too-late-same-gpu", res)
+    assert res["error"] is None and res["planned"] == 1, res
+    assert sorted(res["where"]) == ["1"], f"NVML shows the process on {res['where']}, expected only GPU 1"
