@@ -7,11 +7,13 @@
 """
 __version__ = "0.1.0"
 
+from . import guard
 from .api import check_plan, current_plan, init, plan_from_env, report, reset, snapshot
 from .errors import ConfigError, DistmemError, DoesNotFitError, GatherTimeoutError, TooLateError
+from .guard import find_batch_size
 from .plan import Allocation, DeviceSlot, Plan
 from .stats import Report, Snapshot
 
-__all__ = ["init", "report", "snapshot", "plan_from_env", "current_plan", "check_plan", "reset",
+__all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "plan_from_env", "current_plan", "check_plan", "reset",
            "Plan", "Allocation", "DeviceSlot", "Snapshot", "Report",
            "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]

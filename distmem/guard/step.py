@@ -1,0 +1,370 @@
+"""A training step that survives an out-of-memory error on any rank, with every rank in step.
+
+    step = distmem.guard.step(grads_of, apply=apply, micro_batch_size=64, global_batch_size=512)
+    for x, y in batches:            # this rank's share: global_batch_size / world size samples
+        loss = step(x, y)
+
+Each call splits this rank's batch into micro-batches, accumulates their gradients (weighted by
+micro-batch size, so the result equals the whole batch's mean gradient), then agrees with the other
+ranks through one tiny flag all-reduce. On a clean verdict it averages the gradients over the ranks
+and applies them. If any rank ran out of memory, every rank drops the step, frees what it can, and all
+retry the same batch with a smaller micro-batch and more accumulation steps: the global batch, and with
+it the learning-rate schedule, is unchanged. No rank enters the gradient all-reduce unless all do.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from ..comm import Comm
+from ..errors import ConfigError
+from .errors import BatchSizeFloorError
+from .flags import FlagReducer, Status
+from .grads import Reducer, gradient_reducer
+from .protocol import Agreement, attempt, free_memory, say, summarise
+
+__all__ = ["StepGuard", "Fallback", "step", "split_sizes", "shrink_micro_batch"]
+
+
+def split_sizes(n: int, micro: int) -> List[int]:
+    """Micro-batch sizes covering ``n`` samples: full ones, then the remainder."""
+    full, rest = divmod(n, micro)
+    return [micro] * full + ([rest] if rest else [])
+
+
+def shrink_micro_batch(micro: int, floor: int, factor: int = 2) -> Optional[int]:
+    """The next smaller micro-batch (``micro // factor``, not below ``floor``); None at the floor."""
+    if micro <= floor:
+        return None
+    return max(floor, micro // factor)
+
+
+def batch_len(batch: Any) -> int:
+    """Leading dimension of the first array/tensor in a (nested) batch."""
+    if isinstance(batch, dict):
+        for v in batch.values():
+            n = batch_len(v)
+            if n >= 0:
+                return n
+        return -1
+    if isinstance(batch, (tuple, list)):
+        for v in batch:
+            n = batch_len(v)
+            if n >= 0:
+                return n
+        return -1
+    if batch is None:
+        return -1
+    shape = getattr(batch, "shape", None)
+    if shape is not None and len(shape) > 0 and shape[0] is not None:
+        return int(shape[0])
+    return len(batch)
+
+
+def slice_batch(batch: Any, i: int, j: int) -> Any:
+    """Samples ``i:j`` of every array/tensor in a (nested) batch."""
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, i, j) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(slice_batch(v, i, j) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, i, j) for v in batch)
+    if batch is None or getattr(batch, "shape", (1,)) == ():
+        return batch
+    return batch[i:j]
+
+
+def _axpy(acc: Optional[List[Any]], grads: Sequence[Any], w: float) -> List[Any]:
+    """acc + w * grads, element-wise, keeping None where a gradient is None."""
+    if acc is None:
+        return [None if g is None else g * w for g in grads]
+    if len(acc) != len(grads):
+        raise ConfigError(f"the step function returned {len(grads)} gradients for one micro-batch and "
+                          f"{len(acc)} for an earlier one; return one entry (None allowed) per parameter")
+    out = []
+    for a, g in zip(acc, grads):
+        if g is None:
+            out.append(a)
+        elif a is None:
+            out.append(g * w)
+        elif hasattr(a, "add_"):
+            out.append(a.add_(g, alpha=w))
+        else:
+            out.append(a + g * w)
+    return out
+
+
+def _scaled(loss: Any, w: float) -> Any:
+    if loss is None:
+        return None
+    if hasattr(loss, "detach"):
+        loss = loss.detach()
+    return loss * w
+
+
+@dataclass
+class Fallback:
+    """One agreed fallback. Identical on every rank except the timings, which are this rank's."""
+    step: int                 #: index of the guarded step (calls so far, from 0)
+    old_micro_batch: int
+    new_micro_batch: int
+    old_accumulation: int     #: micro-batches per step before / after
+    new_accumulation: int
+    local_batch: int          #: samples per rank per step (unchanged)
+    global_batch: int         #: samples per step over all ranks (unchanged)
+    ranks: List[int]          #: ranks that ran out of memory
+    errors: Dict[int, str]    #: rank -> "Type: message" of its out-of-memory error
+    wasted_seconds: float = 0.0   #: this rank's compute of the dropped attempt
+    agree_seconds: float = 0.0    #: flag all-reduce + gathering the failures
+    free_seconds: float = 0.0     #: garbage collection and cache release
+    recovery_seconds: Optional[float] = None  #: from the fault (this rank's OOM, else the verdict) to the end of the first successful step
+    _fault_at: float = field(default=0.0, repr=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d.pop("_fault_at")
+        d["errors"] = {str(k): v for k, v in self.errors.items()}
+        return d
+
+
+class StepGuard:
+    """A guarded training step. Build it with :func:`step`; call it once per global batch on every rank.
+
+    Two ways to hand over gradients:
+
+    * ``params=None`` (TensorFlow, NumPy, JAX-style): ``fn(*micro_batch)`` returns ``(grads, loss)``,
+      a list of per-parameter gradients (None allowed) of the micro-batch's *mean* loss. The guard
+      accumulates ``sum(n_i / n * grads_i)`` and calls ``apply(averaged_grads)``.
+    * ``params=model.parameters()`` (PyTorch): ``fn(*micro_batch)`` returns the micro-batch's mean loss;
+      the guard runs ``(loss * n_i / n).backward()`` so ``.grad`` accumulates, averages ``.grad`` over
+      ranks in place and calls ``apply([p.grad ...])`` (e.g. ``lambda _: opt.step()``).
+
+    ``__call__`` returns the step's loss (sample-weighted mean over micro-batches, this rank's), or None.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, micro_batch_size: int, global_batch_size: Optional[int] = None,
+                 apply: Optional[Callable[[List[Any]], Any]] = None, params: Optional[Sequence[Any]] = None,
+                 min_micro_batch_size: int = 1, shrink: int = 2,
+                 reduce_gradients: Union[str, Reducer, None] = "auto", comm: Optional[Comm] = None,
+                 timeout: Optional[float] = None, no_sync: Optional[Callable[[], Any]] = None,
+                 on_oom: Optional[Callable[[], None]] = None, flags: Optional[FlagReducer] = None,
+                 log_rank: int = 0):
+        for name, v in (("micro_batch_size", micro_batch_size), ("min_micro_batch_size", min_micro_batch_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        if not isinstance(shrink, int) or shrink < 2:
+            raise ConfigError(f"shrink={shrink!r} must be an integer >= 2 (the micro-batch is divided by it)")
+        if min_micro_batch_size > micro_batch_size:
+            raise ConfigError(f"min_micro_batch_size={min_micro_batch_size} is above micro_batch_size="
+                              f"{micro_batch_size}; lower the floor or raise the micro-batch")
+        self.agreement = Agreement(comm, timeout, flags)
+        self.rank, self.size = self.agreement.rank, self.agreement.size
+        self.local_batch_size: Optional[int] = None
+        self.global_batch_size = global_batch_size
+        if global_batch_size is not None:
+            if not isinstance(global_batch_size, int) or global_batch_size < 1 or global_batch_size % self.size:
+                below = max(1, int(global_batch_size or 0) // self.size) * self.size
+                raise ConfigError(
+                    f"global_batch_size={global_batch_size!r} must be a positive multiple of the world size "
+                    f"{self.size} (each rank takes an equal share); use {below} or {below + self.size}")
+            self.local_batch_size = global_batch_size // self.size
+            micro_batch_size = min(micro_batch_size, self.local_batch_size)
+            min_micro_batch_size = min(min_micro_batch_size, micro_batch_size)
+        self.fn = fn
+        self.apply = apply
+        self.params = None if params is None else list(params)
+        self.micro_batch_size = micro_batch_size
+        self.initial_micro_batch_size = micro_batch_size
+        self.min_micro_batch_size = min_micro_batch_size
+        self.shrink = shrink
+        self._reduce_spec = reduce_gradients
+        self._reducer: Optional[Reducer] = reduce_gradients if callable(reduce_gradients) else None
+        if reduce_gradients not in ("auto", None) and not callable(reduce_gradients):
+            raise ConfigError(f"reduce_gradients={reduce_gradients!r} must be 'auto', None or a callable")
+        self.no_sync = no_sync
+        self.on_oom = on_oom
+        self.log_rank = log_rank
+        self.steps = 0        #: guarded steps called so far (successful or not)
+        self.fallbacks: List[Fallback] = []
+        self._waiting: List[Fallback] = []
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per step at the current micro-batch size (needs the local batch size)."""
+        n = self.local_batch_size or self.micro_batch_size
+        return math.ceil(n / self.micro_batch_size)
+
+    def __call__(self, *batch: Any) -> Any:
+        """Run one guarded step on this rank's batch (positional arrays/tensors, sliced on dim 0)."""
+        return self.run(lambda: batch)
+
+    def next(self, iterator: Iterator[Any]) -> Any:
+        """Fetch the next batch inside the protocol, then run the step. When the data runs out on any
+        rank, every rank raises StopIteration at the same step (uneven shards end together)."""
+        def fetch() -> Tuple[Any, ...]:
+            b = next(iterator)
+            return tuple(b) if isinstance(b, (tuple, list)) else (b,)
+
+        return self.run(fetch)
+
+    def run(self, fetch: Callable[[], Tuple[Any, ...]]) -> Any:
+        """The protocol; ``fetch()`` returns the positional arguments of ``fn`` (called at most once)."""
+        where = f"guarded step {self.steps}"
+        self.steps += 1
+        box: Dict[str, Any] = {}
+        in_fetch = [False]
+
+        def work() -> Any:
+            if "batch" not in box:
+                in_fetch[0] = True
+                box["batch"] = fetch()
+                in_fetch[0] = False
+            return self._compute(box["batch"])
+
+        while True:
+            t0 = time.monotonic()
+            status, result, own, desc, t_fault = attempt(work, in_fetch)
+            t1 = time.monotonic()
+            verdict = self.agreement.verdict(status, where)
+            if verdict.ok:
+                break
+            result = None
+            descs = self.agreement.descriptions(desc, where) if (verdict.oom or verdict.error) else {}
+            self.agreement.raise_if_failed(verdict, status, own, descs, where)
+            t2 = time.monotonic()
+            self._drop(full=status == Status.OOM)
+            t3 = time.monotonic()
+            self._fall_back(verdict.oom, descs, wasted=(t_fault or t1) - t0, agree=t2 - t1, free=t3 - t2,
+                            fault_at=t_fault or t2, where=where)
+        loss, grads = result
+        grads = self._reduce(grads)
+        if self.apply is not None:
+            self.apply(grads)
+        t_end = time.monotonic()
+        for fb in self._waiting:
+            fb.recovery_seconds = t_end - fb._fault_at
+        self._waiting.clear()
+        return loss
+
+    def describe(self) -> str:
+        return (f"micro-batch {self.micro_batch_size} x {self.accumulation_steps} accumulation step(s)"
+                + (f" = {self.local_batch_size} per rank, global batch {self.global_batch_size}"
+                   if self.global_batch_size else ""))
+
+    # ------------------------------------------------------------------ internals
+
+    def _compute(self, batch: Tuple[Any, ...]) -> Tuple[Any, List[Any]]:
+        n = batch_len(batch)
+        if n < 1:
+            raise ConfigError(f"the step got a batch without a leading dimension ({type(batch).__name__}); pass "
+                              "arrays or tensors whose first dimension is the sample")
+        if self.local_batch_size is not None and n != self.local_batch_size:
+            raise ConfigError(
+                f"rank {self.rank} got a batch of {n} samples but global_batch_size={self.global_batch_size} over "
+                f"{self.size} ranks means {self.local_batch_size} per rank; batch the data per rank with "
+                f"{self.local_batch_size} (drop the remainder) or change global_batch_size")
+        if self.params is not None:
+            for p in self.params:
+                p.grad = None
+        acc: Optional[List[Any]] = None
+        loss_sum: Any = None
+        start = 0
+        ctx = self.no_sync() if self.no_sync is not None else contextlib.nullcontext()
+        with ctx:
+            for size in split_sizes(n, self.micro_batch_size):
+                args = slice_batch(batch, start, start + size)
+                start += size
+                w = size / n
+                out = self.fn(*args)
+                if self.params is not None:
+                    (out * w).backward()
+                    loss = out
+                else:
+                    if not (isinstance(out, tuple) and len(out) == 2):
+                        raise ConfigError("the step function must return (grads, loss) when params= is not "
+                                          f"given; it returned {type(out).__name__}")
+                    grads, loss = out
+                    acc = _axpy(acc, list(grads), w)
+                part = _scaled(loss, w)
+                loss_sum = part if loss_sum is None else (None if part is None else loss_sum + part)
+                del out, loss, args
+        if self.params is not None:
+            acc = [p.grad for p in self.params]
+        return loss_sum, acc or []
+
+    def _reduce(self, grads: List[Any]) -> List[Any]:
+        if self._reduce_spec is None:
+            return grads
+        if self._reducer is None:
+            self._reducer = gradient_reducer(self.agreement.comm, grads)
+        out = self._reducer(grads)
+        if self.params is not None:
+            for p, g in zip(self.params, out):
+                if g is not None and g is not p.grad:
+                    p.grad = g
+        return out
+
+    def _drop(self, full: bool) -> None:
+        if self.params is not None:
+            for p in self.params:
+                p.grad = None
+        if self.on_oom is not None:
+            self.on_oom()
+        free_memory(full)
+
+    def _fall_back(self, ranks: List[int], descs: Dict[int, str], *, wasted: float, agree: float, free: float,
+                   fault_at: float, where: str) -> None:
+        old = self.micro_batch_size
+        new = shrink_micro_batch(old, self.min_micro_batch_size, self.shrink)
+        local = self.local_batch_size
+        what = summarise(ranks, descs)
+        if new is None:
+            raise BatchSizeFloorError(
+                f"{where}: micro-batch {old} is the floor (min_micro_batch_size={self.min_micro_batch_size}) and "
+                f"still runs out of memory on rank(s) {ranks} ({what}); the step cannot shrink further. Lower "
+                "min_micro_batch_size, shorten the sequences / images, enable activation checkpointing or mixed "
+                "precision, or spread the model over more devices", ranks, descs)
+        old_acc = self.accumulation_steps
+        self.micro_batch_size = new
+        fb = Fallback(step=self.steps - 1, old_micro_batch=old, new_micro_batch=new, old_accumulation=old_acc,
+                      new_accumulation=self.accumulation_steps, local_batch=local or 0,
+                      global_batch=self.global_batch_size or 0, ranks=list(ranks), errors=dict(descs),
+                      wasted_seconds=wasted, agree_seconds=agree, free_seconds=free, _fault_at=fault_at)
+        self.fallbacks.append(fb)
+        self._waiting.append(fb)
+        if self.rank == self.log_rank:
+            glob = (f"; global batch {self.global_batch_size} = {self.size} x {local} unchanged"
+                    if self.global_batch_size else "")
+            say(self.rank, f"guard: {where}: out of memory on rank(s) {ranks} ({what}); every rank drops the step "
+                           f"and retries with micro-batch {old} -> {new} (accumulation {old_acc} -> "
+                           f"{self.accumulation_steps}){glob}")
+
+
+def step(fn: Callable[..., Any], *, micro_batch_size: int, global_batch_size: Optional[int] = None,
+         apply: Optional[Callable[[List[Any]], Any]] = None, params: Optional[Sequence[Any]] = None,
+         **options: Any) -> StepGuard:
+    """A guarded training step; see :class:`StepGuard`. Every rank builds it with the same arguments.
+
+    micro_batch_size: samples per forward/backward to start with; halved (``shrink=2``) on every
+        out-of-memory verdict, never below ``min_micro_batch_size`` (default 1).
+    global_batch_size: samples per step over all ranks; each rank's batch must hold
+        ``global_batch_size / world size`` of them. Omitted: whatever each call gets.
+    apply: called with the rank-averaged gradients after a clean verdict (``opt.apply_gradients`` /
+        ``opt.step``).
+    params: PyTorch parameters: ``fn`` returns the loss and the guard runs backward (see StepGuard).
+    reduce_gradients: ``"auto"`` (Horovod, torch.distributed or MPI, whichever the job runs), a callable
+        over the gradient list, or None when ``apply`` all-reduces itself.
+    comm, timeout: the transport (default ``distmem.comm.get_comm()``) and the seconds a rank waits for
+        the others at the flag all-reduce (default ``DISTMEM_TIMEOUT`` or 60) before raising
+        GatherTimeoutError instead of hanging.
+    no_sync: a context manager factory around the micro-batches (``ddp_model.no_sync``): the guard
+        all-reduces after the verdict, so DDP must not all-reduce inside backward.
+    on_oom: extra clean-up on every rank after a dropped step (before the garbage collection).
+    """
+    return StepGuard(fn, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, apply=apply,
+                     params=params, **options)
