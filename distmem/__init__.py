@@ -13,7 +13,17 @@ from .errors import ConfigError, DistmemError, DoesNotFitError, GatherTimeoutErr
 from .guard import find_batch_size
 from .plan import Allocation, DeviceSlot, Plan
 from .stats import Report, Snapshot
+from .timeline import ReportEvery
 
 __all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "plan_from_env", "current_plan", "check_plan", "reset",
            "Plan", "Allocation", "DeviceSlot", "Snapshot", "Report",
-           "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]
+           "ReportEvery", "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]
+
+
+def __getattr__(name):
+    # distmem.keras.MemoryReport after a plain `import distmem`, without importing TensorFlow up front.
+    if name in ("keras", "timeline", "render", "summary", "native", "placement", "estimate", "comm_tf"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'distmem' has no attribute {name!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from typing import Any, Dict, List, Optional
 
 from . import comm as _comm
@@ -13,8 +12,8 @@ from . import topology as _topology
 from .errors import ConfigError, DistmemError, DoesNotFitError
 from .frameworks import adapter, detect_framework
 from .plan import Plan, make_plan
-from .render import table, write_json
-from .stats import Report, Snapshot, aggregate
+from .render import write_json
+from .stats import Report, Snapshot
 from .units import format_bytes
 
 __all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset", "check_plan"]
@@ -200,15 +199,18 @@ def snapshot(step: Optional[int] = None) -> Snapshot:
     nvml: Dict[int, Optional[int]] = {}
     gpu_pids: Dict[int, List[int]] = {}
     uuids: Dict[int, str] = {}
+    procs: Dict[int, Dict[int, Optional[int]]] = {}
     inv = _state["inventory"]
     if inv is not None and inv.real:
         live = _devices.inventory(quiet=True)
         for g in live.gpus:
             if any(p.pid == pid for p in g.processes):
                 nvml[g.index] = next(p.used_bytes for p in g.processes if p.pid == pid)
+                uuids[g.index] = g.uuid
             if any(d.index == g.index for d in mine.devices):
                 gpu_pids[g.index] = [p.pid for p in g.processes]
                 uuids[g.index] = g.uuid
+                procs[g.index] = {p.pid: p.used_bytes for p in g.processes}
     native_status = None
     if os.environ.get("DISTMEM_CAP_BYTES"):
         try:
@@ -223,7 +225,7 @@ def snapshot(step: Optional[int] = None) -> Snapshot:
                     limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
                     enforced=any(d.enforce for d in mine.devices), current_bytes=st.get("current_bytes"),
                     peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
-                    rss_bytes=_rss(), gpu_pids=gpu_pids, gpu_uuids=uuids, stage=mine.stage, step=step,
+                    rss_bytes=_rss(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs, stage=mine.stage, step=step,
                     plan_fingerprint=plan.fingerprint(), plan_source=plan.source, overhead_bytes=plan.overhead_bytes, native=native_status,
                     extra={"framework_devices": st.get("devices", [])})
 
@@ -239,26 +241,15 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
     """
     if detail not in ("full", "summary"):
         raise ConfigError(f"detail={detail!r} is not 'full' or 'summary'")
-    timeout = _comm.DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    snap = snapshot(step)
-    c = _comm.get_comm()
-    if detail == "summary":
-        from .summary import summary_report
+    from .timeline import collect  # the one gather path, shared with the periodic reports
 
-        rep = summary_report(snap, c, timeout)
-    else:
-        t0 = time.monotonic()
-        rows, missing = c.gather(snap.to_dict(), 0, timeout)
-        if rows is None:
-            return None
-        snaps = [Snapshot.from_dict(r) for r in rows if r is not None]
-        rep = aggregate(snaps, c.size, missing, strategy=snap.strategy)
-        rep.aggregates["gather_seconds"] = time.monotonic() - t0
-        rep.aggregates["transport"] = c.name
+    rep = collect(step=step, timeout=timeout, detail=detail)
     if rep is None:
         return None
     if print_table:
-        print(table(rep), flush=True)
+        from .render import print_report
+
+        print_report(rep)
     path = path or os.environ.get("DISTMEM_REPORT")
     if path:
         write_json(rep, path)

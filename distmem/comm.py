@@ -31,6 +31,12 @@ REDUCE_OPS = ("sum", "min", "max")
 _POLL = 0.0005  # seconds between polls: short enough to add little latency, long enough not to spin
 
 
+def _pause(started: float) -> None:
+    """Back off while polling: spin for the first 200 microseconds, then sleep in 0.5 ms steps."""
+    if time.monotonic() - started > 0.0002:
+        time.sleep(_POLL)
+
+
 def mpi_launched(env=os.environ) -> bool:
     """True when an MPI launcher (mpirun, horovodrun --mpi, srun with PMI) started this process."""
     return any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"))
@@ -116,17 +122,19 @@ class MPIComm(Comm):
             # (MPI_Mprobe), which crash Open MPI 4.1 while Horovod's thread uses MPI too.
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             req = self.comm.Isend([payload, self._MPI.BYTE], dest=root, tag=tag)
+            started = time.monotonic()
             while not req.Test():
                 if time.monotonic() > deadline:
                     req.Cancel()
                     log.warning("distmem: rank %d could not deliver its snapshot to rank %d within %.1f s",
                                 self.rank, root, timeout)
                     break
-                time.sleep(_POLL)
+                _pause(started)
             return None, []
         out: List[Any] = [None] * self.size
         out[root] = obj
         pending = set(range(self.size)) - {root}
+        started = time.monotonic()
         while pending and time.monotonic() < deadline:
             for r in sorted(pending):
                 status = self._MPI.Status()
@@ -136,7 +144,7 @@ class MPIComm(Comm):
                     out[r] = pickle.loads(buf)
                     pending.discard(r)
             if pending:
-                time.sleep(_POLL)
+                _pause(started)
         return out, sorted(pending)
 
     def allreduce(self, values, op="sum", timeout=DEFAULT_TIMEOUT):
@@ -147,14 +155,15 @@ class MPIComm(Comm):
         recv = np.empty_like(send)
         mpi_op = {"sum": self._MPI.SUM, "min": self._MPI.MIN, "max": self._MPI.MAX}[op]
         req = self.comm.Iallreduce(send, recv, op=mpi_op)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while not req.Test():
             if time.monotonic() > deadline:
                 raise GatherTimeoutError(
                     f"all-reduce of {len(send)} value(s) did not complete within {timeout:.1f} s on rank "
                     f"{self.rank} of {self.size}: at least one rank never entered it (crashed, hung, or took "
                     "another code path); check the other ranks' logs, or raise timeout= / DISTMEM_TIMEOUT")
-            time.sleep(_POLL)
+            _pause(started)
         return recv.tolist()
 
     def allgather(self, obj, timeout=DEFAULT_TIMEOUT):
@@ -225,7 +234,7 @@ class HorovodComm(Comm):
     def gather(self, obj, root=0, timeout=DEFAULT_TIMEOUT):
         try:
             rows = self.allgather(obj, timeout)
-        except GatherTimeoutError as exc:
+        except Exception as exc:  # noqa: BLE001 - a timeout, or "Horovod has been shut down" when a peer left
             if self.rank != root:
                 return None, []
             log.warning("distmem: %s", exc)
@@ -235,8 +244,24 @@ class HorovodComm(Comm):
 
     def allreduce(self, values, op="sum", timeout=DEFAULT_TIMEOUT):
         _check_op(op)
-        rows = self.allgather([float(v) for v in values], timeout)
-        return _reduce(rows, op)
+        hvd_op = {"sum": getattr(self.hvd, "Sum", None), "min": getattr(self.hvd, "Min", None),
+                  "max": getattr(self.hvd, "Max", None)}[op]
+        if hvd_op is None or not hasattr(self.hvd, "allreduce"):
+            return _reduce(self.allgather([float(v) for v in values], timeout), op)
+        name = self._name(f"allreduce.{op}")
+        vals = [float(v) for v in values]
+
+        def run():
+            # A fixed-size reduction: its cost does not grow with the number of ranks.
+            if self.hvd.__name__.startswith("horovod.torch"):
+                import torch
+
+                return self.hvd.allreduce(torch.tensor(vals, dtype=torch.float64), op=hvd_op, name=name).tolist()
+            import tensorflow as tf
+
+            return self.hvd.allreduce(tf.constant(vals, dtype=tf.float64), op=hvd_op, name=name).numpy().tolist()
+
+        return [float(v) for v in _bounded(run, timeout, "Horovod allreduce", self.rank, self.size)]
 
 
 class TorchDistComm(Comm):

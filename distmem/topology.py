@@ -70,7 +70,8 @@ def launcher_of(env: Mapping[str, str] = os.environ) -> str:
     if "HOROVOD_RANK" in env or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
         return "horovodrun-gloo"
     if "OMPI_COMM_WORLD_SIZE" in env:
-        # horovodrun --mpi starts mpirun and forwards its own HOROVOD_* settings to every rank.
+        # horovodrun --mpi starts mpirun and exports no HOROVOD_* variable of its own (0.28.1), so it
+        # reads as mpirun unless the user set HOROVOD_* settings themselves.
         return "horovodrun-mpi" if any(k.startswith("HOROVOD_") for k in env) else "mpirun"
     if "PMI_SIZE" in env or "PMIX_RANK" in env or "MPI_LOCALNRANKS" in env:
         return "mpich"

@@ -1,0 +1,63 @@
+"""``distmem report FILE.json``: render a saved report (or a MemoryReport timeline file).
+
+    distmem report runs/last/report.json                      # the table
+    distmem report runs/last/timeline.json --plot report.png  # and a PNG with the timeline
+    distmem report runs/last/report.json --json               # the JSON, normalised, on stdout
+    distmem report runs/last/report.json --prometheus /var/lib/node_exporter/job.prom --label run=resnet
+    distmem report runs/last/report.json --fail-on-warnings   # exit 1 when the report has warnings (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict
+
+from ..errors import ConfigError
+from ..render import plot, print_report, prometheus, read_json
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a report JSON written by distmem.report(path=...) or MemoryReport(path=...)")
+    p.add_argument("--plot", metavar="PNG", help="draw per-rank bars and the timeline to this PNG")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
+    p.add_argument("--prometheus", metavar="PROM", help="write a Prometheus text file (node_exporter textfile "
+                                                        "collector), atomically")
+    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra Prometheus label on every series (repeatable), e.g. run=resnet-7")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="rich table on a terminal (auto), always or never")
+    p.add_argument("--fail-on-warnings", action="store_true", help="exit with status 1 when the report has warnings")
+
+
+def _labels(items) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--label {item!r}: write NAME=VALUE, e.g. --label run=resnet-7")
+        out[name] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = read_json(args.file)
+    labels = _labels(args.label)
+    if args.json:
+        json.dump(rep.to_dict(), sys.stdout, indent=1, sort_keys=True, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_report(rep, use_rich={"auto": None, "always": True, "never": False}[args.color])
+    if args.plot:
+        plot(rep, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if args.prometheus:
+        last = rep.timeline[-1].get("step") if rep.timeline else None
+        prometheus(rep, args.prometheus, labels, step=last)
+        print(f"Prometheus metrics written to {args.prometheus}", file=sys.stderr)
+    if args.fail_on_warnings and rep.warnings:
+        print(f"{len(rep.warnings)} warning(s) in {args.file}", file=sys.stderr)
+        return 1
+    return 0
