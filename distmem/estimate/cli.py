@@ -1,0 +1,131 @@
+"""``distmem estimate``: per-layer training memory of a model, as a table or JSON.
+
+    distmem estimate --model keras:MobileNetV2 --input-shape 96,96,3 --batch-size 64 --optimizer adam
+    distmem estimate --model torchvision:resnet50 --batch-size 32 --mixed-precision --per-layer
+    distmem estimate --model mypkg.models:build --input-shape 128 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import List, Optional, Sequence
+
+from ..errors import DistmemError
+from ..units import format_bytes
+from .loader import framework_of, load_model, parse_shape
+from .optimizers import OPTIMIZER_NAMES
+from .table import Estimate
+
+__all__ = ["add_arguments", "run", "main", "load_model", "render_table"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``distmem estimate``'s options to ``parser``."""
+    parser.add_argument("--model", required=True,
+                        help="keras:NAME (keras.applications), torchvision:NAME, or module.path:factory "
+                             "(your function returning a Keras model or a torch.nn.Module)")
+    parser.add_argument("--input-shape", default=None,
+                        help="one sample, no batch dimension: H,W,C for Keras (default 224,224,3), "
+                             "C,H,W for torch (default 3,224,224)")
+    parser.add_argument("--batch-size", type=int, default=32, help="training batch size (default 32)")
+    parser.add_argument("--optimizer", default="adam",
+                        help=f"optimizer whose state is counted: {', '.join(OPTIMIZER_NAMES)} (default adam)")
+    prec = parser.add_mutually_exclusive_group()
+    prec.add_argument("--mixed-precision", action="store_true",
+                      help="fp16 compute with fp32 master weights and loss scaling (mixed_float16)")
+    prec.add_argument("--precision", default=None,
+                      help="float32 | mixed_float16 | mixed_bfloat16 (default: the model's own)")
+    parser.add_argument("--device", default=None, choices=("gpu", "cuda", "cpu"),
+                        help="whose allocator the peak models: gpu (default) or cpu (TensorFlow's CPU "
+                             "allocator statistics, as the accuracy benchmark measures)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="Keras: also run a few small-batch training steps of a copy of the model on CPU and "
+                             "add what the analytic estimate missed (the hybrid method; takes seconds)")
+    parser.add_argument("--per-layer", action="store_true", help="print one row per layer")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _row(cells: Sequence[str], widths: Sequence[int], right: Sequence[bool]) -> str:
+    return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+
+
+def render_table(est: Estimate, per_layer: bool = False) -> str:
+    """The estimate as plain text: totals, then optionally one row per layer."""
+    b = est.batch_size
+    fw = "torch" if est.framework == "torch" else "tensorflow"
+    lines = [f"{est.model}: {est.framework}, batch {b}, {est.precision}, optimizer {est.optimizer.get('name')} "
+             f"({est.optimizer.get('slots_per_weight')} slot(s) per weight), method {est.method}, "
+             f"peak modelled for {est.device}",
+             ""]
+    parts = est.breakdown()
+    totals = [
+        ("parameters", f"{est.params:,}"),
+        ("weights", format_bytes(est.param_bytes)),
+        ("gradients", format_bytes(est.grad_bytes)),
+        ("optimizer state", format_bytes(est.optimizer_bytes)),
+        (f"activations kept (batch {b})", format_bytes(est.activation_bytes())),
+        ("training peak (allocator)", format_bytes(est.peak_bytes)),
+    ] + [(f"  of which {k}", format_bytes(v)) for k, v in parts.items() if k not in ("weights", "optimizer")] + [
+        (f"GPU footprint ({fw}: cache + context)", format_bytes(est.footprint_bytes(fw))),
+        ("inference peak (allocator)", format_bytes(est.inference_bytes())),
+    ]
+    w = max(len(k) for k, _ in totals)
+    lines += [f"{k.ljust(w)}  {v}" for k, v in totals]
+    if per_layer:
+        head = ["#", "layer", "type", "params", "weights", "grads", "optimizer", f"act@{b}", f"out@{b}", "dtype"]
+        right = [True, False, False, True, True, True, True, True, True, False]
+        rows = [[str(i), r.name, r.kind, f"{r.params:,}", format_bytes(r.param_bytes), format_bytes(r.grad_bytes),
+                 format_bytes(r.optimizer_bytes), format_bytes(r.activation_bytes(b)),
+                 format_bytes(r.output_bytes_per_sample * b), r.dtype + (" *" if r.note else "")]
+                for i, r in enumerate(est.layers)]
+        widths = [max(len(x[k]) for x in [head] + rows) for k in range(len(head))]
+        lines += ["", _row(head, widths, right)] + [_row(x, widths, right) for x in rows]
+        if any(r.note for r in est.layers):
+            lines.append("* sized by a fallback; see the warnings")
+    if est.warnings:
+        lines += ["", f"{len(est.warnings)} warning(s):"] + [f"  {w_}" for w_ in est.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``distmem estimate`` with parsed ``args``; returns the exit status."""
+    from . import estimate_keras, estimate_torch
+    try:
+        if args.batch_size < 1:
+            raise DistmemError(f"--batch-size must be a positive integer, got {args.batch_size}")
+        shape = parse_shape(args.input_shape)
+        precision = "mixed_float16" if args.mixed_precision else args.precision
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the estimate lists its own warnings
+            model = load_model(args.model, shape)
+            if framework_of(model) == "torch":
+                device = "cpu" if args.device == "cpu" else "cuda"
+                est = estimate_torch(model, input_shape=shape, batch_size=args.batch_size,
+                                     optimizer=args.optimizer, precision=precision, device=device, name=args.model)
+            else:
+                device = "cpu" if args.device == "cpu" else "gpu"
+                est = estimate_keras(model, batch_size=args.batch_size, optimizer=args.optimizer,
+                                     precision=precision, device=device, calibrate=args.calibrate,
+                                     name=args.model)
+    except DistmemError as exc:
+        print(f"distmem estimate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(est.to_dict(per_layer=args.per_layer), indent=2))
+    else:
+        print(render_table(est, per_layer=args.per_layer))
+    for w_ in est.warnings:
+        print(f"warning: {w_}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="distmem estimate", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,656 @@
+"""Per-layer estimate of a built Keras model (tf.keras 2.x and Keras 3), without running it.
+
+Method: analytic. Each layer type has a rule naming which tensors TensorFlow's gradient of its
+ops reads (Conv2D its input, ReLU its output, BatchNormalization its input, Multiply both inputs,
+an LSTM seven hidden-sized tensors and its input per timestep...). Those tensors are what the
+layer keeps for the backward pass. The rules are then replayed over the model's own layer graph
+(``liveness.replay``): outputs are freed after their last reader unless kept, the backward pass
+allocates input and weight gradients and frees kept tensors after their last backward reader,
+and each weight is updated (and its gradient freed) as soon as its gradient exists, as a Keras
+graph does. A tensor read by several layers (a residual branch, a DenseNet concatenation) is
+counted once. Layers without a rule get a conservative fallback (they keep their inputs and
+outputs) and a warning naming them.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import ConfigError
+from .liveness import BFCAllocator, Graph, Node, replay
+from .optimizers import KERAS_UPDATE_TEMPORARIES, keras_optimizer
+from .precision import Precision, dtype_bytes, resolve_precision
+from .table import Estimate, LayerEstimate
+
+__all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "BOOL_MASK_BYTES", "TF_RNN_PARTIAL_WEIGHT_GRADS",
+           "TF_CPU_UNCOUNTED_BELOW",
+           "tf_cpu_uncounted_below"]
+
+#: TensorFlow's CPU allocator with oneDNN (on by default on x86 Linux) serves requests below
+#: 256 KiB from a separate small-size pool whose bytes ``get_memory_info('CPU:0')`` does not
+#: report; only larger buffers (its BFC pool) are counted. Measured on TF 2.15: fifty 240,000-byte
+#: tensors read as 0 bytes in use, fifty 262,144-byte ones as 13,107,200.
+TF_CPU_UNCOUNTED_BELOW = 256 * 1024
+
+
+def tf_cpu_uncounted_below() -> int:
+    """Bytes below which TensorFlow's CPU allocator statistics skip a buffer (0 without oneDNN)."""
+    import os
+    return 0 if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() in ("0", "false", "False") \
+        else TF_CPU_UNCOUNTED_BELOW
+
+#: The loss keeps about two output-sized fp32 tensors for its gradient: the softmax
+#: cross-entropy's backprop, or the clipped probabilities and their log for a probabilistic output.
+LOSS_KEPT_FACTOR = 2
+
+#: A dropout mask is a bool tensor: one byte per element.
+BOOL_MASK_BYTES = 1
+
+#: Per-timestep partial weight gradients of a recurrent layer alive beside the loop's accumulators
+#: (TensorFlow sums a loop-captured weight's gradient iteration by iteration, and runs iterations
+#: in parallel). Measured on two recurrent models outside the benchmark zoo — LSTM(384) over 60
+#: steps, two GRU(320) over 80 steps, batch 32: 0.9 and 1.6 partials at the median step.
+TF_RNN_PARTIAL_WEIGHT_GRADS = 1
+
+# What an activation's TensorFlow gradient reads. Output-readers keep the op's output; the others
+# keep the input-sized tensors counted here (measured by listing the forward tensors the gradient
+# ops of a TF 2.15 graph consume): gelu = 0.5*x*(1+erf(x/sqrt2)) keeps x, x/sqrt2, 0.5*x and
+# 1+erf(.); swish/silu is a custom gradient that keeps its output and beta*x.
+_KEEPS_OUTPUT = {"relu", "relu6", "elu", "selu", "sigmoid", "tanh", "softmax", "exponential", "log_softmax"}
+_KEEPS_INPUT = {"softplus": 1, "leaky_relu": 1, "softsign": 1, "gelu": 4, "mish": 3, "hard_sigmoid": 1,
+                "hard_swish": 2, "hard_silu": 2}
+_KEEPS_OUTPUT_PLUS = {"swish": 1, "silu": 1}
+
+
+class _Node:
+    """A layer application: its inputs and outputs as graph tensor ids and per-sample sizes."""
+
+    def __init__(self, name, layer, inputs, outputs, in_sizes, out_sizes, in_shapes, out_shapes):
+        self.name, self.layer = name, layer
+        self.inputs, self.outputs = inputs, outputs
+        self.in_sizes, self.out_sizes = in_sizes, out_sizes
+        self.in_shapes, self.out_shapes = in_shapes, out_shapes
+
+
+# ---------------------------------------------------------------- Keras 2 / 3 access
+
+def _layer_of(node):
+    return getattr(node, "operation", None) or getattr(node, "layer")
+
+
+def _node_inputs(node) -> list:
+    ins = getattr(node, "keras_inputs", None)  # Keras 2: a flat list
+    if ins is None:
+        ins = getattr(node, "input_tensors", None) or []  # Keras 3
+    return _flatten(ins)
+
+
+def _flatten(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flatten(item)]
+    if isinstance(x, dict):
+        return [y for item in x.values() for y in _flatten(item)]
+    return [x]
+
+
+def _node_outputs(node) -> list:
+    outs = getattr(node, "output_tensors", None)
+    if outs is None:
+        outs = node.outputs
+    return _flatten(outs)
+
+
+def _key(t) -> Tuple[str, int, int]:
+    h = t._keras_history
+    return (h[0].name, int(h[1]), int(h[2]))
+
+
+def _shape(t) -> Tuple[Optional[int], ...]:
+    shp = t.shape
+    dims = getattr(shp, "dims", None)
+    if dims is not None and not isinstance(shp, tuple):
+        return tuple(getattr(d, "value", d) for d in shp)
+    return tuple(shp)
+
+
+def _dtype_name(t) -> str:
+    d = getattr(t, "dtype", "float32")
+    return getattr(d, "name", None) or str(d)
+
+
+def _graph_nodes(model) -> Optional[list]:
+    inner = getattr(model, "_functional", None)  # a built Keras 3 Sequential
+    if inner is not None:
+        model = inner
+    by_depth = getattr(model, "_nodes_by_depth", None)
+    if not by_depth:
+        return None
+    out = []
+    for depth in sorted(by_depth, reverse=True):
+        out.extend(by_depth[depth])
+    return out
+
+
+def _model_io(model):
+    inner = getattr(model, "_functional", None)
+    m = inner if inner is not None else model
+    return _flatten(m.inputs), _flatten(m.outputs)
+
+
+def _is_graph_model(layer) -> bool:
+    return _graph_nodes(layer) is not None and hasattr(layer, "inputs") and getattr(layer, "inputs", None)
+
+
+def _weights(layer):
+    return list(getattr(layer, "weights", []) or [])
+
+
+def _trainable_weights(layer):
+    return list(getattr(layer, "trainable_weights", []) or [])
+
+
+def _numel(shape) -> int:
+    return int(math.prod(int(d) for d in shape)) if len(shape) else 1
+
+
+def _act_name(fn) -> str:
+    if fn is None:
+        return "linear"
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return str(name).lower()
+
+
+# ---------------------------------------------------------------- rules
+
+class _Rule:
+    """What one layer keeps: indices of kept inputs and outputs, extra kept buffers and
+    temporaries (bytes per sample), whether its output shares its input's buffer."""
+
+    def __init__(self):
+        self.keep_in: set = set()
+        self.keep_out: set = set()
+        self.kept_extra: List[int] = []
+        self.temps: List[int] = []
+        self.backward_temps: List[int] = []
+        self.alias = False
+        self.note = ""
+        self.extra_grad_per_sample = 0
+        self.backward_fixed: List[int] = []
+
+
+def _activation(rule: _Rule, fn, out_size: int, internal_pre: bool) -> None:
+    """Add what activation ``fn`` keeps. ``internal_pre``: the activation's input is a
+    temporary inside the layer (Dense(activation=...)), not one of the layer's inputs."""
+    name = _act_name(fn)
+    if name in ("linear", "identity", "none"):
+        return
+    if internal_pre:
+        rule.temps.append(out_size)  # pre-activation
+    if name in _KEEPS_OUTPUT:
+        rule.keep_out.add(0)
+        return
+    if name in _KEEPS_OUTPUT_PLUS:
+        rule.keep_out.add(0)
+        rule.kept_extra.append(_KEEPS_OUTPUT_PLUS[name] * out_size)
+        rule.temps.append(out_size)  # sigmoid(beta * x) before the product
+        return
+    k = _KEEPS_INPUT.get(name)
+    if k is None:
+        rule.note = f"activation {name!r} has no rule; assumed it keeps its input and output"
+        k = 1
+        rule.keep_out.add(0)
+    if internal_pre:
+        rule.kept_extra.extend([out_size] * k)
+    else:
+        rule.keep_in.add(0)
+        rule.kept_extra.extend([out_size] * (k - 1))
+    rule.temps.append(out_size)
+
+
+def _rnn_rule(rule: _Rule, layer, node: _Node, cb: int) -> None:
+    cell = getattr(layer, "cell", None)
+    units = int(getattr(layer, "units", None) or getattr(cell, "units", 0) or 0)
+    in_shape = node.in_shapes[0]
+    steps = int(in_shape[1] or 1) if len(in_shape) >= 3 else 1
+    feat = int(in_shape[-1] or 1)
+    kind = type(cell).__name__ if cell is not None else type(layer).__name__
+    # per timestep, TensorFlow keeps what each step's gradient reads: the step input and previous
+    # state for the two matmuls, plus the gate outputs and products named below
+    # (each is its own small buffer per step, held in the loop's gradient accumulators)
+    if "LSTM" in kind:
+        hidden = 7   # h, c, sigmoid i f o, tanh(g), tanh(c)
+    elif "GRU" in kind:
+        hidden = 6   # h, z, r, recurrent h part, tanh(hh), 1 - z
+    else:
+        hidden = 2   # h, tanh output
+    rule.kept_extra.extend(([feat * cb] + [units * cb] * hidden) * steps)
+    rule.backward_temps.append(steps * (feat + units) * cb)  # stacked per-step gradients
+    rule.temps.append(steps * feat * cb)  # the time-major copy of the input
+    # the loop's weight gradients are summed step by step: per-step partials of the kernel and the
+    # recurrent kernel are in flight beside the accumulators (batch-free, hence ``fixed``)
+    cell = cell if cell is not None else layer
+    for w in _trainable_weights(cell)[:2]:
+        rule.backward_fixed.extend([_numel(w.shape) * 4] * TF_RNN_PARTIAL_WEIGHT_GRADS)
+
+
+def _mha_rule(rule: _Rule, layer, node: _Node, cb: int) -> None:
+    q_shape = node.in_shapes[0]
+    v_shape = node.in_shapes[1] if len(node.in_shapes) > 1 else q_shape
+    tq = int(math.prod(int(d or 1) for d in q_shape[1:-1])) or 1
+    tv = int(math.prod(int(d or 1) for d in v_shape[1:-1])) or 1
+    heads = int(getattr(layer, "_num_heads", None) or getattr(layer, "num_heads", 1))
+    kd = int(getattr(layer, "_key_dim", None) or getattr(layer, "key_dim", 1))
+    vd = int(getattr(layer, "_value_dim", None) or getattr(layer, "value_dim", None) or kd)
+    dropout = float(getattr(layer, "_dropout", None) or getattr(layer, "dropout", 0.0) or 0.0)
+    scores = heads * tq * tv * cb
+    rule.keep_in.update(range(len(node.inputs)))            # the projections' einsums read their inputs
+    rule.kept_extra += [tq * heads * kd * cb, tv * heads * kd * cb, tv * heads * vd * cb]  # scaled Q, K, V
+    rule.kept_extra.append(scores)                           # softmax keeps its output
+    if dropout > 0:
+        rule.kept_extra += [scores, heads * tq * tv * BOOL_MASK_BYTES]  # dropped scores, keep mask
+    rule.kept_extra.append(tq * heads * vd * cb)             # attention output read by the out projection
+    rule.temps.extend([scores, tq * heads * kd * cb])        # raw scores, unscaled Q
+    rule.backward_temps.extend([scores, scores])             # score gradient and softmax-grad product
+
+
+def _tfop_rule(rule: _Rule, layer, node: _Node) -> None:
+    sym = str(getattr(layer, "symbol", "") or getattr(getattr(layer, "function", None), "__name__", "")).lower()
+    tail = sym.split(".")[-1]
+    n_tensors = len(node.inputs)
+    if tail in ("add", "subtract", "add_n", "concat", "truediv", "divide", "reduce_mean", "reduce_sum",
+                "cast", "transpose", "pad", "identity", "stop_gradient", "expand_dims", "squeeze",
+                "split", "gather", "stack", "unstack", "__getitem__", "strided_slice", "tile",
+                "negative", "neg", "reduce_mean", "mean", "sum"):
+        if tail in ("truediv", "divide") and n_tensors > 1:
+            rule.keep_in.update(range(n_tensors))
+        if tail in ("expand_dims", "squeeze", "identity", "stop_gradient"):
+            rule.alias = True
+        return
+    if tail in ("reshape",):
+        rule.alias = True
+        return
+    if tail in ("multiply", "matmul", "einsum", "maximum", "minimum", "pow", "square", "sqrt", "rsqrt",
+                "log", "reduce_max", "reduce_min", "abs", "erf"):
+        if tail in ("multiply", "maximum", "minimum") and n_tensors < 2:
+            return  # times a constant: the gradient reads only the constant
+        rule.keep_in.update(range(n_tensors))
+        if tail in ("reduce_max", "reduce_min", "sqrt", "rsqrt"):
+            rule.keep_out.add(0)
+        return
+    if tail in ("relu", "relu6", "sigmoid", "tanh", "softmax", "exp", "elu", "selu", "log_softmax"):
+        rule.keep_out.add(0)
+        return
+    if tail in ("gelu", "silu", "swish", "softplus", "leaky_relu", "leaky_relu"):
+        _activation(rule, type("f", (), {"__name__": tail}), node.out_sizes[0], internal_pre=False)
+        return
+    rule.keep_in.update(range(n_tensors))
+    rule.keep_out.add(0)
+    rule.note = f"TensorFlow op {sym or '?'} has no rule; assumed it keeps its inputs and output"
+
+
+def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
+    r = _Rule()
+    kind = type(layer).__name__
+    out0 = node.out_sizes[0] if node.out_sizes else 0
+    cb = prec.compute_bytes
+    act = getattr(layer, "activation", None)
+    if kind in ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Convolution1D", "Convolution2D",
+                "Convolution3D", "DepthwiseConv1D", "DepthwiseConv2D", "Conv1DTranspose", "Conv2DTranspose",
+                "Conv3DTranspose", "Convolution2DTranspose", "LocallyConnected1D", "LocallyConnected2D"):
+        r.keep_in.add(0)  # the weight gradient (and the input gradient's transpose) read the input
+        _activation(r, act, out0, internal_pre=True)
+    elif kind in ("SeparableConv1D", "SeparableConv2D", "SeparableConvolution2D"):
+        r.keep_in.add(0)
+        filters = int(getattr(layer, "filters", 1) or 1)
+        in_ch = int(node.in_shapes[0][-1] or 1)
+        dm = int(getattr(layer, "depth_multiplier", 1) or 1)
+        r.kept_extra.append(out0 // filters * in_ch * dm)  # depthwise output, read by the pointwise conv
+        _activation(r, act, out0, internal_pre=True)
+    elif kind in ("BatchNormalization", "SyncBatchNormalization"):
+        r.keep_in.add(0)  # FusedBatchNormGrad reads x (and per-channel statistics)
+    elif kind in ("LayerNormalization", "GroupNormalization", "UnitNormalization", "RMSNormalization"):
+        r.keep_in.add(0)
+        r.kept_extra.append(out0)  # the normalised tensor, read by the gamma product
+        r.temps.append(out0)
+    elif kind in ("Activation", "ReLU", "ELU", "Softmax", "LeakyReLU", "PReLU", "ThresholdedReLU"):
+        if kind == "ReLU":
+            slope = float(getattr(layer, "negative_slope", 0.0) or 0.0)
+            thr = float(getattr(layer, "threshold", 0.0) or 0.0)
+            r.keep_out.add(0) if (slope == 0 and thr == 0) else r.keep_in.add(0)
+        elif kind in ("ELU", "Softmax"):
+            r.keep_out.add(0)
+        elif kind in ("LeakyReLU", "PReLU", "ThresholdedReLU"):
+            r.keep_in.add(0)
+        else:
+            _activation(r, act, out0, internal_pre=False)
+    elif kind in ("Add", "Subtract", "Average", "Concatenate", "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D",
+                  "Cropping1D", "Cropping2D", "Cropping3D", "Permute", "RepeatVector", "UpSampling1D",
+                  "GlobalAveragePooling1D", "GlobalAveragePooling2D", "GlobalAveragePooling3D",
+                  "AveragePooling1D", "AveragePooling2D", "AveragePooling3D", "Rescaling", "Resizing",
+                  "CenterCrop", "RandomFlip", "RandomCrop", "RandomRotation", "RandomZoom",
+                  "RandomTranslation", "RandomContrast", "Masking", "ActivityRegularization",
+                  "GaussianNoise", "CategoryEncoding", "Identity"):
+        if kind == "Average":
+            pass
+    elif kind in ("UpSampling2D", "UpSampling3D"):
+        if str(getattr(layer, "interpolation", "nearest")) != "nearest":
+            r.keep_in.add(0)
+    elif kind in ("Reshape", "Flatten"):
+        r.alias = True
+    elif kind in ("Multiply", "Maximum", "Minimum", "Dot"):
+        r.keep_in.update(range(len(node.inputs)))
+    elif kind in ("MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "GlobalMaxPooling1D", "GlobalMaxPooling2D",
+                  "GlobalMaxPooling3D"):
+        r.keep_in.add(0)
+        r.keep_out.add(0)  # MaxPoolGrad reads the input and the output
+    elif kind in ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout",
+                  "GaussianDropout"):
+        rate = float(getattr(layer, "rate", 0.0) or 0.0)
+        if rate > 0:
+            if getattr(layer, "noise_shape", None) is not None or kind.startswith("Spatial"):
+                # a broadcast mask: x * mask, whose gradient reads x (the mask itself is small)
+                r.keep_in.add(0)
+            else:
+                numel = out0 // max(cb, 1) if node.out_sizes else 0
+                r.kept_extra.append(numel * BOOL_MASK_BYTES)  # SelectV2's gradient reads the keep mask
+            r.temps.extend([out0, out0])  # the uniform sample and the scaled input
+    elif kind == "Normalization":
+        r.keep_in.add(0)
+    elif kind == "Embedding":
+        # the gradient is an IndexedSlices of the looked-up rows: batch-sized, not table-sized
+        r.extra_grad_per_sample = out0
+    elif kind in ("LSTM", "GRU", "SimpleRNN", "RNN", "ConvLSTM2D"):
+        _rnn_rule(r, layer, node, cb)
+    elif kind == "Bidirectional":
+        fwd = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
+        _rnn_rule(r, fwd, node, cb)
+        r.kept_extra[:] = r.kept_extra * 2
+        r.backward_temps[:] = [2 * x for x in r.backward_temps]
+    elif kind == "TimeDistributed":
+        inner = getattr(layer, "layer", None)
+        sub = _rule_for(inner, node, prec) if inner is not None else r
+        return sub
+    elif kind == "MultiHeadAttention":
+        _mha_rule(r, layer, node, cb)
+    elif kind in ("TFOpLambda", "SlicingOpLambda"):
+        _tfop_rule(r, layer, node)
+    elif kind == "InputLayer":
+        pass
+    else:
+        r.keep_in.update(range(len(node.inputs)))
+        r.keep_out.update(range(len(node.outputs)))
+        r.note = (f"no sizing rule for layer type {kind}; fallback: assumed it keeps its inputs and "
+                  f"outputs for the backward pass")
+    return r
+
+
+# ---------------------------------------------------------------- graph building
+
+class _Builder:
+    def __init__(self, prec: Precision, override_dtype: bool):
+        self.g = Graph()
+        self.prec = prec
+        self.override = override_dtype
+        self.ids: Dict[Tuple[str, int, int], int] = {}
+        self.rows: List[LayerEstimate] = []
+        self.row_of_layer: Dict[int, int] = {}
+        self.layer_objs: List[Any] = []
+        self.notes: List[str] = []
+        self.per_row_temps: Dict[int, int] = {}
+
+    def tensor_bytes(self, t) -> Tuple[int, Tuple]:
+        shape = _shape(t)
+        dims = shape[1:] if len(shape) else ()
+        unknown = [i for i, d in enumerate(dims, 1) if d is None]
+        if unknown:
+            raise ConfigError(f"tensor {getattr(t, 'name', '?')} has an unknown size in dimension(s) {unknown} "
+                              f"(shape {shape}); build the model with a full input shape, e.g. "
+                              f"keras.Input(shape=(128, 64)) or --input-shape 128,64")
+        name = _dtype_name(t)
+        b = dtype_bytes(name)
+        if self.override and name in ("float32", "float16", "bfloat16"):
+            b = self.prec.compute_bytes
+        return _numel(dims) * b, shape
+
+    def tid(self, t) -> int:
+        k = _key(t)
+        if k not in self.ids:
+            size, _ = self.tensor_bytes(t)
+            self.ids[k] = self.g.add(size)
+        return self.ids[k]
+
+    def row_for(self, layer, name: str) -> int:
+        if id(layer) in self.row_of_layer:
+            return self.row_of_layer[id(layer)]
+        row = len(self.rows)
+        self.rows.append(LayerEstimate(name=name, kind=type(layer).__name__))
+        self.row_of_layer[id(layer)] = row
+        self.layer_objs.append(layer)
+        return row
+
+    def add_model(self, model, prefix: str = "", mapping: Optional[Dict[Tuple, int]] = None) -> None:
+        nodes = _graph_nodes(model)
+        if nodes is None:
+            raise ConfigError(f"model {getattr(model, 'name', type(model).__name__)} has no layer graph "
+                              f"(a subclassed Model); build it with the functional API or Sequential, or "
+                              f"estimate the layers you can express functionally")
+        for node in nodes:
+            layer = _layer_of(node)
+            ins, outs = _node_inputs(node), _node_outputs(node)
+            if getattr(node, "is_input", False) or type(layer).__name__ == "InputLayer":
+                for t in outs:
+                    k = _key(t)
+                    if mapping is not None and k in mapping:
+                        self.ids[k] = mapping[k]
+                    else:
+                        tid = self.tid(t)
+                        if tid not in self.g.inputs:
+                            self.g.inputs = (*self.g.inputs, tid)
+                continue
+            if _is_graph_model(layer):
+                inner_ins, inner_outs = _model_io(layer)
+                inner_map = {_key(it): self.tid(ot) for it, ot in zip(inner_ins, ins)}
+                self.add_model(layer, prefix + layer.name + "/", inner_map)
+                for it, ot in zip(inner_outs, outs):
+                    self.ids[_key(ot)] = self.g.add(0, alias=self.ids[_key(it)])
+                continue
+            self.add_node(layer, prefix + layer.name, ins, outs)
+
+    def add_node(self, layer, name: str, ins, outs) -> None:
+        in_ids = [self.tid(t) for t in ins]
+        in_sizes, in_shapes = zip(*[self.tensor_bytes(t) for t in ins]) if ins else ((), ())
+        out_info = [self.tensor_bytes(t) for t in outs]
+        out_sizes = [s for s, _ in out_info]
+        out_shapes = [s for _, s in out_info]
+        node = _Node(name, layer, in_ids, list(range(len(outs))), list(in_sizes), out_sizes, list(in_shapes),
+                     out_shapes)
+        rule = _rule_for(layer, node, self.prec)
+        out_ids = []
+        for j, t in enumerate(outs):
+            k = _key(t)
+            if rule.alias and in_ids and j == 0:
+                self.ids[k] = self.g.add(0, alias=in_ids[0])
+            elif k not in self.ids:
+                self.ids[k] = self.g.add(out_sizes[j])
+            out_ids.append(self.ids[k])
+        row = self.row_for(layer, name)
+        saved = [in_ids[i] for i in sorted(rule.keep_in) if i < len(in_ids)]
+        saved += [out_ids[i] for i in sorted(rule.keep_out) if i < len(out_ids)]
+        temps = []
+        for b in rule.kept_extra:
+            t = self.g.add(b)
+            temps.append(t)
+            saved.append(t)
+        transient = [self.g.add(b) for b in rule.temps]
+        temps += transient
+        bwd = [self.g.add(b) for b in rule.backward_temps] + [self.g.add(0, b) for b in rule.backward_fixed]
+        if rule.extra_grad_per_sample:
+            bwd.append(self.g.add(rule.extra_grad_per_sample))
+        # weights: the fp32 variables, and under mixed precision their compute-dtype cast copies,
+        # which the layer's matmul/conv keeps for the input gradient
+        tw = _trainable_weights(layer)
+        if self.prec.cast_weights and tw:
+            cast = self.g.add(0, sum(_numel(w.shape) for w in tw) * self.prec.compute_bytes)
+            temps.append(cast)
+            saved.append(cast)
+        self.per_row_temps[row] = max(self.per_row_temps.get(row, 0), max(rule.temps, default=0))
+        if rule.note:
+            self.notes.append(f"layer '{name}' ({type(layer).__name__}): {rule.note}")
+            if not self.rows[row].note:
+                self.rows[row].note = rule.note
+        self.g.nodes.append(Node(row=row, inputs=tuple(in_ids), outputs=tuple(out_ids), saved=tuple(saved),
+                                 temps=tuple(temps), backward_temps=tuple(bwd), trainable=bool(tw)))
+        self.rows[row].output_bytes_per_sample += sum(out_sizes) if not rule.alias else 0
+        self.rows[row].dtype = _dtype_name(outs[0]) if outs else self.rows[row].dtype
+        if self.override and self.rows[row].dtype in ("float32", "float16", "bfloat16"):
+            self.rows[row].dtype = {2: "float16" if self.prec.name.endswith("float16") else "bfloat16",
+                                    4: "float32"}[self.prec.compute_bytes]
+
+
+def _policy_precision(model) -> Precision:
+    names = set()
+    for layer in getattr(model, "layers", []) or []:
+        pol = getattr(layer, "dtype_policy", None)
+        names.add(str(getattr(pol, "name", pol) or "float32"))
+    for n in ("mixed_float16", "mixed_bfloat16"):
+        if n in names:
+            return resolve_precision(n)
+    return resolve_precision(None)
+
+
+def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
+                   precision: Any = None, loss_scale: Optional[bool] = None, device: str = "gpu",
+                   calibrate: Any = False, name: Optional[str] = None) -> Estimate:
+    """Per-layer training memory of a built Keras model at ``batch_size``.
+
+    ``optimizer``: the optimizer object you train with (its slots are read from a private copy of
+    it) or a name (``"adam"``, ``"sgd"``, ``"momentum"``, ``"rmsprop"``, ``"adagrad"``...).
+    ``precision``: ``None`` reads the model's dtype policy; ``"mixed_float16"`` /
+    ``"mixed_bfloat16"`` / ``"float32"`` override it (fp16/bf16 compute, fp32 master weights).
+    ``loss_scale``: whether gradients are unscaled as one group (default: with mixed_float16 or a
+    LossScaleOptimizer). ``device``: whose allocator the peak models — ``"gpu"`` counts every
+    buffer; ``"cpu"`` models what ``tf.config.experimental.get_memory_info('CPU:0')`` reports,
+    which leaves out buffers below :data:`TF_CPU_UNCOUNTED_BELOW` (the accuracy benchmark's mode).
+    ``calibrate``: ``True`` runs a few training steps of a copy of the model at a small batch on
+    CPU (:func:`distmem.estimate.profile.measure_keras_step`) and adds what the analytic replay of
+    that step missed (never subtracts); a dict ``{"batch": b, "peak": bytes}`` supplies a
+    measurement instead. Method ``"calibrated"``; costs one traced step (seconds).
+    """
+    if batch_size is None or int(batch_size) < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = int(batch_size)
+    if not hasattr(model, "layers"):
+        raise ConfigError(f"estimate_keras needs a built Keras model, got {type(model).__name__}")
+    if not getattr(model, "built", True) or not getattr(model, "inputs", None):
+        raise ConfigError(f"Keras model {getattr(model, 'name', '?')} is not built with known inputs; build it "
+                          f"with keras.Input(shape=...) or call model.build((None, ...)) first")
+    device = str(device).lower()
+    if device not in ("gpu", "cuda", "cpu"):
+        raise ConfigError(f"device must be 'gpu' or 'cpu', got {device!r}")
+    device = "cpu" if device == "cpu" else "gpu"
+    min_alloc = tf_cpu_uncounted_below() if device == "cpu" else 0
+    prec = resolve_precision(precision) if precision is not None else _policy_precision(model)
+    override = precision is not None
+    opt_info, opt_obj = keras_optimizer(optimizer)
+    if loss_scale is None:
+        loss_scale = prec.loss_scaling or "scaled" in opt_info.source
+
+    b = _Builder(prec, override)
+    b.add_model(model)
+    g = b.g
+    _, model_outs = _model_io(model)
+    out_ids = [b.ids[_key(t)] for t in model_outs]
+    # the loss: reads the model outputs, keeps ~2 output-sized fp32 tensors for its gradient
+    loss_row = len(b.rows)
+    numel_out = sum(int(_numel(_shape(t)[1:])) for t in model_outs)
+    loss_keep = g.add(LOSS_KEPT_FACTOR * numel_out * 4)
+    loss_out = g.add(0, 4)
+    g.nodes.append(Node(row=loss_row, inputs=tuple(out_ids), outputs=(loss_out,), saved=(loss_keep,),
+                        temps=(loss_keep,)))
+
+    # weights, gradients, optimizer state per row; each variable, slot, gradient and update
+    # temporary is its own allocation in the replay (so allocator rounding applies to each)
+    weights_alloc: List[int] = []
+    slots_alloc: List[int] = []
+    seen_vars = set()
+    first_node = {}
+    for k, node in enumerate(g.nodes):
+        first_node.setdefault(node.row, k)
+    for row, layer in enumerate(b.layer_objs):
+        r = b.rows[row]
+        trainable_ids = {id(w) for w in _trainable_weights(layer)}
+        grads: List[int] = []
+        update: List[int] = []
+        for w in _weights(layer):
+            if id(w) in seen_vars:
+                continue  # a shared weight is stored once
+            seen_vars.add(id(w))
+            shape = tuple(int(d) for d in w.shape)
+            n = _numel(shape)
+            wb = dtype_bytes(_dtype_name(w))
+            r.params += n
+            r.param_bytes += n * wb
+            weights_alloc.append(n * wb)
+            if id(w) in trainable_ids:
+                r.trainable_params += n
+                r.grad_bytes += n * wb
+                slots = opt_info.slot_elements(shape)
+                r.optimizer_bytes += slots * wb
+                if slots and slots % n == 0:
+                    slots_alloc.extend([n * wb] * (slots // n))
+                elif slots:
+                    slots_alloc.append(slots * wb)
+                grads.append(n * wb)
+                update.extend([n * wb] * KERAS_UPDATE_TEMPORARIES)
+        if row in first_node:
+            g.nodes[first_node[row]].grads = tuple(grads)
+            g.nodes[first_node[row]].update_temps = tuple(update)
+    g.persistent = weights_alloc + slots_alloc
+
+    input_per_sample = sum(g.tensors[t].per_sample for t in g.inputs)
+    label = g.add(8 * max(1, len(model_outs)))  # int64 class labels, held by the caller
+    g.inputs = (*g.inputs, label)
+    held = bool(loss_scale)
+
+    extra = [0]
+
+    def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
+        # TensorFlow's allocator is BFC on GPU and (for buffers of 256 KiB and more) on CPU; two
+        # steps, because the second starts from the first one's chunk layout
+        alloc = BFCAllocator(min_alloc)
+        out = replay(g, batch, grads_held=held, train=train, allocator=alloc, steps=2).as_dict()
+        if train and extra[0]:
+            out["analytic_peak"] = out["peak"]
+            out["peak"] = int(out["peak"]) + extra[0]
+        return out
+
+    rows = b.rows
+    # kept activations per row, from replays at batch 1 and 2 (fixed + per-sample), all counted
+    r1 = replay(g, 1, grads_held=held)
+    r2 = replay(g, 2, grads_held=held)
+    for row, r in enumerate(rows):
+        a1, a2 = r1.saved_by_row.get(row, 0), r2.saved_by_row.get(row, 0)
+        r.activation_bytes_per_sample = a2 - a1
+        r.activation_fixed_bytes = a1 - (a2 - a1)
+        r.workspace_bytes_per_sample = b.per_row_temps.get(row, 0)
+    if rows:  # the loss's kept tensors travel with the last layer
+        rows[-1].activation_bytes_per_sample += r2.saved_by_row.get(loss_row, 0) - r1.saved_by_row.get(loss_row, 0)
+
+    est = Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=batch_size,
+                   precision=prec.name, optimizer=opt_info.to_dict(), layers=rows, method="analytic",
+                   device=device, input_bytes_per_sample=input_per_sample, warnings=list(b.notes),
+                   _peak_fn=peak_fn)
+    for note in b.notes:
+        warnings.warn(f"distmem.estimate: {note}", stacklevel=2)
+    if calibrate:
+        from .profile import calibration_batch, measure_keras_step
+        point = calibrate if isinstance(calibrate, dict) else \
+            measure_keras_step(model, calibration_batch(batch_size), optimizer)
+        cpu_floor = tf_cpu_uncounted_below()
+        analytic = replay(g, int(point["batch"]), grads_held=held, allocator=BFCAllocator(cpu_floor), steps=2).peak
+        extra[0] = max(0, int(point["peak"]) - int(analytic))
+        est.method = "calibrated"
+        est.calibration = {"batch": int(point["batch"]), "measured_cpu_peak": int(point["peak"]),
+                           "analytic_cpu_peak": int(analytic), "added_bytes": extra[0]}
+    return est

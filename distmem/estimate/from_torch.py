@@ -1,0 +1,419 @@
+"""Per-layer estimate of a ``torch.nn.Module``: one training step replayed on the meta device.
+
+Method: simulation. The module runs forward, backward and two optimizer steps on torch's ``meta``
+device (shapes and dtypes, no data, no compute, no GPU), with the module's own parameters swapped
+for meta copies (``torch.func.functional_call``) so the user's module is untouched. A dispatch
+mode sees every buffer the step creates; each is handed to a model of the allocator the peak is
+for (:class:`~distmem.estimate.liveness.CudaCachingAllocator` for CUDA: 512-byte blocks, best fit,
+its split rules) and released when torch frees it, so what autograd keeps, when gradients appear
+and what the optimizer's ``foreach`` kernels allocate are torch's own behaviour rather than
+rules. Where a CUDA kernel saves less than its meta/CPU fallback would — scaled dot-product
+attention, whose fused kernels keep a log-sum-exp instead of the score matrix — the fused op is
+used. Each buffer is attributed to the innermost module running when it was made; the buffers
+still alive when the backward pass starts are that module's kept activations.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import ConfigError
+from ..units import MiB
+from .liveness import CudaCachingAllocator, ExactAllocator
+from .optimizers import torch_optimizer, torch_optimizer_factory
+from .precision import Precision, dtype_bytes, resolve_precision
+from .table import Estimate, LayerEstimate
+
+__all__ = ["estimate_torch", "CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "DEFAULT_TORCH_INPUT_SHAPE"]
+
+#: cuBLAS workspace torch allocates through its caching allocator, so it is part of
+#: ``max_memory_allocated``: 32 MiB on Hopper (sm90) by default (CUBLAS_WORKSPACE_CONFIG
+#: ``:4096:8``), 8.125 MiB on earlier GPUs (``:4096:2:16:8``). Kept for the life of the process.
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
+
+#: One workspace per (cuBLAS handle, stream), and handles are per thread: the forward runs on the
+#: Python thread, the backward on autograd's device thread, so a training step holds two.
+CUBLAS_WORKSPACES = 2
+
+#: Per-sample input shape assumed for a torchvision model when none is given.
+DEFAULT_TORCH_INPUT_SHAPE = (3, 224, 224)
+
+_ROW_OWN = " (own ops)"
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("estimating a PyTorch module needs torch; install it (pip install torch)") from None
+    return torch
+
+
+def _example(model: Any, example_input: Any, input_shape: Optional[Sequence[int]], batch: int,
+             input_dtype: Any) -> Tuple[tuple, Dict[str, Any]]:
+    """Positional and keyword inputs on the meta device at ``batch``."""
+    torch = _torch()
+    if example_input is None:
+        hook = getattr(model, "example_input", None)
+        if callable(hook):
+            example_input = hook(batch)
+        elif hook is not None:
+            example_input = hook
+    if example_input is None:
+        shape = tuple(input_shape or getattr(model, "_distmem_input_shape", None) or ())
+        if not shape:
+            raise ConfigError(f"{type(model).__name__}: give example_input= (a tensor or tuple of tensors with a "
+                              f"batch dimension) or input_shape= (one sample, e.g. (3, 224, 224)); the module "
+                              f"does not say what it takes")
+        dtype = input_dtype or torch.float32
+        return (torch.empty((batch, *shape), dtype=dtype, device="meta"),), {}
+
+    def meta(t):
+        if torch.is_tensor(t):
+            shape = (batch, *t.shape[1:]) if t.dim() > 0 else t.shape
+            return torch.empty(shape, dtype=t.dtype, device="meta")
+        return t
+    if isinstance(example_input, dict):
+        return (), {k: meta(v) for k, v in example_input.items()}
+    if isinstance(example_input, (list, tuple)):
+        return tuple(meta(t) for t in example_input), {}
+    return (meta(example_input),), {}
+
+
+class _Tracker:
+    """Counts every meta buffer through an allocator model and attributes it to a module."""
+
+    def __init__(self, allocator):
+        self.alloc = allocator
+        self.owner: Dict[int, int] = {}
+        self.size: Dict[int, int] = {}
+        self.stack: List[int] = []
+        self.rows: Dict[int, int] = {}  # id(module) -> row
+        self.row_names: List[Tuple[str, Any, bool]] = []
+        self.module_names: Dict[int, str] = {}
+        self.phase = "forward"
+        self.blas = False
+        self.peak_phase = "forward"
+        self.out_bytes: Dict[int, int] = {}
+
+    def row_of(self, module, own: bool) -> int:
+        key = id(module)
+        if key not in self.rows:
+            self.rows[key] = len(self.row_names)
+            name = self.module_names.get(key, type(module).__name__) or "(model)"
+            self.row_names.append((name + (_ROW_OWN if own else ""), module, own))
+        return self.rows[key]
+
+    def register(self, t) -> None:
+        torch = _torch()
+        if not torch.is_tensor(t) or t.device.type != "meta":
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.size:
+            return
+        n = st.nbytes()
+        self.size[key] = n
+        before = self.alloc.peak
+        self.alloc.alloc(key, n)
+        if self.alloc.peak > before:
+            self.peak_phase = self.phase
+        if self.phase == "forward" and self.stack:
+            self.owner[key] = self.stack[-1]
+        weakref.finalize(st, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.size.pop(key, None)
+        self.owner.pop(key, None)
+        self.alloc.free(key)
+
+
+def _dispatch_mode(tracker: _Tracker):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    # ops that run on cuBLAS, whose first use creates the workspaces
+    blas_ops = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_efficient_attention"}
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", str(func)).split(".")[0]
+            if name in blas_ops:
+                tracker.blas = True
+            for t in tree_flatten(out)[0]:
+                tracker.register(t)
+            return out
+    return Mode()
+
+
+@contextlib.contextmanager
+def _fused_sdpa(enabled: bool):
+    """Route scaled dot-product attention to the fused kernel CUDA runs (memory-efficient
+    attention keeps the output and a log-sum-exp, not the score matrix); the meta device would
+    otherwise take the math fallback, which keeps the full score matrix."""
+    torch = _torch()
+    F = torch.nn.functional
+    original = F.scaled_dot_product_attention
+    if not enabled:
+        yield
+        return
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or query.dim() != 4 or enable_gqa:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, query.requires_grad or key.requires_grad or value.requires_grad,
+            dropout_p, is_causal, scale=scale)
+        return out[0]
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _loss(output: Any, loss: Any):
+    torch = _torch()
+    if callable(loss):
+        return loss(output)
+    t = output
+    if isinstance(t, dict):
+        t = t.get("logits", next(iter(t.values())))
+    if isinstance(t, (list, tuple)):
+        t = t[0]
+    t = getattr(t, "logits", t)
+    if loss in ("auto", "cross_entropy") and t.dim() >= 2 and t.is_floating_point():
+        logits = t.reshape(-1, t.shape[-1])
+        target = torch.zeros(logits.shape[0], dtype=torch.long, device=t.device)
+        return torch.nn.functional.cross_entropy(logits.float() if t.dtype != torch.float32 else logits, target)
+    return t.float().sum() if t.dtype != torch.float32 else t.sum()
+
+
+def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Optional[Sequence[int]] = None,
+                   batch_size: int = 32, optimizer: Any = "adam", precision: Any = None,
+                   device: str = "cuda", loss: Any = "auto", input_dtype: Any = None,
+                   blas_workspace_bytes: Optional[int] = None, name: Optional[str] = None) -> Estimate:
+    """Per-layer training memory of ``model`` at ``batch_size``, simulated on the meta device.
+
+    ``example_input``: a tensor, tuple or dict like the model's input (its batch dimension is
+    replaced), or ``input_shape`` for one sample (``(3, 224, 224)``); a module may also carry an
+    ``example_input(batch)`` method. ``optimizer``: the optimizer object (or class, or name) you
+    train with; a fresh copy with the same options runs on the meta weights. ``precision``:
+    ``"mixed_float16"``/``"mixed_bfloat16"`` cast weights and inputs to the compute dtype from
+    fp32 masters, as autocast does. ``device``: ``"cuda"`` (the caching allocator's 512-byte
+    blocks and split rules, foreach optimizer kernels, fused attention, cuBLAS workspaces) or
+    ``"cpu"`` (exact bytes). ``loss``: ``"auto"`` (cross-entropy on the output's last dimension),
+    ``"sum"``, or a function of the output returning a scalar.
+    """
+    torch = _torch()
+    if batch_size is None or int(batch_size) < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"estimate_torch needs a torch.nn.Module, got {type(model).__name__}")
+    batch_size = int(batch_size)
+    dev = str(device).lower()
+    if dev not in ("cuda", "gpu", "cpu"):
+        raise ConfigError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    cuda = dev != "cpu"
+    prec = resolve_precision(precision)
+    info = torch_optimizer(optimizer)
+    factory = torch_optimizer_factory(optimizer)
+    workspace = (CUBLAS_WORKSPACE_BYTES if blas_workspace_bytes is None else int(blas_workspace_bytes)) if cuda else 0
+
+    names = {id(m): n for n, m in model.named_modules()}
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+
+    def run(batch: int, keep_table: bool, steps: int = 2, forward_only: bool = False) -> Dict[str, Any]:
+        alloc = CudaCachingAllocator() if cuda else ExactAllocator()
+        tracker = _Tracker(alloc)
+        tracker.module_names = names
+        mode = _dispatch_mode(tracker)
+        hooks = []
+
+        def pre(mod, args):
+            tracker.stack.append(id(mod))
+            tracker.row_of(mod, own=any(True for _ in mod.children()))
+
+        def post(mod, args, out):
+            if tracker.stack and tracker.stack[-1] == id(mod):
+                tracker.stack.pop()
+            row = tracker.rows.get(id(mod))
+            if row is not None and row not in tracker.out_bytes:
+                from torch.utils._pytree import tree_flatten
+                tracker.out_bytes[row] = sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                                             if torch.is_tensor(t))
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        with mode:
+            meta_params = {k: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+                           for k, p in params.items()}
+            meta_buffers = {k: torch.empty_like(b, device="meta") for k, b in buffers.items()}
+        trainable = [p for p in meta_params.values() if p.requires_grad]
+        over = {"foreach": True} if cuda else {"foreach": False}
+        opt = factory(trainable, over)
+        args, kwargs = _example(model, example_input, input_shape, batch, input_dtype)
+        for t in (*args, *kwargs.values()):
+            tracker.register(t)  # the batch is on the device for the whole step
+        cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
+        hooks.append(register_module_forward_pre_hook(pre))
+        hooks.append(register_module_forward_hook(post))
+        kept: Dict[int, int] = {}
+        peaks: List[int] = []
+        phases: List[str] = []
+        try:
+            with mode, _fused_sdpa(cuda):
+                for step in range(steps):
+                    alloc.reset_peak()
+                    tracker.peak_phase = "forward"
+                    tracker.phase = "forward"
+                    state = dict(meta_params)
+                    call_args = args
+                    if prec.cast_weights:
+                        # autocast semantics: compute-dtype copies of the fp32 masters, kept for backward
+                        state = {k: (v.to(cdt) if v.is_floating_point() else v) for k, v in state.items()}
+                        call_args = tuple(a.to(cdt) if torch.is_tensor(a) and a.is_floating_point() else a
+                                          for a in args)
+                    state.update(meta_buffers)
+                    out = torch.func.functional_call(model, state, call_args, kwargs)
+                    value = _loss(out, loss)
+                    if step == 0 and keep_table:
+                        for key, owner in list(tracker.owner.items()):
+                            row = tracker.rows.get(owner)
+                            if row is not None:
+                                kept[row] = kept.get(row, 0) + tracker.size.get(key, 0)
+                    tracker.phase = "backward"
+                    del state
+                    if forward_only:
+                        peaks.append(alloc.peak)
+                        phases.append(tracker.peak_phase)
+                        break
+                    # the output and loss stay referenced through backward and the update, as in
+                    # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
+                    value.backward()
+                    tracker.phase = "update"
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    del out, value, call_args
+                    if tracker.blas and workspace and ("cublas", 0) not in alloc.sizes:
+                        # created on the first matmul and kept for the process: part of every later step
+                        for i in range(CUBLAS_WORKSPACES):
+                            alloc.alloc(("cublas", i), workspace)
+                    peaks.append(alloc.peak)
+                    phases.append(tracker.peak_phase)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"could not run {type(model).__name__} on the meta device to size it "
+                              f"({type(exc).__name__}: {exc}); check example_input/input_shape, or estimate a "
+                              f"module whose forward does not read tensor values (no .item(), no data-dependent "
+                              f"shapes)") from None
+        finally:
+            for h in hooks:
+                h.remove()
+        step_peak = max(peaks)
+        res = {"peak": step_peak, "phase": phases[peaks.index(step_peak)], "node": -1, "batch": batch,
+               "steps": peaks}
+        if keep_table:
+            res["kept"] = kept
+            res["rows"] = tracker.row_names
+            res["out_bytes"] = dict(tracker.out_bytes)
+        return res
+
+    first = run(batch_size, True)
+    # the per-sample slope of each row's kept bytes: one more forward pass at batch + 1
+    second = run(batch_size + 1, True, steps=1, forward_only=True)
+    rows = _rows(first, second, params, info, prec, batch_size)
+    cache = {(batch_size, True): first}
+
+    def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
+        if train:
+            if (batch, True) not in cache:
+                cache[(batch, True)] = run(batch, False)
+            return {k: v for k, v in cache[(batch, True)].items() if k not in ("kept", "rows", "out_bytes")}
+        args, kwargs = _example(model, example_input, input_shape, batch, input_dtype)
+        peak = _inference_peak(model, params, buffers, args, kwargs, cuda, prec)
+        return {"peak": peak, "phase": "forward", "node": -1, "batch": batch}
+
+    est = Estimate(framework="torch", model=name or type(model).__name__, batch_size=batch_size,
+                   precision=prec.name, optimizer=info.to_dict(), layers=rows, method="simulated",
+                   device="cuda" if cuda else "cpu",
+                   input_bytes_per_sample=_input_bytes(model, example_input, input_shape, input_dtype),
+                   extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn)
+    est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in ("kept", "rows", "out_bytes")}
+    return est
+
+
+def _input_bytes(model, example_input, input_shape, input_dtype) -> int:
+    args, kwargs = _example(model, example_input, input_shape, 1, input_dtype)
+    torch = _torch()
+    return sum(t.numel() * t.element_size() for t in (*args, *kwargs.values()) if torch.is_tensor(t))
+
+
+def _inference_peak(model, params, buffers, args, kwargs, cuda, prec) -> int:
+    """Allocator peak of one forward pass under ``no_grad`` (eval mode), weights included."""
+    torch = _torch()
+    alloc = CudaCachingAllocator() if cuda else ExactAllocator()
+    tracker = _Tracker(alloc)
+    mode = _dispatch_mode(tracker)
+    with mode:
+        state = {k: torch.empty_like(p, device="meta") for k, p in params.items()}
+        state.update({k: torch.empty_like(b, device="meta") for k, b in buffers.items()})
+        if prec.cast_weights:
+            cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
+            state = {k: (v.to(cdt) if v.is_floating_point() else v) for k, v in state.items()}
+        with torch.no_grad(), _fused_sdpa(cuda):
+            was = model.training
+            model.eval()
+            try:
+                out = torch.func.functional_call(model, state, args, kwargs)
+            finally:
+                model.train(was)
+        del out
+    return alloc.peak
+
+
+def _rows(first, second, params, info, prec: Precision, batch: int) -> List[LayerEstimate]:
+    """Table rows in execution order from two simulations (``batch`` and ``batch + 1``)."""
+    rows: List[LayerEstimate] = []
+    for idx, (name, module, own) in enumerate(first["rows"]):
+        r = LayerEstimate(name=name, kind=type(module).__name__)
+        for p in module.parameters(recurse=False):
+            n = p.numel()
+            wb = dtype_bytes(p.dtype)
+            r.params += n
+            r.param_bytes += n * wb
+            if p.requires_grad:
+                r.trainable_params += n
+                r.grad_bytes += n * wb
+                r.optimizer_bytes += info.slot_elements(tuple(p.shape)) * wb
+        a1 = first["kept"].get(idx, 0)
+        a2 = second["kept"].get(idx, 0)
+        r.activation_bytes_per_sample = max(a2 - a1, 0)
+        r.activation_fixed_bytes = max(a1 - r.activation_bytes_per_sample * batch, 0)
+        o1, o2 = first["out_bytes"].get(idx, 0), second["out_bytes"].get(idx, 0)
+        r.output_bytes_per_sample = max(o2 - o1, 0)
+        r.dtype = "float32" if not prec.cast_weights else prec.name.replace("mixed_", "")
+        rows.append(r)
+    # parameters of modules that never ran still need memory
+    seen = set()
+    for _, m, _ in first["rows"]:
+        for p in m.parameters(recurse=False):
+            seen.add(id(p))
+    leftovers = [(n, p) for n, p in params.items() if id(p) not in seen]
+    if leftovers:
+        r = LayerEstimate(name="(unused parameters)", kind="Parameter")
+        for _, p in leftovers:
+            n = p.numel()
+            wb = dtype_bytes(p.dtype)
+            r.params += n
+            r.param_bytes += n * wb
+            if p.requires_grad:
+                r.trainable_params += n
+                r.grad_bytes += n * wb
+                r.optimizer_bytes += info.slot_elements(tuple(p.shape)) * wb
+        rows.append(r)
+    return [r for r in rows if r.params or r.activation_bytes_per_sample or r.activation_fixed_bytes
+            or not r.name.endswith(_ROW_OWN)]

@@ -1,0 +1,414 @@
+"""Replay a training step over a layer graph and find its memory peak. Pure.
+
+A step is a list of :class:`Node` (one per layer application, in forward order) reading and
+writing :class:`Tensor` s. The replay allocates each node's outputs and temporaries, frees a tensor
+after its last forward reader unless a node keeps it for the backward pass, then walks the nodes
+backwards: each allocates the gradients of its inputs and weights, frees the gradients of its
+outputs and the tensors only it still kept. Every allocation and free goes through an allocator
+model (:class:`ExactAllocator` counts requested bytes; :class:`BFCAllocator` reproduces
+TensorFlow's best-fit-with-coalescing allocator, whose chunks can be larger than the request), and
+the largest amount in use on the way is the peak the framework reports. What each node keeps is
+the framework's business (see ``from_keras``); this module only counts.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+__all__ = ["Tensor", "Node", "Graph", "Replay", "replay", "ExactAllocator", "BFCAllocator",
+           "CudaCachingAllocator",
+           "BFC_MIN_ALLOCATION", "BFC_FIRST_REGION", "BFC_MAX_INTERNAL_FRAGMENTATION"]
+
+#: TensorFlow's BFC allocator rounds every request up to a multiple of 256 bytes.
+BFC_MIN_ALLOCATION = 256
+#: With growth enabled its first region is 2 MiB; each later region doubles the previous one.
+BFC_FIRST_REGION = 2 * 1024 * 1024
+#: A free chunk is split only if it is at least twice the request or would waste 128 MiB or more;
+#: otherwise the whole chunk is handed out and counted as in use.
+BFC_MAX_INTERNAL_FRAGMENTATION = 128 * 1024 * 1024
+
+
+@dataclass
+class Tensor:
+    """A buffer of ``per_sample * batch + fixed`` bytes; ``alias`` names the tensor whose buffer
+    it shares (a reshape), so it costs nothing itself and keeps that buffer alive."""
+
+    per_sample: int
+    fixed: int = 0
+    alias: Optional[int] = None
+
+    def at(self, batch: int) -> int:
+        return self.per_sample * batch + self.fixed
+
+
+@dataclass
+class Node:
+    """One layer application.
+
+    ``saved``: tensor ids (inputs, outputs or temporaries) its gradient reads, so they stay alive
+    until this node's backward. ``temps``: buffers created inside the node; freed when it returns
+    unless saved. ``backward_temps``: buffers its backward allocates besides the input gradients.
+    ``grads``: bytes of each trainable weight's gradient. ``update_temps``: bytes of the optimizer
+    temporaries while one of its weights is updated (one entry per buffer, all weights).
+    """
+
+    row: int
+    inputs: Tuple[int, ...]
+    outputs: Tuple[int, ...]
+    saved: Tuple[int, ...] = ()
+    temps: Tuple[int, ...] = ()
+    backward_temps: Tuple[int, ...] = ()
+    grads: Tuple[int, ...] = ()
+    update_temps: Tuple[int, ...] = ()
+    trainable: bool = False
+
+
+@dataclass
+class Graph:
+    """A training step: tensors, nodes in forward order, the step's data inputs (held by the caller
+    for the whole step) and ``persistent`` (bytes of each weight and optimizer-state buffer,
+    alive throughout, in the order they were created)."""
+
+    tensors: List[Tensor] = field(default_factory=list)
+    nodes: List[Node] = field(default_factory=list)
+    inputs: Tuple[int, ...] = ()
+    persistent: List[int] = field(default_factory=list)
+
+    def add(self, per_sample: int, fixed: int = 0, alias: Optional[int] = None) -> int:
+        self.tensors.append(Tensor(int(per_sample), int(fixed), alias))
+        return len(self.tensors) - 1
+
+    def root(self, t: int) -> int:
+        while self.tensors[t].alias is not None:
+            t = self.tensors[t].alias  # type: ignore[assignment]
+        return t
+
+
+class ExactAllocator:
+    """Counts requested bytes; buffers below ``min_alloc`` are not counted (served from a pool
+    the allocator's statistics leave out)."""
+
+    def __init__(self, min_alloc: int = 0):
+        self.min_alloc = min_alloc
+        self.sizes: Dict[object, int] = {}
+        self.in_use = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.in_use
+
+    def alloc(self, key: object, size: int) -> None:
+        if size <= 0 or size < self.min_alloc:
+            return
+        self.sizes[key] = size
+        self.in_use += size
+        self.peak = max(self.peak, self.in_use)
+
+    def free(self, key: object) -> None:
+        self.in_use -= self.sizes.pop(key, 0)
+
+
+class BFCAllocator(ExactAllocator):
+    """TensorFlow's best-fit-with-coalescing allocator, as far as its byte count goes.
+
+    Requests round up to :data:`BFC_MIN_ALLOCATION`; the smallest free chunk that fits is taken
+    and split only when it is at least twice the request (else the whole chunk counts as in use);
+    freed chunks merge with free neighbours of their region; a new region is the next power-of-two
+    multiple of :data:`BFC_FIRST_REGION` (or the request, if larger).
+    """
+
+    def __init__(self, min_alloc: int = 0):
+        super().__init__(min_alloc)
+        self.region_bytes = BFC_FIRST_REGION
+        self.free_chunks: List[Tuple[int, int, int, int]] = []  # (pool, size, address, region), sorted
+        self.pool_of_region: Dict[int, int] = {}
+        self.chunks: Dict[int, Tuple[int, int, bool]] = {}  # address -> (size, region, in_use)
+        self.next_addr = 0
+        self.where: Dict[object, int] = {}
+
+    def _take_free(self, size: int, addr: int, region: int) -> None:
+        self.free_chunks.remove((self.pool_of_region[region], size, addr, region))
+
+    def _add_free(self, size: int, addr: int, region: int) -> None:
+        bisect.insort(self.free_chunks, (self.pool_of_region[region], size, addr, region))
+        self.chunks[addr] = (size, region, False)
+
+    def _round(self, size: int) -> int:
+        return max(BFC_MIN_ALLOCATION, -(-size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
+
+    def _split(self, chunk: int, rounded: int) -> bool:
+        return chunk >= 2 * rounded or chunk - rounded >= BFC_MAX_INTERNAL_FRAGMENTATION
+
+    def _pool(self, rounded: int) -> int:
+        return 0
+
+    def _extend(self, rounded: int) -> None:
+        grew = False
+        while rounded > self.region_bytes:
+            self.region_bytes *= 2
+            grew = True
+        size = self.region_bytes
+        addr = self.next_addr
+        self.next_addr += size
+        self.pool_of_region[addr] = 0
+        self._add_free(size, addr, addr)
+        if not grew:
+            self.region_bytes *= 2
+
+    def alloc(self, key: object, size: int) -> None:
+        if size <= 0 or size < self.min_alloc:
+            return
+        rounded = self._round(size)
+        pool = self._pool(rounded)
+        i = bisect.bisect_left(self.free_chunks, (pool, rounded, -1, -1))
+        if i == len(self.free_chunks) or self.free_chunks[i][0] != pool:
+            self._extend(rounded)
+            i = bisect.bisect_left(self.free_chunks, (pool, rounded, -1, -1))
+        _, csize, addr, region = self.free_chunks[i]
+        self._take_free(csize, addr, region)
+        if self._split(csize, rounded):
+            self._add_free(csize - rounded, addr + rounded, region)
+            csize = rounded
+        self.chunks[addr] = (csize, region, True)
+        self.where[key] = addr
+        self.sizes[key] = csize
+        self.in_use += csize
+        self.peak = max(self.peak, self.in_use)
+
+    def free(self, key: object) -> None:
+        addr = self.where.pop(key, None)
+        if addr is None:
+            return
+        self.in_use -= self.sizes.pop(key)
+        size, region, _ = self.chunks.pop(addr)
+        nxt = addr + size
+        if nxt in self.chunks and not self.chunks[nxt][2] and self.chunks[nxt][1] == region:
+            nsize = self.chunks.pop(nxt)[0]
+            self._take_free(nsize, nxt, region)
+            size += nsize
+        prev = self._prev_free(addr, region)
+        if prev is not None:
+            psize = self.chunks.pop(prev)[0]
+            self._take_free(psize, prev, region)
+            addr, size = prev, psize + size
+        self._add_free(size, addr, region)
+
+    def _prev_free(self, addr: int, region: int) -> Optional[int]:
+        for _, size, a, r in self.free_chunks:
+            if r == region and a + size == addr:
+                return a
+        return None
+
+
+#: torch's CUDA caching allocator rounds every request up to 512 bytes (kMinBlockSize).
+CUDA_MIN_BLOCK = 512
+#: Requests up to 1 MiB come from a pool of 2 MiB segments; a free block is split when at least
+#: 512 bytes would remain.
+CUDA_SMALL_SIZE = 1024 * 1024
+CUDA_SMALL_SEGMENT = 2 * 1024 * 1024
+#: Larger requests below 10 MiB get a 20 MiB segment; from 10 MiB a segment is the request
+#: rounded up to 2 MiB. A large free block is split only when more than 1 MiB would remain, so a
+#: reused block up to 1 MiB larger than the request counts whole in ``memory_allocated``.
+CUDA_MIN_LARGE_ALLOC = 10 * 1024 * 1024
+CUDA_LARGE_SEGMENT = 20 * 1024 * 1024
+CUDA_ROUND_LARGE = 2 * 1024 * 1024
+
+
+class CudaCachingAllocator(BFCAllocator):
+    """torch's CUDA caching allocator as far as ``max_memory_allocated`` goes: best fit within a
+    small and a large pool, the split rules and segment sizes above, segments kept (cached)."""
+
+    def _round(self, size: int) -> int:
+        return max(CUDA_MIN_BLOCK, -(-size // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
+
+    def _pool(self, rounded: int) -> int:
+        return 0 if rounded <= CUDA_SMALL_SIZE else 1
+
+    def _split(self, chunk: int, rounded: int) -> bool:
+        remaining = chunk - rounded
+        return remaining >= CUDA_MIN_BLOCK if rounded <= CUDA_SMALL_SIZE else remaining > CUDA_SMALL_SIZE
+
+    def _extend(self, rounded: int) -> None:
+        if rounded <= CUDA_SMALL_SIZE:
+            size = CUDA_SMALL_SEGMENT
+        elif rounded < CUDA_MIN_LARGE_ALLOC:
+            size = CUDA_LARGE_SEGMENT
+        else:
+            size = -(-rounded // CUDA_ROUND_LARGE) * CUDA_ROUND_LARGE
+        addr = self.next_addr
+        self.next_addr += size
+        self.pool_of_region[addr] = self._pool(rounded)
+        self._add_free(size, addr, addr)
+
+
+@dataclass
+class Replay:
+    """What a replay found, in bytes at ``batch``.
+
+    ``peak``: the largest amount in use. ``phase``/``node``: where it happened (``"forward"``,
+    ``"backward"`` or ``"update"``; node index or -1). ``saved``: activations alive when the
+    backward pass starts. ``saved_by_row``: those per table row (the earliest node keeping each).
+    ``forward_peak``: the peak of a forward pass that keeps nothing (inference).
+    """
+
+    batch: int
+    peak: int
+    phase: str
+    node: int
+    saved: int
+    saved_by_row: Dict[int, int]
+    forward_peak: int
+    saved_at_peak: int = 0
+    grads_at_peak: int = 0
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"batch": self.batch, "peak": self.peak, "phase": self.phase, "node": self.node,
+                "saved": self.saved, "forward_peak": self.forward_peak, "saved_at_peak": self.saved_at_peak,
+                "grads_at_peak": self.grads_at_peak}
+
+
+def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
+           allocator: Optional[ExactAllocator] = None, steps: int = 1) -> Replay:
+    """Replay ``steps`` training steps at ``batch`` and return the largest peak.
+
+    ``grads_held``: weight gradients stay alive until one optimizer step after the backward pass
+    (torch, loss-scaled Keras); otherwise each is applied and freed as soon as it exists (a Keras
+    graph, whose per-variable updates depend only on their own gradient). ``train=False``
+    replays a forward pass only. ``allocator``: how bytes are counted (default: exactly).
+    """
+    g = graph
+    root = g.root
+    size = [0 if t.alias is not None else t.at(batch) for t in g.tensors]
+    nodes = g.nodes
+    a = allocator if allocator is not None else ExactAllocator()
+
+    needs_grad = set()
+    needs_backward = [False] * len(nodes)
+    if train:
+        for k, n in enumerate(nodes):
+            if n.trainable or any(root(i) in needs_grad for i in n.inputs):
+                needs_backward[k] = True
+                needs_grad.update(root(o) for o in n.outputs)
+
+    # a kept tensor lives until the backward of its earliest keeper (the backward walks nodes in reverse)
+    kept_until: Dict[int, int] = {}
+    for k, n in enumerate(nodes):
+        if needs_backward[k]:
+            for t in n.saved:
+                r = root(t)
+                kept_until[r] = min(kept_until.get(r, k), k)
+    last_read: Dict[int, int] = {}
+    for k, n in enumerate(nodes):
+        for t in n.inputs:
+            last_read[root(t)] = k
+    held = {root(t) for t in g.inputs}
+    freed_after: Dict[int, List[int]] = {}
+    for t, k in kept_until.items():
+        if t not in held:
+            freed_after.setdefault(k, []).append(t)
+    saved_by_row: Dict[int, int] = {}
+    for t, k in kept_until.items():
+        if t not in held:
+            saved_by_row[nodes[k].row] = saved_by_row.get(nodes[k].row, 0) + size[t]
+    saved_total = sum(saved_by_row.values())
+
+    for i, nbytes in enumerate(g.persistent):
+        a.alloc(("w", i), nbytes)
+    for t in held:
+        a.alloc(t, size[t])
+    best = [a.in_use, "forward", -1, 0, 0]
+    forward_peak = a.in_use
+    kept_live = [0]
+    weight_grads = [0]
+
+    def mark(phase: str, k: int) -> None:
+        if a.in_use > best[0]:
+            best[:] = [a.in_use, phase, k, kept_live[0], weight_grads[0]]
+
+    for _ in range(max(1, steps)):
+        allocated = set(held)
+        kept_live[0] = 0
+        for k, n in enumerate(nodes):
+            fresh = list(dict.fromkeys(root(t) for t in (*n.outputs, *n.temps) if root(t) not in allocated))
+            allocated.update(fresh)
+            for t in fresh:
+                a.alloc(t, size[t])
+                if t in kept_until:
+                    kept_live[0] += size[t]
+            mark("forward", k)
+            forward_peak = max(forward_peak, a.in_use)
+            for t in fresh:
+                if t in kept_until or t in held or last_read.get(t, -1) > k:
+                    continue
+                a.free(t)
+                allocated.discard(t)
+            for t in dict.fromkeys(root(i) for i in n.inputs):
+                if last_read.get(t) == k and t not in kept_until and t not in held and t in allocated:
+                    a.free(t)
+                    allocated.discard(t)
+        if not train:
+            for t in list(allocated):
+                if t not in held:
+                    a.free(t)
+            return Replay(batch, forward_peak, "forward", -1, 0, {}, forward_peak)
+
+        grad_of: Dict[int, bool] = {}
+        pending: List[Tuple[str, int, int]] = []
+        for k in range(len(nodes) - 1, -1, -1):
+            if not needs_backward[k]:
+                continue
+            n = nodes[k]
+            extra = []
+            for i in dict.fromkeys(root(t) for t in n.inputs):
+                if i not in needs_grad:
+                    continue
+                if i in grad_of:
+                    extra.append((("g+", i), size[i]))  # a second contribution, summed into the first
+                else:
+                    grad_of[i] = True
+                    a.alloc(("g", i), size[i])
+            for j, t in enumerate(n.backward_temps):
+                extra.append((("bt", k, j), size[root(t)]))
+            for key, nbytes in extra:
+                a.alloc(key, nbytes)
+            for j, nbytes in enumerate(n.grads):
+                a.alloc(("wg", k, j), nbytes)
+                weight_grads[0] += nbytes
+            mark("backward", k)
+            if not grads_held:
+                for j, nbytes in enumerate(n.update_temps):
+                    a.alloc(("ut", k, j), nbytes)
+                mark("backward", k)
+                for j in range(len(n.update_temps)):
+                    a.free(("ut", k, j))
+                for j, nbytes in enumerate(n.grads):
+                    a.free(("wg", k, j))
+                    weight_grads[0] -= nbytes
+            else:
+                pending.extend(("wg", k, j) for j in range(len(n.grads)))
+            for key, _ in extra:
+                a.free(key)
+            for o in dict.fromkeys(root(t) for t in n.outputs):
+                if grad_of.pop(o, False):
+                    a.free(("g", o))
+            for t in freed_after.get(k, ()):
+                a.free(t)
+                kept_live[0] -= size[t]
+        for i in list(grad_of):
+            a.free(("g", i))
+        if grads_held:
+            for k, n in enumerate(nodes):
+                for j, nbytes in enumerate(n.update_temps):
+                    a.alloc(("ut", k, j), nbytes)
+                    mark("update", k)
+                    a.free(("ut", k, j))
+            for key in pending:
+                a.free(key)
+            weight_grads[0] = 0
+        for t in allocated:
+            if t not in held and t not in kept_until:
+                a.free(t)
+    peak, phase, where, saved_at, grads_at = best
+    return Replay(batch, int(peak), str(phase), int(where), saved_total, saved_by_row, forward_peak,
+                  int(saved_at), int(grads_at))

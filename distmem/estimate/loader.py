@@ -1,0 +1,147 @@
+"""Turn a model spec from the command line into a built model, on CPU or torch's meta device.
+
+Specs: ``keras:MobileNetV2`` (a ``keras.applications`` model, ``weights=None``),
+``torchvision:resnet50`` (a ``torchvision.models`` builder, ``weights=None``, built on the meta
+device so nothing is allocated), ``module.path:factory`` (your own function returning a Keras model
+or a ``torch.nn.Module``; it gets ``input_shape=`` if it accepts it).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from typing import Any, Optional, Sequence, Tuple
+
+from ..errors import ConfigError
+
+__all__ = ["load_model", "parse_shape", "framework_of", "DEFAULT_KERAS_INPUT_SHAPE"]
+
+#: Keras applications' own default input (height, width, channels).
+DEFAULT_KERAS_INPUT_SHAPE = (224, 224, 3)
+
+
+def parse_shape(text: Any) -> Optional[Tuple[int, ...]]:
+    """``"96,96,3"`` / ``"96x96x3"`` / ``(96, 96, 3)`` -> ``(96, 96, 3)``; ``None`` stays ``None``."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (list, tuple)):
+        parts = list(text)
+    else:
+        parts = [p for p in str(text).replace("x", ",").replace(" ", "").split(",") if p]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ConfigError(f"input shape {text!r}: expected whole numbers separated by commas, e.g. 96,96,3 "
+                          f"(one sample, no batch dimension)") from None
+    if not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"input shape {text!r}: every dimension must be a positive integer, e.g. 96,96,3")
+    return shape
+
+
+def framework_of(model: Any) -> str:
+    """``"torch"`` for a ``torch.nn.Module``, ``"keras"`` for a Keras model."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(model, torch.nn.Module):
+        return "torch"
+    if hasattr(model, "layers") and hasattr(model, "count_params"):
+        return "keras"
+    raise ConfigError(f"cannot size a {type(model).__module__}.{type(model).__name__}: distmem estimates Keras "
+                      f"models and torch.nn.Module objects")
+
+
+def _keras_app(name: str, shape: Optional[Tuple[int, ...]]):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        import tensorflow as tf
+        apps = tf.keras.applications
+    except ImportError:
+        try:
+            import keras
+            apps = keras.applications
+        except ImportError:
+            raise ConfigError(f"keras:{name} needs TensorFlow (or Keras 3); install tensorflow") from None
+    fn = getattr(apps, name, None)
+    if fn is None or not callable(fn):
+        known = sorted(n for n in dir(apps) if n[:1].isupper())
+        raise ConfigError(f"keras:{name} is not a keras.applications model; known: {', '.join(known)}")
+    shape = shape or DEFAULT_KERAS_INPUT_SHAPE
+    try:
+        return fn(weights=None, input_shape=shape)
+    except ValueError as exc:
+        raise ConfigError(f"keras:{name} cannot be built for input shape {shape} ({exc}); give "
+                          f"--input-shape H,W,C that the model accepts (e.g. 96,96,3 or 224,224,3)") from None
+
+
+def _torchvision(name: str, shape: Optional[Tuple[int, ...]]):
+    try:
+        import torch
+        import torchvision
+    except ImportError:
+        raise ConfigError(f"torchvision:{name} needs torch and torchvision; install them") from None
+    builders = torchvision.models
+    fn = getattr(builders, name, None)
+    if fn is None or not callable(fn):
+        try:
+            fn = lambda **kw: builders.get_model(name, **kw)  # noqa: E731
+            builders.get_model_builder(name)
+        except (ValueError, AttributeError):
+            known = ", ".join(sorted(builders.list_models())) if hasattr(builders, "list_models") else ""
+            raise ConfigError(f"torchvision:{name} is not a torchvision model builder; known: {known}") from None
+    try:
+        with torch.device("meta"):  # no weights are allocated or initialised
+            model = fn(weights=None)
+    except (NotImplementedError, RuntimeError):  # a builder that computes its widths with tensors
+        model = fn(weights=None)
+    model._distmem_input_shape = tuple(shape) if shape else (3, 224, 224)
+    return model
+
+
+def _user_factory(spec: str, shape: Optional[Tuple[int, ...]]):
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"model spec {spec!r}: use keras:NAME, torchvision:NAME or module.path:factory")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # so a factory in the current folder imports, as with python -m
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"model spec {spec!r}: cannot import {module_name!r} ({exc}); run from the folder that "
+                          f"holds it or add it to PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"model spec {spec!r}: module {module_name!r} has no {attr!r}")
+    if not callable(fn):
+        return fn
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    try:
+        model = fn(input_shape=shape) if shape is not None and "input_shape" in params else fn()
+    except Exception as exc:
+        raise ConfigError(f"model spec {spec!r}: {attr}() failed ({type(exc).__name__}: {exc})") from None
+    if shape is not None and not hasattr(model, "layers"):
+        try:
+            model._distmem_input_shape = tuple(shape)
+        except AttributeError:
+            pass
+    return model
+
+
+def load_model(spec: Any, input_shape: Optional[Sequence[int]] = None) -> Any:
+    """A built model for ``spec`` (``keras:NAME``, ``torchvision:NAME``, ``module.path:factory``);
+    a model object is returned unchanged. ``input_shape``: one sample, no batch dimension — for
+    Keras (height, width, channels), for torchvision (channels, height, width)."""
+    if not isinstance(spec, str):
+        return spec
+    shape = parse_shape(input_shape)
+    kind, sep, rest = spec.partition(":")
+    if not sep or not rest:
+        raise ConfigError(f"model spec {spec!r}: use keras:NAME (e.g. keras:MobileNetV2), torchvision:NAME "
+                          f"(e.g. torchvision:resnet50) or module.path:factory")
+    if kind.lower() in ("keras", "tf", "tensorflow"):
+        return _keras_app(rest, shape)
+    if kind.lower() in ("torchvision", "tv"):
+        return _torchvision(rest, shape)
+    return _user_factory(spec, shape)

@@ -1,0 +1,261 @@
+"""The estimate itself: a per-layer table plus the totals a plan needs. Pure.
+
+Two numbers, kept apart on purpose:
+
+* ``peak_bytes`` — the allocator peak of one training step: what TensorFlow's
+  ``get_memory_info()['peak']`` and torch's ``max_memory_allocated()`` report. The accuracy
+  benchmark compares this one.
+* ``footprint_bytes(framework=...)`` — what a memory limit must allow on a GPU: the allocator
+  peak plus what the allocator does not count (its cache and rounding, the CUDA context, library
+  workspaces).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from ..costs import LayerCost
+from ..errors import ConfigError
+from ..units import MiB, format_bytes
+
+__all__ = ["LayerEstimate", "Estimate", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
+           "PROCESS_OVERHEAD_BYTES"]
+
+try:  # the planners' default, so a plan and an estimate subtract the same overhead
+    from ..plan.base import DEFAULT_OVERHEAD_BYTES as PROCESS_OVERHEAD_BYTES
+except ImportError:  # pragma: no cover - planners absent in a trimmed install
+    #: CUDA context + cuBLAS/cuDNN handles and workspaces outside the allocator: ~760 MiB measured
+    #: on an H200 after one training step, rounded up to 64 MiB.
+    PROCESS_OVERHEAD_BYTES = 768 * MiB
+
+#: torch's caching allocator keeps freed blocks reserved; after one Adam step of eight torchvision
+#: models at batch 32 on an H200, reserved ran 7% to 52% above the allocated peak. A footprint must
+#: cover the worst of them, so the default headroom is the largest ratio measured.
+TORCH_CACHE_HEADROOM = 0.52
+
+#: TensorFlow's GPU BFC allocator coalesces free chunks and rounds to 256 B, so it wastes less than
+#: torch's cache; 10% covers its bin-level internal fragmentation. Not measured on a GPU here (the
+#: GPU machine has no TensorFlow): a planning margin, to be replaced by a measurement.
+TF_GPU_ALLOCATOR_HEADROOM = 0.10
+
+
+@dataclass
+class LayerEstimate:
+    """One row of the table: a layer (Keras layer, torch module), bytes unless said otherwise.
+
+    ``params``: weight elements (trainable and not). ``param_bytes``: stored weights (fp32 master
+    weights under mixed precision). ``grad_bytes``: gradients of its trainable weights.
+    ``optimizer_bytes``: optimizer state of those weights. ``activation_bytes_per_sample`` /
+    ``activation_fixed_bytes``: what it keeps for the backward pass, per sample of the batch and
+    independent of it (mixed-precision weight copies). ``output_bytes_per_sample``: its output,
+    what crosses a stage boundary after it. ``workspace_bytes_per_sample``: its largest temporary.
+    ``dtype``: the dtype it computes in. ``note``: how it was sized when no exact rule applied.
+    """
+
+    name: str
+    kind: str
+    params: int = 0
+    trainable_params: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes_per_sample: int = 0
+    activation_fixed_bytes: int = 0
+    output_bytes_per_sample: int = 0
+    workspace_bytes_per_sample: int = 0
+    dtype: str = "float32"
+    note: str = ""
+
+    @property
+    def state_bytes(self) -> int:
+        """Weights + gradients + optimizer state: held once whatever the batch."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def activation_bytes(self, batch_size: int) -> int:
+        return self.activation_bytes_per_sample * batch_size + self.activation_fixed_bytes
+
+    def to_dict(self, batch_size: Optional[int] = None) -> Dict[str, Any]:
+        out = asdict(self)
+        out["state_bytes"] = self.state_bytes
+        if batch_size is not None:
+            out["activation_bytes"] = self.activation_bytes(batch_size)
+            out["output_bytes"] = self.output_bytes_per_sample * batch_size
+        return out
+
+
+PeakFn = Callable[[int, bool], Dict[str, Any]]
+
+
+@dataclass
+class Estimate:
+    """Per-layer memory of a model for one training step at ``batch_size``.
+
+    ``method``: ``"analytic"`` (rules per layer type replayed over the layer graph),
+    ``"simulated"`` (the step run on torch's meta device, counting every buffer) or
+    ``"calibrated"`` (analytic, scaled by a measured small-batch step). ``device``: the device the
+    peak models (``"cpu"`` or ``"cuda"``). ``input_bytes_per_sample``: the step's data.
+    """
+
+    framework: str
+    model: str
+    batch_size: int
+    precision: str
+    optimizer: Dict[str, Any]
+    layers: List[LayerEstimate]
+    method: str
+    device: str = "cpu"
+    input_bytes_per_sample: int = 0
+    warnings: List[str] = field(default_factory=list)
+    calibration: Optional[Dict[str, Any]] = None
+    extra_persistent_bytes: int = 0
+    _peak_fn: Optional[PeakFn] = field(default=None, repr=False, compare=False)
+    _cache: Dict[Any, Dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------ totals
+    @property
+    def params(self) -> int:
+        return sum(r.params for r in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(r.param_bytes for r in self.layers)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(r.grad_bytes for r in self.layers)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return sum(r.optimizer_bytes for r in self.layers)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def activation_bytes(self, batch_size: Optional[int] = None) -> int:
+        """Everything the layers keep for the backward pass at ``batch_size``."""
+        b = self.batch_size if batch_size is None else batch_size
+        return sum(r.activation_bytes(b) for r in self.layers)
+
+    def _replay(self, batch_size: int, train: bool) -> Dict[str, Any]:
+        key = (batch_size, train)
+        if key not in self._cache:
+            if self._peak_fn is None:
+                raise ConfigError("this estimate was loaded from JSON and cannot be re-evaluated at another "
+                                  "batch size; estimate the model again")
+            self._cache[key] = self._peak_fn(batch_size, train)
+        return self._cache[key]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Allocator peak of one training step at ``batch_size`` (forward, backward, update)."""
+        return self.train_bytes(self.batch_size)
+
+    def train_bytes(self, batch_size: Optional[int] = None) -> int:
+        """Allocator peak of one training step at ``batch_size`` (default: the estimate's)."""
+        b = self.batch_size if batch_size is None else int(batch_size)
+        return int(self._replay(b, True)["peak"])
+
+    def inference_bytes(self, batch_size: Optional[int] = None) -> int:
+        """Allocator peak of one forward pass without gradients (weights + live activations)."""
+        b = self.batch_size if batch_size is None else int(batch_size)
+        return int(self._replay(b, False)["peak"])
+
+    def peak_detail(self, batch_size: Optional[int] = None) -> Dict[str, Any]:
+        """Where the training peak happens and what it is made of (bytes)."""
+        b = self.batch_size if batch_size is None else int(batch_size)
+        return dict(self._replay(b, True))
+
+    def range_bytes(self, start: int, stop: int, *, batch_size: Optional[int] = None,
+                    micro_batches: int = 1) -> int:
+        """What layers ``start .. stop-1`` need on one device: their weights, gradients and optimizer
+        state, ``micro_batches`` x their kept activations, the activation entering the range, and
+        the largest temporary among them. A pipeline stage or a model-parallel device."""
+        n = len(self.layers)
+        if not 0 <= start < stop <= n:
+            raise ConfigError(f"layer range {start}..{stop} is outside the model's {n} layers; "
+                              f"give 0 <= start < stop <= {n}")
+        b = self.batch_size if batch_size is None else int(batch_size)
+        rows = self.layers[start:stop]
+        entering = (self.layers[start - 1].output_bytes_per_sample if start > 0 else self.input_bytes_per_sample) * b
+        workspace = max((r.workspace_bytes_per_sample for r in rows), default=0) * b
+        return (sum(r.state_bytes for r in rows) + micro_batches * sum(r.activation_bytes(b) for r in rows)
+                + entering + workspace)
+
+    def layer_costs(self, batch_size: Optional[int] = None) -> List[LayerCost]:
+        """The table as the partitioners' ``LayerCost`` rows at ``batch_size``."""
+        b = self.batch_size if batch_size is None else int(batch_size)
+        return [LayerCost(name=r.name, state_bytes=r.state_bytes, activation_bytes=r.activation_bytes(b),
+                          output_bytes=r.output_bytes_per_sample * b, params=r.params, kind=r.kind)
+                for r in self.layers]
+
+    def footprint_bytes(self, framework: Optional[str] = None, *, device: Optional[str] = None,
+                        overhead_bytes: int = PROCESS_OVERHEAD_BYTES,
+                        headroom: Optional[float] = None, batch_size: Optional[int] = None) -> int:
+        """What a memory limit must allow for one training process on a GPU: the allocator peak,
+        scaled by the allocator's own cache and rounding (``headroom``; default
+        :data:`TORCH_CACHE_HEADROOM` for torch, :data:`TF_GPU_ALLOCATOR_HEADROOM` for TensorFlow),
+        plus ``overhead_bytes`` the process holds outside the allocator (CUDA context, cuBLAS/cuDNN
+        handles and workspaces). ``device="cpu"`` returns the allocator peak alone."""
+        fw = (framework or self.framework).lower()
+        if fw not in ("torch", "pytorch", "tensorflow", "tf", "keras"):
+            raise ConfigError(f"unknown framework {framework!r} for a footprint; use 'torch' or 'tensorflow'")
+        dev = (device or "cuda").lower()
+        peak = self.train_bytes(batch_size)
+        if dev == "cpu":
+            return peak
+        if headroom is None:
+            if fw in ("torch", "pytorch"):
+                headroom = TORCH_CACHE_HEADROOM
+            else:
+                headroom = TF_GPU_ALLOCATOR_HEADROOM
+        if headroom < 0:
+            raise ConfigError(f"headroom must be >= 0, got {headroom}")
+        return int(math.ceil(peak * (1.0 + headroom))) + int(overhead_bytes)
+
+    def breakdown(self, batch_size: Optional[int] = None) -> Dict[str, int]:
+        """The training peak split into parts that sum to ``train_bytes`` (bytes): weights and
+        optimizer state (with buffers kept for the process, such as cuBLAS workspaces), then — where
+        the replay tracks them — the gradients and kept activations alive at the peak and the rest
+        (temporaries, the batch, allocator rounding); otherwise one part for all of those."""
+        b = self.batch_size if batch_size is None else int(batch_size)
+        detail = self._replay(b, True)
+        peak = int(detail["peak"])
+        parts = {"weights": self.param_bytes, "optimizer": self.optimizer_bytes + self.extra_persistent_bytes}
+        if "saved_at_peak" in detail:
+            parts["gradients"] = int(detail.get("grads_at_peak", 0))
+            parts["activations"] = int(detail["saved_at_peak"])
+            parts["other"] = peak - sum(parts.values())
+        else:
+            parts["activations, gradients, temporaries"] = peak - sum(parts.values())
+        return parts
+
+    def to_dict(self, *, per_layer: bool = True) -> Dict[str, Any]:
+        b = self.batch_size
+        out: Dict[str, Any] = {
+            "framework": self.framework, "model": self.model, "batch_size": b, "precision": self.precision,
+            "optimizer": self.optimizer, "method": self.method, "device": self.device,
+            "layers": len(self.layers), "params": self.params,
+            "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes(), "peak_bytes": self.peak_bytes,
+            "inference_bytes": self.inference_bytes(), "breakdown": self.breakdown(),
+            "peak_phase": self.peak_detail().get("phase"),
+            "footprint_bytes": {"torch": self.footprint_bytes("torch"),
+                                "tensorflow": self.footprint_bytes("tensorflow")},
+            "warnings": list(self.warnings),
+        }
+        if self.calibration:
+            out["calibration"] = self.calibration
+        if per_layer:
+            out["per_layer"] = [r.to_dict(b) for r in self.layers]
+        return out
+
+    def summary(self) -> str:
+        """A few lines for a log: totals in human units."""
+        b = self.batch_size
+        return (f"{self.model} ({self.framework}, {self.method}) batch {b}, {self.precision}, "
+                f"{self.optimizer.get('name')}: params {self.params:,} ({format_bytes(self.param_bytes)}), "
+                f"grads {format_bytes(self.grad_bytes)}, optimizer {format_bytes(self.optimizer_bytes)}, "
+                f"activations {format_bytes(self.activation_bytes())}, training peak "
+                f"{format_bytes(self.peak_bytes)}, inference {format_bytes(self.inference_bytes())}")

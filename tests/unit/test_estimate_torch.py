@@ -1,0 +1,96 @@
+"""The torch estimator (meta-device simulation) on a tiny module whose numbers can be worked out."""
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from distmem.errors import ConfigError  # noqa: E402
+from distmem.estimate import estimate_torch  # noqa: E402
+from distmem.estimate.optimizers import torch_optimizer  # noqa: E402
+
+
+def tiny():
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def by_kind(est):
+    return [(r.name, r.kind) for r in est.layers]
+
+
+def test_tiny_module_table():
+    model = tiny()
+    est = estimate_torch(model, input_shape=(4,), batch_size=5, optimizer="sgd", device="cpu")
+    assert by_kind(est) == [("0", "Linear"), ("1", "ReLU"), ("2", "Linear")]
+    lin0, relu, lin2 = est.layers
+    assert (lin0.params, lin2.params) == (4 * 3 + 3, 3 * 2 + 2)
+    assert lin0.param_bytes == lin0.grad_bytes == 15 * 4
+    assert lin0.optimizer_bytes == 0  # torch's SGD without momentum keeps no state
+    # Linear(0) keeps only its input (the caller's batch); ReLU keeps its output, which Linear(2) reads as
+    # well; Linear(2)'s output is alive for the loss when the backward pass starts
+    assert lin0.activation_bytes_per_sample == 0
+    assert relu.activation_bytes_per_sample == 3 * 4
+    assert lin2.activation_bytes_per_sample == 2 * 4
+    assert relu.output_bytes_per_sample == 3 * 4
+    assert est.method == "simulated"
+    # the user's module is untouched: still on CPU, real weights
+    assert next(model.parameters()).device.type == "cpu"
+
+
+def test_adam_state_and_peak_bounds():
+    est = estimate_torch(tiny(), input_shape=(4,), batch_size=5, optimizer=torch.optim.Adam, device="cpu")
+    weights = (15 + 8) * 4
+    assert est.optimizer_bytes == 2 * weights
+    # the update holds weights, gradients and both moments at once
+    assert est.peak_bytes >= weights * 4
+    assert est.train_bytes(50) > est.train_bytes(5)
+
+
+def test_cuda_mode_rounds_to_512_byte_blocks():
+    est = estimate_torch(tiny(), input_shape=(4,), batch_size=5, optimizer="adam", device="cuda")
+    # every buffer is at least one 512-byte block, and the cuBLAS workspaces are counted
+    assert est.peak_bytes % 512 == 0
+    assert est.peak_bytes > 2 * 32 * 1024 ** 2
+
+
+def test_mixed_precision_halves_kept_activations():
+    fp32 = estimate_torch(tiny(), input_shape=(4,), batch_size=8, device="cpu")
+    bf16 = estimate_torch(tiny(), input_shape=(4,), batch_size=8, device="cpu", precision="mixed_bfloat16")
+    assert bf16.layers[1].activation_bytes_per_sample == fp32.layers[1].activation_bytes_per_sample // 2
+    assert bf16.param_bytes == fp32.param_bytes  # fp32 masters
+
+
+@pytest.mark.parametrize("opt, slots", [
+    ("sgd", 0), ("momentum", 1), ("adam", 2), ("adamw", 2), ("rmsprop", 1), ("adagrad", 1),
+    (lambda p: torch.optim.Adam(p, amsgrad=True), 3),
+])
+def test_torch_slots_read_from_the_optimizer(opt, slots):
+    if callable(opt):
+        opt = opt([nn.Parameter(torch.zeros(2))])
+    assert torch_optimizer(opt).slots_per_weight == slots
+
+
+def test_attention_keeps_no_score_matrix_on_cuda():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum(dim=(1, 3))
+
+    seq = 256
+    cuda = estimate_torch(Attn(), input_shape=(seq, 16), batch_size=2, device="cuda", loss="sum")
+    cpu_math = estimate_torch(Attn(), input_shape=(seq, 16), batch_size=2, device="cpu", loss="sum")
+    scores = 2 * 2 * seq * seq * 4  # batch x heads x seq x seq fp32
+    out_and_lse = 2 * 2 * seq * 8 * 4 + 2 * 2 * seq * 4 + 16  # what the fused kernel keeps (and 2 RNG words)
+    assert cpu_math.activation_bytes() - cuda.activation_bytes() >= scores - out_and_lse
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(ConfigError, match="give example_input"):
+        estimate_torch(tiny(), batch_size=2)
+    with pytest.raises(ConfigError, match="needs a torch.nn.Module"):
+        estimate_torch(object(), input_shape=(4,))
+    with pytest.raises(ConfigError, match="could not run Sequential on the meta device"):
+        estimate_torch(tiny(), input_shape=(5,), batch_size=2)
