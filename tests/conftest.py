@@ -17,7 +17,9 @@ os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-collect_ignore_glob = ["*/ranked/*", "gpu/native_progs/*"]
+# Whole folders, not just their files: a ranked/ folder's conftest initialises Horovod or MPI and
+# must load only under the launcher.
+collect_ignore_glob = ["*/ranked", "*/ranked/*", "*/progs", "*/progs/*", "gpu/native_progs", "gpu/guard_progs"]
 
 
 def pytest_configure(config):
