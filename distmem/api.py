@@ -134,6 +134,10 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
             raise ConfigError(f"limit= applies to strategy='data'; strategy={strategy!r} derives limits from "
                               "its own inputs (stages, layers or tenants)")
     options.update(strategy_options)
+    if strategy in ("pipeline", "model") and "headroom" not in options:
+        # Limits come from allocator peaks; the allocator's own cache sits on top of them
+        # (see distmem.estimate.table: torch reserved ran up to 52% above its allocated peak).
+        options["headroom"] = {"torch": 0.52}.get(fw, 0.10)
     if strategy == "model" or strategy == "tenants":
         options.setdefault("framework", fw)
     if options.get("overhead") in ("measure", "auto"):

@@ -264,7 +264,8 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--input-shape", metavar="H,W,C", help="model input shape without the batch axis, e.g. 96,96,3")
     _add(parser, "--optimizer", default=None, help="optimizer for the estimate (sgd, momentum, adam)")
     _add(parser, "--input-bytes", default="0", help="model input per (micro-)batch, held by the first stage/device")
-    _add(parser, "--headroom", default="5%", help="added to each computed demand (5%%, 0.1) (pipeline/model)")
+    _add(parser, "--headroom", default="10%", help="added to each computed demand for the allocator's cache "
+         "(default 10%%, TensorFlow's BFC margin; use 52%% for torch's caching allocator) (pipeline/model)")
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -307,7 +308,7 @@ def layer_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
         if getattr(args, "optimizer", None):
             out["optimizer"] = args.optimizer
     out["input_bytes"] = getattr(args, "input_bytes", 0) or 0
-    out["headroom"] = getattr(args, "headroom", "5%") or "5%"
+    out["headroom"] = getattr(args, "headroom", "10%") or "10%"
     return out
 
 
