@@ -33,7 +33,7 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "torch": ["torch>=2.0"],
         "nvml": ["nvidia-ml-py>=12"],
-        "report": ["rich>=12", "matplotlib>=3.5", "pyyaml>=6"],
+        "report": ["rich>=12", "matplotlib>=3.5", "pyyaml>=6", "tensorboard>=2.12"],
         "test": ["pytest>=7", "pytest-timeout>=2", "pyyaml>=6"],
     },
     entry_points={"console_scripts": ["distmem=distmem.cli:main", "distmem-exec=distmem.native:exec_main"]},

@@ -49,7 +49,7 @@ def _rows(report: Report) -> List[List[str]]:
         mode = s.allocation.get("mode", "?") if s.allocation else "?"
         peak = s.peak_or_current
         head_room = (s.limit_bytes - peak) if (s.limit_bytes and peak is not None) else None
-        dev = ",".join(f"GPU{d}" for d in s.devices) or "CPU"
+        dev = ",".join(f"GPU{d}" for d in dict.fromkeys(s.devices)) or "CPU"  # tenants share one GPU
         rows.append([str(s.rank), str(s.local_rank), s.host[:16], dev, "-" if s.stage is None else str(s.stage),
                      mode + ("" if s.enforced or mode in ("cpu", "growth") else "*"),
                      _b(s.limit_bytes), _b(s.current_bytes), _b(peak), _b(s.reserved_bytes), _b(s.nvml_total),
@@ -71,6 +71,9 @@ def _title(report: Report) -> str:
 
 def _footer(report: Report) -> List[str]:
     out: List[str] = []
+    for s in report.ranks:
+        if s.strategy == "tenants":
+            out += [f"rank {s.rank} {note}" for note in (s.allocation or {}).get("notes", [])]
     a = report.aggregates
     if "total_peak_bytes" in a:
         out.append(f"total: current {_b(a.get('total_current_bytes'))}, peak {_b(a['total_peak_bytes'])}"
