@@ -77,7 +77,8 @@ def main():
             try:
                 from distmem.render import plot
 
-                plot(rep, args.plot, timeline=getattr(timeline, "points", None))
+                points = timeline.every.points if timeline is not None else None
+                plot(rep, args.plot, timeline=points)
                 print(f"[rank 0] plot written to {args.plot}")
             except ImportError:
                 pass
