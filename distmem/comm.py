@@ -101,6 +101,7 @@ class MPIComm(Comm):
 
     name = "mpi"
     _TAG_BASE = 7100
+    _ACK = 8192  # acknowledgements use the data tag + this, a range of their own
 
     def __init__(self, comm: Any = None):
         from mpi4py import MPI  # initialises MPI if the launcher has not; only called under a launcher
@@ -128,6 +129,18 @@ class MPIComm(Comm):
                     req.Cancel()
                     log.warning("distmem: rank %d could not deliver its snapshot to rank %d within %.1f s",
                                 self.rank, root, timeout)
+                    return None, []
+                _pause(started)
+            # Wait for the root's acknowledgement, so that no rank runs ahead and exits (under
+            # Horovod, a rank's exit shuts Horovod - and the MPI it owns - down on every rank)
+            # while the root is still receiving.
+            ack = bytearray(1)
+            req = self.comm.Irecv([ack, self._MPI.BYTE], source=root, tag=tag + self._ACK)
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    req.Cancel()
+                    log.warning("distmem: rank %d got no acknowledgement from rank %d within %.1f s",
+                                self.rank, root, timeout)
                     break
                 _pause(started)
             return None, []
@@ -144,6 +157,13 @@ class MPIComm(Comm):
                     out[r] = pickle.loads(buf)
                     pending.discard(r)
             if pending:
+                _pause(started)
+        acks = [self.comm.Isend([b"\x01", self._MPI.BYTE], dest=r, tag=tag + self._ACK)
+                for r in range(self.size) if r != root and r not in pending]
+        end = time.monotonic() + min(1.0, timeout)
+        while acks and time.monotonic() < end:
+            acks = [a for a in acks if not a.Test()]
+            if acks:
                 _pause(started)
         return out, sorted(pending)
 
