@@ -11,6 +11,8 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export PYTHONUNBUFFERED := 1
 NP ?= 4
 DEMO_STEPS ?= 30
+# Declared GPUs for the demo's plan on a machine without any; ignored where NVML finds real GPUs.
+DEMO_FLEET ?= 2x16GiB
 
 .PHONY: env env-latest demo test test-main test-latest native clean help
 
@@ -31,7 +33,8 @@ demo:
 	bash scripts/build_native.sh >/dev/null 2>&1 || echo "[make demo] native cap not built (optional)"; \
 	rm -f runs/demo/report.json; \
 	echo "[make demo] horovodrun -np $(NP) -H localhost:$(NP) python examples/train.py"; \
-	timeout 900 $$bin/horovodrun -np $(NP) -H localhost:$(NP) $$bin/python examples/train.py \
+	echo "[make demo] without a GPU the plan is made against DISTMEM_FLEET=$(DEMO_FLEET) (dry run: planned, not applied)"; \
+	DISTMEM_FLEET=$(DEMO_FLEET) timeout 900 $$bin/horovodrun -np $(NP) -H localhost:$(NP) $$bin/python examples/train.py \
 	  --steps $(DEMO_STEPS) --report runs/demo/report.json --plot runs/demo/report.png; \
 	test -s runs/demo/report.json && echo "[make demo] report: runs/demo/report.json"
 
