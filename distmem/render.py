@@ -141,7 +141,12 @@ def print_report(report: Report, file: Optional[IO[str]] = None, use_rich: Optio
     (job logs, pipes). ``use_rich`` forces either."""
     file = file or sys.stdout
     if use_rich is None:
-        use_rich = bool(getattr(file, "isatty", lambda: False)())
+        # Launchers (mpirun, horovodrun) prefix every line with the rank and may hand ranks a
+        # pseudo-terminal: boxes and colours would only garble the job log there.
+        from .topology import launcher_of
+
+        use_rich = bool(getattr(file, "isatty", lambda: False)()) and launcher_of() == "none" \
+            and os.environ.get("DISTMEM_PLAIN") != "1"
     if use_rich:
         try:
             from rich.console import Console
