@@ -166,6 +166,14 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     return plan
 
 
+def _fingerprint(plan: Plan) -> str:
+    """The applied plan's fingerprint, hashed once: a plan of many ranks makes a large JSON, and
+    every periodic snapshot carries it."""
+    if _state.get("fingerprint_of") is not plan:
+        _state.update(fingerprint=plan.fingerprint(), fingerprint_of=plan)
+    return _state["fingerprint"]
+
+
 def current_plan() -> Optional[Plan]:
     """The plan ``init()`` applied in this process, or None before ``init()``."""
     return _state["plan"]
@@ -173,7 +181,7 @@ def current_plan() -> Optional[Plan]:
 
 def reset() -> None:
     """Forget the applied plan and cached transport (tests; a process cannot un-apply a framework)."""
-    _state.update(plan=None, framework=None, applied=None, topology=None, inventory=None)
+    _state.update(plan=None, framework=None, applied=None, topology=None, inventory=None, fingerprint_of=None)
     _comm.set_comm(None)
 
 
@@ -230,7 +238,7 @@ def snapshot(step: Optional[int] = None) -> Snapshot:
                     enforced=any(d.enforce for d in mine.devices), current_bytes=st.get("current_bytes"),
                     peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
                     rss_bytes=_rss(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs, stage=mine.stage, step=step,
-                    plan_fingerprint=plan.fingerprint(), plan_source=plan.source, overhead_bytes=plan.overhead_bytes, native=native_status,
+                    plan_fingerprint=_fingerprint(plan), plan_source=plan.source, overhead_bytes=plan.overhead_bytes, native=native_status,
                     extra={"framework_devices": st.get("devices", [])})
 
 
@@ -243,9 +251,7 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
     that do not arrive are listed as missing. ``detail="summary"`` reduces a fixed-size vector with
     all-reduce instead of gathering every row, for jobs of thousands of ranks.
     """
-    if detail not in ("full", "summary"):
-        raise ConfigError(f"detail={detail!r} is not 'full' or 'summary'")
-    from .timeline import collect  # the one gather path, shared with the periodic reports
+    from .timeline import collect  # the one gather path (it validates detail), shared with periodic reports
 
     rep = collect(step=step, timeout=timeout, detail=detail)
     if rep is None:
@@ -266,7 +272,7 @@ def check_plan(timeout: Optional[float] = None) -> List[str]:
     if plan is None:
         raise DistmemError("check_plan() needs distmem.init() first")
     c = _comm.get_comm()
-    prints = c.allgather(plan.fingerprint(), _comm.DEFAULT_TIMEOUT if timeout is None else timeout)
+    prints = c.allgather(_fingerprint(plan), _comm.DEFAULT_TIMEOUT if timeout is None else timeout)
     if len(set(prints)) > 1:
         raise DoesNotFitError("ranks computed different plans: " + ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
                               + "; pass identical options (and DISTMEM_FLEET) on every rank")

@@ -6,6 +6,7 @@ writer are imported by the function that needs them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .stats import WARN_NEAR_LIMIT, Report, plan_usage
@@ -158,6 +159,24 @@ def print_report(report: Report, file: Optional[IO[str]] = None, use_rich: Optio
     print(table(report), file=file, flush=True)
 
 
+@contextlib.contextmanager
+def _atomic_path(path: str, suffix: str, mode: int = 0o644) -> Iterator[str]:
+    """Yield a temporary path in ``path``'s folder; once the body wrote it, rename it onto ``path``.
+    Readers never see half a file; on an error the temporary file is removed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".distmem-", suffix=suffix + ".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def _atomic_write(path: str, data: str, suffix: str, mode: int = 0o644) -> str:
     """Write through a temporary file in the same folder, then rename: readers never see half a file.
 
@@ -165,18 +184,9 @@ def _atomic_write(path: str, data: str, suffix: str, mode: int = 0o644) -> str:
     glob (node_exporter reads ``*.prom``) skip it; ``mode`` makes the result readable to them (a
     temporary file is created 0600).
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".distmem-", suffix=suffix + ".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with _atomic_path(path, suffix, mode) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
 
 
@@ -648,16 +658,6 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
                  linespacing=1.35)
     else:
         fig.text(left, foot_top, "\u2713 no warnings", ha="left", va="top", fontsize=9, color="#2E7D32")
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".distmem-", suffix=".png.tmp", dir=folder)
-    os.close(fd)
-    try:
+    with _atomic_path(path, ".png") as tmp:
         fig.savefig(tmp, format="png")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
