@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distmem.commands.launch_tf import main  # noqa: E402
+from distmem.cli.launch_tf import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -55,7 +55,7 @@ if [ ! -f "$env/.complete" ]; then
   "${pip[@]}" install --upgrade "pip<26" "setuptools<80" wheel >&2
   case "$name" in
     main)
-      log "step 1/3: TensorFlow 2.15.1, torch 2.13.0 (CPU) and tools"
+      log "step 1/3: TensorFlow 2.15.1, torch 2.14.1 + torchvision 0.29.1 and tools"
       "${pip[@]}" install -r "$here/requirements/main.txt" >&2
       log "step 2/3: mpi4py against the system MPI"
       "${pip[@]}" install --no-binary mpi4py -r "$here/requirements/mpi4py.txt" >&2

@@ -10,23 +10,23 @@ import importlib
 import sys
 from typing import List, Optional
 
-from .errors import DistmemError
+from ..errors import DistmemError
 
 __all__ = ["main", "SUBCOMMANDS"]
 
 SUBCOMMANDS = {
-    "plan": ("distmem.commands.plan", "compute a plan (dry run, no GPU needed)"),
+    "plan": ("distmem.cli.plan", "compute a plan (dry run, no GPU needed)"),
     "estimate": ("distmem.estimate.cli", "per-layer memory estimate of a model"),
-    "report": ("distmem.commands.report", "render a saved report (table, plot)"),
-    "doctor": ("distmem.commands.doctor", "what distmem sees: launcher, GPUs, NVML, frameworks"),
-    "launch-tf": ("distmem.commands.launch_tf", "start N local tf.distribute workers with TF_CONFIG"),
+    "report": ("distmem.cli.report", "render a saved report (table, plot)"),
+    "doctor": ("distmem.cli.doctor", "what distmem sees: launcher, GPUs, NVML, frameworks"),
+    "launch-tf": ("distmem.cli.launch_tf", "start N local tf.distribute workers with TF_CONFIG"),
 }
 
 
 def _parser(argv: List[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distmem", description="Planned, enforced and observed GPU memory "
                                      "for distributed training.")
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"distmem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -60,6 +60,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"distmem {args.command}: error: {exc}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

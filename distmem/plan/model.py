@@ -143,7 +143,7 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: ``distmem plan --strategy model ...`` (distmem/commands/plan.py calls these two).
+# CLI: ``distmem plan --strategy model ...`` (distmem/cli/plan.py calls these two).
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``--gpus-per-rank --batch-size`` plus the layer options shared with pipeline."""

@@ -246,7 +246,7 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: ``distmem plan --strategy pipeline ...`` (distmem/commands/plan.py calls these two).
+# CLI: ``distmem plan --strategy pipeline ...`` (distmem/cli/plan.py calls these two).
 
 def _add(parser: argparse.ArgumentParser, *flags: str, **kwargs: Any) -> None:
     """Add an option unless another strategy's module already did (both add to one parser)."""

@@ -222,7 +222,7 @@ def tenant_table(plan: Plan, usage: Optional[Mapping[str, Mapping[str, Optional[
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: ``distmem plan --strategy tenants --tenants bert=6GiB,resnet=8GiB`` (commands/plan.py calls these).
+# CLI: ``distmem plan --strategy tenants --tenants bert=6GiB,resnet=8GiB`` (distmem/cli/plan.py calls these).
 
 def _add(parser: argparse.ArgumentParser, *flags: str, **kwargs: Any) -> None:
     if not any(f in parser._option_string_actions for f in flags):  # noqa: SLF001 - argparse has no public test

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from distmem.commands.launch_tf import tf_configs, worker_command
+from distmem.cli.launch_tf import tf_configs, worker_command
 from distmem.errors import ConfigError
 
 from helpers import ROOT, python, run

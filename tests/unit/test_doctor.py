@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from distmem import cli
-from distmem.commands.doctor import diagnose, horovod_problems, probe_horovod
+from distmem.cli.doctor import diagnose, horovod_problems, probe_horovod
 
 BOTH = {"installed": True, "module": "horovod.tensorflow", "flags": {"mpi_built": True, "gloo_built": True}}
 NO_GLOO = {"installed": True, "module": "horovod.tensorflow", "flags": {"mpi_built": True, "gloo_built": False}}

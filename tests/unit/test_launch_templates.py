@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from distmem import launch_k8s
-from distmem.commands import plan as plan_cmd
+from distmem.cli import plan as plan_cmd
 from distmem.devices import Inventory, fleet_inventory
 from distmem.errors import ConfigError
 from distmem.plan import make_plan
