@@ -5,6 +5,7 @@
 #   scripts/build_native.sh                  Release build in build/native
 #   BUILD_DIR=/tmp/b scripts/build_native.sh another build directory
 #   CMAKE_BUILD_TYPE=Debug scripts/build_native.sh
+#   DEST_DIR=/tmp/pkg/distmem/_native scripts/build_native.sh   install elsewhere (setup.py's wheel build)
 #
 # Needs a C compiler; uses CMake (>= 3.16) when present and falls back to a direct compiler call
 # (same sources and flags) when it is not, so the GPU machine builds it either way. No CUDA toolkit.
@@ -13,7 +14,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 src="$here/native"
 build=${BUILD_DIR:-$here/build/native}
-dest="$here/distmem/_native"
+dest=${DEST_DIR:-$here/distmem/_native}
 type=${CMAKE_BUILD_TYPE:-Release}
 log() { echo "[build_native] $*" >&2; }
 
