@@ -1,0 +1,137 @@
+"""Real launchers across the simulated hosts: every rank's host, local rank, GPU UUID and share.
+
+Each case starts the probe (progs/probe.py) under one launcher with declared GPUs per host, and
+compares every rank's plan with what that launcher documents (expect.py computes it from the
+documented mapping) and checks that rank 0's report lists every host. One failure message lists
+every rank that differs, the expected/probed table and the launcher's output.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from expect import (map_node, map_slot, parse_fleet_spec, expected, slurm_block, slurm_cyclic,
+                    torchrun_hosts)
+from launches import ONE_GPU_PER_TASK, probe_argv, probe_rows, verdict
+
+pytestmark = pytest.mark.cluster
+
+FLEET = "2x16GiB"
+#: Hosts that differ: 80 GiB GPUs on hosta, 16 GiB ones elsewhere.
+MIXED = "hosta=2x80GiB;hostb=2x16GiB;*=2x16GiB"
+
+
+def _report(cluster, name):
+    path = cluster.path("jobs", name + ".report.json")
+    if os.path.exists(path):
+        os.remove(path)
+    return path
+
+
+def _check(cluster, results, want, report, env):
+    problems = verdict(cluster, results, want, report, env)
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.mark.parametrize("map_by", ["slot", "node"])
+def test_mpirun_two_hosts(cluster, map_by):
+    """`mpirun --host hosta:2,hostb:2 --map-by slot|node`: Open MPI's local rank picks the GPU."""
+    hosts = "hosta:2,hostb:2"
+    env = {"DISTMEM_FLEET": FLEET}
+    report = _report(cluster, f"mpirun-{map_by}")
+    r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", report), map_by=map_by, env=env, timeout=90)
+    ranks = (map_slot if map_by == "slot" else map_node)(hosts)
+    _check(cluster, r, expected(ranks, parse_fleet_spec(FLEET, cluster.names)), report, env)
+
+
+def test_mpirun_every_rank_told_gpu0(cluster):
+    """CUDA_VISIBLE_DEVICES=0 on every rank: the two ranks of each host split GPU 0 (hard limits)."""
+    hosts = "hosta:2,hostb:2"
+    env = {"DISTMEM_FLEET": FLEET, "CUDA_VISIBLE_DEVICES": "0"}
+    report = _report(cluster, "mpirun-gpu0")
+    r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", report), env=env, timeout=90)
+    want = expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names), visible=lambda r, h, l: [0])
+    assert all(w.shared_by == 2 and w.enforce for w in want)
+    _check(cluster, r, want, report, env)
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("mode", ["gloo", "mpi"])
+def test_horovodrun_two_hosts(cluster, mode):
+    """`horovodrun -H hosta:2,hostb:2 --gloo|--mpi`: ranks fill hosts in -H order."""
+    hosts = "hosta:2,hostb:2"
+    env = {"DISTMEM_FLEET": FLEET}
+    report = _report(cluster, f"horovodrun-{mode}")
+    transport = "horovod" if mode == "gloo" else "mpi"
+    r = cluster.horovodrun(hosts, probe_argv(cluster, transport, report), mode=mode, env=env, timeout=150)
+    _check(cluster, r, expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names)), report, env)
+
+
+@pytest.mark.horovod
+def test_horovodrun_uneven_hosts(cluster):
+    """`horovodrun -H hosta:4,hostb:2` on 80 GiB GPUs (hosta) and 16 GiB GPUs (hostb): 2 ranks per GPU
+    on hosta, 1 per GPU on hostb, each host planned with its own GPUs."""
+    hosts = "hosta:4,hostb:2"
+    env = {"DISTMEM_FLEET": MIXED}
+    report = _report(cluster, "horovodrun-uneven")
+    r = cluster.horovodrun(hosts, probe_argv(cluster, "mpi", report), mode="mpi", env=env, timeout=150)
+    want = expected(map_slot(hosts), parse_fleet_spec(MIXED, cluster.names))
+    assert [w.shared_by for w in want] == [2, 2, 2, 2, 1, 1]
+    _check(cluster, r, want, report, env)
+
+
+def test_torchrun_two_hosts(cluster):
+    """One torchrun agent on hosta and one on hostb, c10d rendezvous at hosta's dm0 address."""
+    env = {"DISTMEM_FLEET": FLEET}
+    report = _report(cluster, "torchrun")
+    results = cluster.torchrun(["hosta", "hostb"], 2, probe_argv(cluster, "torch-env", report), env=env,
+                               timeout=150)
+    # The rendezvous decides which agent is group 0; the ranks say which host got which group.
+    groups = {}
+    for row in probe_rows(results):
+        g = row.get("env", {}).get("GROUP_RANK")
+        if g is not None:
+            groups.setdefault(int(g), row["hostname"])
+    if sorted(groups) != [0, 1] or sorted(groups.values()) != ["hosta", "hostb"]:
+        pytest.fail(f"torchrun groups {groups}: expected groups 0 and 1 on hosta and hostb\n"
+                    + "\n".join(r.describe(6000) for r in results), pytrace=False)
+    want = expected(torchrun_hosts(groups, 2), parse_fleet_spec(FLEET, cluster.names))
+    _check(cluster, results, want, report, env)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("per_task", [False, True], ids=["all-gpus", "one-gpu-per-task"])
+@pytest.mark.parametrize("distribution", ["block", "cyclic"])
+def test_srun_two_nodes(slurm, distribution, per_task):
+    """`srun -N2 -n4 --ntasks-per-node=2 --distribution=block|cyclic`, every task seeing both GPUs or,
+    through a wrapper exporting CUDA_VISIBLE_DEVICES=$SLURM_LOCALID, only its own (then alone on it:
+    growth, not half)."""
+    env = {"DISTMEM_FLEET": FLEET}
+    report = _report(slurm, f"srun-{distribution}-{int(per_task)}")
+    nodes = ["hosta", "hostb"]
+    argv = ([ONE_GPU_PER_TASK] if per_task else []) + probe_argv(slurm, "torch-slurm", report)
+    r = slurm.srun(["-N2", "-n4", "--ntasks-per-node=2", f"--distribution={distribution}", "-w", ",".join(nodes)],
+                   argv, env=env, timeout=120)
+    ranks = (slurm_block if distribution == "block" else slurm_cyclic)(nodes, 2)
+    want = expected(ranks, parse_fleet_spec(FLEET, slurm.names), visible=(lambda r, h, l: [l]) if per_task else None)
+    if per_task:
+        assert all(w.shared_by == 1 and not w.enforce for w in want)
+    _check(slurm, r, want, report, env)
+
+
+@pytest.mark.slurm
+def test_torchrun_inside_sbatch(slurm):
+    """`torchrun --standalone --nproc-per-node=4` in an sbatch script on hostc: the batch step's SLURM_*
+    variables are inherited, torchrun's RANK/LOCAL_RANK must win (4 ranks, 2 per GPU)."""
+    env = {"DISTMEM_FLEET": FLEET}
+    report = _report(slurm, "sbatch-torchrun")
+    argv = " ".join(probe_argv(slurm, "torch-env", report))
+    script = (f"#!/bin/bash\nset -e\necho batch step: SLURM_PROCID=$SLURM_PROCID SLURM_NTASKS=$SLURM_NTASKS "
+              f"SLURM_LOCALID=$SLURM_LOCALID on $(hostname)\n"
+              f"exec timeout 100 {slurm.bin}/torchrun --standalone --nproc-per-node=4 --max-restarts=0 --no-python "
+              f"{argv}\n")
+    r = slurm.sbatch(script, ["-N1", "-n1", "--cpus-per-task=4", "-w", "hostc"], env=env, timeout=150)
+    want = expected(["hostc"] * 4, parse_fleet_spec(FLEET, slurm.names))
+    _check(slurm, r, want, report, env)
