@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from harness import Cluster, ClusterUnavailable, slurm_missing, unavailable_reason  # noqa: E402
+from launches import skip_or_fail as _skip_or_fail  # noqa: E402
 
 _live: list = []
 
@@ -25,16 +26,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: launches real launchers across the simulated multi-host cluster "
                                        "(skipped without root; DISTMEM_REQUIRE_CLUSTER=1 fails instead)")
     config.addinivalue_line("markers", "slurm: needs SLURM's daemons in the simulated cluster")
-
-
-def _required() -> bool:
-    return os.environ.get("DISTMEM_REQUIRE_CLUSTER", "") not in ("", "0")
-
-
-def _skip_or_fail(reason: str) -> None:
-    if _required():
-        pytest.fail(f"DISTMEM_REQUIRE_CLUSTER=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def _teardown_all() -> None:

@@ -173,13 +173,19 @@ def compare(want: Sequence[Expected], got: Sequence[Mapping[str, object]]) -> Li
     """Every difference between expected and probed rows, one line each ("rank 2: local_rank 1 != 0")."""
     problems: List[str] = []
     by_rank: Dict[int, Mapping[str, object]] = {}
+    claims: Dict[int, List[Mapping[str, object]]] = {}
     for row in got:
         if "error" in row:
             problems.append(f"{row.get('hostname')} pid {row.get('pid')} env {row.get('env')}: {row['error']}")
             continue
+        claims.setdefault(int(row["rank"]), []).append(row)  # type: ignore[arg-type]
         by_rank[int(row["rank"])] = row  # type: ignore[arg-type]
     if problems:
         return problems
+    for rank, rows in sorted(claims.items()):
+        if len(rows) > 1:
+            problems.append(f"{len(rows)} processes planned as rank {rank}: "
+                            + ", ".join(f"{r.get('hostname')} pid {r.get('pid')} env {_launcher_rank(r)}" for r in rows))
     missing = [w.rank for w in want if w.rank not in by_rank]
     if missing or len(by_rank) != len(want):
         problems.append(f"ranks probed {sorted(by_rank)}, expected 0..{len(want) - 1} (missing {missing})")
@@ -209,6 +215,12 @@ def compare(want: Sequence[Expected], got: Sequence[Mapping[str, object]]) -> Li
         if diffs:
             problems.append(f"rank {w.rank}: " + "; ".join(diffs))
     return problems
+
+
+def _launcher_rank(row: Mapping[str, object]) -> str:
+    env = row.get("env") or {}
+    keys = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "HOROVOD_RANK")
+    return " ".join(f"{k}={env[k]}" for k in keys if k in env)  # type: ignore[operator,index]
 
 
 def table(want: Sequence[Expected], got: Sequence[Mapping[str, object]]) -> str:

@@ -29,10 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["Cluster", "ClusterUnavailable", "Host", "Result", "unavailable_reason", "PREFIX", "IFACE"]
+__all__ = ["Cluster", "ClusterUnavailable", "Host", "Result", "unavailable_reason", "slurm_missing", "clean_stale",
+           "PREFIX", "IFACE", "SUBNET"]
 
-#: Name prefix of every namespace this harness makes; `down()` and a stale clean-up match on it.
+#: Name prefix of every namespace this harness makes: ``dmcl<slot>-<host letter>``. A cluster holds
+#: an flock on ``LOCKS/<prefix><slot>.lock`` while it is up, so two test sessions on one machine take
+#: different slots, and a slot whose lock is free but whose namespaces exist was left by a killed run.
 PREFIX = "dmcl"
+LOCKS = "/run/distmem-cluster"
+SLOTS = 8
 #: One interface name on every host: horovodrun's --network-interface takes a single name.
 IFACE = "dm0"
 SUBNET = "10.203.77"
@@ -139,14 +144,17 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _stale_netns() -> List[str]:
+def _stale_netns(prefix: str) -> List[str]:
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX + "-")]
+    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(prefix + "-")]
 
 
-def clean_stale() -> List[str]:
-    """Remove namespaces (and every process in them) left by an earlier run that was killed."""
-    stale = _stale_netns()
+def clean_stale(prefix: str) -> List[str]:
+    """Remove ``prefix``'s namespaces (and every process in them), left by an earlier run that was killed.
+
+    Call it only while holding that prefix's lock: a live cluster holds it.
+    """
+    stale = _stale_netns(prefix)
     for ns in stale:
         _kill_pids(_netns_pids(ns), grace=1.0)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
@@ -159,9 +167,11 @@ class Cluster:
     def __init__(self, hosts: int = 3, slurm: Optional[bool] = None, python_bin: Optional[str] = None):
         if not 1 <= hosts <= 26:
             raise ValueError(f"hosts={hosts}: between 1 and 26")
-        self.hosts = [Host(f"host{chr(ord('a') + i)}", f"{PREFIX}-{chr(ord('a') + i)}", f"{SUBNET}.{i + 1}")
-                      for i in range(hosts)]
-        self.switch = f"{PREFIX}-switch"
+        self.count = hosts
+        self.prefix = ""
+        self.hosts: List[Host] = []
+        self.switch = ""
+        self._lockfd: Optional[int] = None
         self.want_slurm = slurm
         self.slurm = False
         self.bin = python_bin or os.environ.get("DISTMEM_ENV_BIN") or os.path.dirname(sys.executable)
@@ -190,8 +200,8 @@ class Cluster:
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
-        clean_stale()
         t0 = time.monotonic()
+        self._claim()
         self.tmp = tempfile.mkdtemp(prefix="distmem-cluster-")
         try:
             self._files()
@@ -211,6 +221,31 @@ class Cluster:
         self.log.append(f"cluster up in {time.monotonic() - t0:.1f} s: {', '.join(self.names)}"
                         + (" with SLURM" if self.slurm else ""))
         return self
+
+    def _claim(self) -> None:
+        """Take the first free slot (its lock), clean what a killed run left there, name the hosts."""
+        import fcntl
+
+        os.makedirs(LOCKS, exist_ok=True)
+        for slot in range(SLOTS):
+            fd = os.open(os.path.join(LOCKS, f"{PREFIX}{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self._lockfd, self.prefix = fd, f"{PREFIX}{slot}"
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            stale = clean_stale(self.prefix)
+            if stale:
+                self.log.append(f"removed {len(stale)} namespaces left by a killed run: {', '.join(stale)}")
+            break
+        else:
+            raise ClusterUnavailable(f"all {SLOTS} cluster slots are in use ({LOCKS}/*.lock held by live runs)")
+        letters = [chr(ord("a") + i) for i in range(self.count)]
+        self.hosts = [Host(f"host{c}", f"{self.prefix}-{c}", f"{SUBNET}.{i + 1}") for i, c in enumerate(letters)]
+        self.switch = f"{self.prefix}-switch"
 
     def down(self) -> None:
         """Stop every daemon and job process on the hosts, delete the namespaces and the temporary files."""
@@ -235,12 +270,15 @@ class Cluster:
                     self.munged.kill()
                     self.munged.wait(timeout=5)
             self.munged = None
-        for ns in [h.netns for h in self.hosts] + [self.switch]:
+        for ns in [h.netns for h in self.hosts] + ([self.switch] if self.switch else []):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         if self.tmp and os.path.isdir(self.tmp):
             shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp = ""
         self.slurm = False
+        if self._lockfd is not None:
+            os.close(self._lockfd)  # releases the slot
+            self._lockfd = None
 
     def __enter__(self) -> "Cluster":
         return self.up()
@@ -535,10 +573,10 @@ class Cluster:
         cmd = [os.path.join(self.bin, "horovodrun"), "-np", str(np), "-H", hosts, f"--{mode}",
                "--network-interface", IFACE, "--start-timeout", str(int(max(30, timeout - 20)))]
         if mode == "mpi":
-            cmd += ["--mpi-args", f"--oversubscribe --mca btl self,vader,tcp --mca btl_tcp_if_include {IFACE} "
-                                  f"--mca oob_tcp_if_include {IFACE} --mca plm_rsh_agent {self.path('bin', 'ssh')} "
-                                  "--mca btl_vader_single_copy_mechanism none"
-                                  + "".join(f" -x {k}" for k in sorted(fwd))]
+            # horovodrun adds btl_tcp_if_include (from --network-interface) and -x for every variable itself.
+            cmd += ["--mpi-args", f"--oversubscribe --mca oob_tcp_if_include {IFACE} "
+                                  f"--mca plm_rsh_agent {self.path('bin', 'ssh')} "
+                                  "--mca btl_vader_single_copy_mechanism none"]
         cmd += list(extra) + list(argv)
         return self.run_on(self.login.name, shlex.join(cmd), timeout=timeout, env=fwd)
 

@@ -3,38 +3,79 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 from typing import Dict, List, Mapping, Optional, Sequence, Union
+
+import pytest
 
 from expect import Expected, compare, table
 from harness import Cluster, Result
 
-__all__ = ["PROBE", "ONE_GPU_PER_TASK", "probe_argv", "probe_rows", "report_hosts", "verdict", "outputs"]
+__all__ = ["skip_or_fail", "need_tool", "PROBE", "ONE_GPU_PER_TASK", "job_dir", "probe_argv", "probe_rows", "report_hosts", "verdict", "outputs"]
+
+def required() -> bool:
+    """DISTMEM_REQUIRE_CLUSTER=1: a cluster case that cannot run is a failure, not a skip."""
+    return os.environ.get("DISTMEM_REQUIRE_CLUSTER", "") not in ("", "0")
+
+
+def skip_or_fail(reason: str) -> None:
+    if required():
+        pytest.fail(f"DISTMEM_REQUIRE_CLUSTER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def need_tool(cluster: Cluster, tool: str) -> str:
+    """Path of ``tool`` in the Python environment's bin/ (horovodrun, torchrun), or skip/fail saying so."""
+    path = os.path.join(cluster.bin, tool)
+    if not os.path.exists(path):
+        skip_or_fail(f"{tool} is not in {cluster.bin} (the main environment has it: scripts/env.sh main)")
+    return path
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE = os.path.join(HERE, "progs", "probe.py")
 #: Exports CUDA_VISIBLE_DEVICES=$SLURM_LOCALID, then runs its arguments (one GPU per task).
 ONE_GPU_PER_TASK = os.path.join(HERE, "progs", "one_gpu_per_task.sh")
-_LINE = re.compile(r"PROBE (\{.*\})\s*$")
 
 
-def probe_argv(cluster: Cluster, transport: str, report: Optional[str], timeout: float = 45) -> List[str]:
-    argv = [os.path.join(cluster.bin, "python"), PROBE, "--transport", transport, "--timeout", str(timeout)]
-    return argv + (["--report", report] if report else [])
+def job_dir(cluster: Cluster, name: str) -> str:
+    """A fresh folder on the shared filesystem for one launch: ``report.json`` and ``rows/``."""
+    path = cluster.path("jobs", name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(os.path.join(path, "rows"))
+    return path
+
+
+def probe_argv(cluster: Cluster, transport: str, job: str, timeout: float = 45) -> List[str]:
+    """The probe's command line; rank 0 writes ``<job>/report.json``, every rank ``<job>/rows/*.json``."""
+    return [os.path.join(cluster.bin, "python"), PROBE, "--transport", transport, "--timeout", str(timeout),
+            "--report", os.path.join(job, "report.json"), "--rows", os.path.join(job, "rows")]
 
 
 def outputs(results: Union[Result, Sequence[Result]]) -> List[Result]:
     return [results] if isinstance(results, Result) else list(results)
 
 
-def probe_rows(results: Union[Result, Sequence[Result]]) -> List[Dict[str, object]]:
-    """Every ``PROBE {...}`` line of the launch's output, parsed (launcher prefixes such as ``[1,0]<stdout>:`` allowed)."""
-    rows = []
+def probe_rows(results: Union[Result, Sequence[Result]], job: Optional[str] = None) -> List[Dict[str, object]]:
+    """Every rank's row: the files in ``<job>/rows`` or, without them, the ``PROBE {...}`` output lines."""
+    rows: List[Dict[str, object]] = []
+    folder = os.path.join(job, "rows") if job else None
+    if folder and os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".json"):
+                with open(os.path.join(folder, name)) as f:
+                    rows.append(json.load(f))
+    if rows:
+        return rows
+    decoder = json.JSONDecoder()
     for r in outputs(results):
         for line in r.out.splitlines():
-            m = _LINE.search(line)
-            if m:
-                rows.append(json.loads(m.group(1)))
+            at = line.find("PROBE {")
+            if at >= 0:
+                try:
+                    rows.append(decoder.raw_decode(line, at + len("PROBE "))[0])
+                except ValueError:
+                    continue  # a line the launcher split; the rows/ files are the record
     return rows
 
 
@@ -48,14 +89,15 @@ def report_hosts(path: str) -> Optional[List[str]]:
 
 
 def verdict(cluster: Cluster, results: Union[Result, Sequence[Result]], want: Sequence[Expected],
-            report: Optional[str], env: Optional[Mapping[str, str]] = None) -> List[str]:
+            job: str, env: Optional[Mapping[str, str]] = None) -> List[str]:
     """Every problem with a launch: timeouts, per-rank placement differences, the report's hosts.
 
     Returns [] when all is as documented; otherwise the problems, the expected/probed table and the
     launcher's output, ready for ``pytest.fail``.
     """
     res = outputs(results)
-    rows = probe_rows(res)
+    rows = probe_rows(res, job)
+    report: Optional[str] = os.path.join(job, "report.json")
     problems = []
     for r in res:
         if r.timed_out:

@@ -7,13 +7,11 @@ every rank that differs, the expected/probed table and the launcher's output.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from expect import (map_node, map_slot, parse_fleet_spec, expected, slurm_block, slurm_cyclic,
                     torchrun_hosts)
-from launches import ONE_GPU_PER_TASK, probe_argv, probe_rows, verdict
+from launches import ONE_GPU_PER_TASK, job_dir, need_tool, probe_argv, probe_rows, verdict
 
 pytestmark = pytest.mark.cluster
 
@@ -22,15 +20,8 @@ FLEET = "2x16GiB"
 MIXED = "hosta=2x80GiB;hostb=2x16GiB;*=2x16GiB"
 
 
-def _report(cluster, name):
-    path = cluster.path("jobs", name + ".report.json")
-    if os.path.exists(path):
-        os.remove(path)
-    return path
-
-
-def _check(cluster, results, want, report, env):
-    problems = verdict(cluster, results, want, report, env)
+def _check(cluster, results, want, job, env):
+    problems = verdict(cluster, results, want, job, env)
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
 
@@ -40,57 +31,61 @@ def test_mpirun_two_hosts(cluster, map_by):
     """`mpirun --host hosta:2,hostb:2 --map-by slot|node`: Open MPI's local rank picks the GPU."""
     hosts = "hosta:2,hostb:2"
     env = {"DISTMEM_FLEET": FLEET}
-    report = _report(cluster, f"mpirun-{map_by}")
-    r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", report), map_by=map_by, env=env, timeout=90)
+    job = job_dir(cluster, f"mpirun-{map_by}")
+    r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", job), map_by=map_by, env=env, timeout=90)
     ranks = (map_slot if map_by == "slot" else map_node)(hosts)
-    _check(cluster, r, expected(ranks, parse_fleet_spec(FLEET, cluster.names)), report, env)
+    _check(cluster, r, expected(ranks, parse_fleet_spec(FLEET, cluster.names)), job, env)
 
 
 def test_mpirun_every_rank_told_gpu0(cluster):
     """CUDA_VISIBLE_DEVICES=0 on every rank: the two ranks of each host split GPU 0 (hard limits)."""
     hosts = "hosta:2,hostb:2"
     env = {"DISTMEM_FLEET": FLEET, "CUDA_VISIBLE_DEVICES": "0"}
-    report = _report(cluster, "mpirun-gpu0")
-    r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", report), env=env, timeout=90)
+    job = job_dir(cluster, "mpirun-gpu0")
+    r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", job), env=env, timeout=90)
     want = expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names), visible=lambda r, h, l: [0])
     assert all(w.shared_by == 2 and w.enforce for w in want)
-    _check(cluster, r, want, report, env)
+    _check(cluster, r, want, job, env)
 
 
 @pytest.mark.horovod
 @pytest.mark.parametrize("mode", ["gloo", "mpi"])
 def test_horovodrun_two_hosts(cluster, mode):
     """`horovodrun -H hosta:2,hostb:2 --gloo|--mpi`: ranks fill hosts in -H order."""
+    need_tool(cluster, "horovodrun")
     hosts = "hosta:2,hostb:2"
     env = {"DISTMEM_FLEET": FLEET}
-    report = _report(cluster, f"horovodrun-{mode}")
+    job = job_dir(cluster, f"horovodrun-{mode}")
     transport = "horovod" if mode == "gloo" else "mpi"
-    r = cluster.horovodrun(hosts, probe_argv(cluster, transport, report), mode=mode, env=env, timeout=150)
-    _check(cluster, r, expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names)), report, env)
+    r = cluster.horovodrun(hosts, probe_argv(cluster, transport, job), mode=mode, env=env, timeout=150)
+    _check(cluster, r, expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names)), job, env)
 
 
 @pytest.mark.horovod
-def test_horovodrun_uneven_hosts(cluster):
-    """`horovodrun -H hosta:4,hostb:2` on 80 GiB GPUs (hosta) and 16 GiB GPUs (hostb): 2 ranks per GPU
-    on hosta, 1 per GPU on hostb, each host planned with its own GPUs."""
+@pytest.mark.parametrize("fleet", [FLEET, MIXED], ids=["same-gpus", "80GiB-and-16GiB"])
+def test_horovodrun_uneven_hosts(cluster, fleet):
+    """`horovodrun -H hosta:4,hostb:2`: 2 ranks per GPU on hosta, 1 per GPU on hostb; with the mixed
+    fleet (80 GiB GPUs on hosta, 16 GiB on hostb) each host is planned with its own GPUs."""
+    need_tool(cluster, "horovodrun")
     hosts = "hosta:4,hostb:2"
-    env = {"DISTMEM_FLEET": MIXED}
-    report = _report(cluster, "horovodrun-uneven")
-    r = cluster.horovodrun(hosts, probe_argv(cluster, "mpi", report), mode="mpi", env=env, timeout=150)
-    want = expected(map_slot(hosts), parse_fleet_spec(MIXED, cluster.names))
+    env = {"DISTMEM_FLEET": fleet}
+    job = job_dir(cluster, f"horovodrun-uneven-{fleet.count('=')}")
+    r = cluster.horovodrun(hosts, probe_argv(cluster, "mpi", job), mode="mpi", env=env, timeout=150)
+    want = expected(map_slot(hosts), parse_fleet_spec(fleet, cluster.names))
     assert [w.shared_by for w in want] == [2, 2, 2, 2, 1, 1]
-    _check(cluster, r, want, report, env)
+    _check(cluster, r, want, job, env)
 
 
 def test_torchrun_two_hosts(cluster):
     """One torchrun agent on hosta and one on hostb, c10d rendezvous at hosta's dm0 address."""
+    need_tool(cluster, "torchrun")
     env = {"DISTMEM_FLEET": FLEET}
-    report = _report(cluster, "torchrun")
-    results = cluster.torchrun(["hosta", "hostb"], 2, probe_argv(cluster, "torch-env", report), env=env,
+    job = job_dir(cluster, "torchrun")
+    results = cluster.torchrun(["hosta", "hostb"], 2, probe_argv(cluster, "torch-env", job), env=env,
                                timeout=150)
     # The rendezvous decides which agent is group 0; the ranks say which host got which group.
     groups = {}
-    for row in probe_rows(results):
+    for row in probe_rows(results, job):
         g = row.get("env", {}).get("GROUP_RANK")
         if g is not None:
             groups.setdefault(int(g), row["hostname"])
@@ -98,7 +93,7 @@ def test_torchrun_two_hosts(cluster):
         pytest.fail(f"torchrun groups {groups}: expected groups 0 and 1 on hosta and hostb\n"
                     + "\n".join(r.describe(6000) for r in results), pytrace=False)
     want = expected(torchrun_hosts(groups, 2), parse_fleet_spec(FLEET, cluster.names))
-    _check(cluster, results, want, report, env)
+    _check(cluster, results, want, job, env)
 
 
 @pytest.mark.slurm
@@ -109,29 +104,30 @@ def test_srun_two_nodes(slurm, distribution, per_task):
     through a wrapper exporting CUDA_VISIBLE_DEVICES=$SLURM_LOCALID, only its own (then alone on it:
     growth, not half)."""
     env = {"DISTMEM_FLEET": FLEET}
-    report = _report(slurm, f"srun-{distribution}-{int(per_task)}")
+    job = job_dir(slurm, f"srun-{distribution}-{int(per_task)}")
     nodes = ["hosta", "hostb"]
-    argv = ([ONE_GPU_PER_TASK] if per_task else []) + probe_argv(slurm, "torch-slurm", report)
+    argv = ([ONE_GPU_PER_TASK] if per_task else []) + probe_argv(slurm, "torch-slurm", job)
     r = slurm.srun(["-N2", "-n4", "--ntasks-per-node=2", f"--distribution={distribution}", "-w", ",".join(nodes)],
                    argv, env=env, timeout=120)
     ranks = (slurm_block if distribution == "block" else slurm_cyclic)(nodes, 2)
     want = expected(ranks, parse_fleet_spec(FLEET, slurm.names), visible=(lambda r, h, l: [l]) if per_task else None)
     if per_task:
         assert all(w.shared_by == 1 and not w.enforce for w in want)
-    _check(slurm, r, want, report, env)
+    _check(slurm, r, want, job, env)
 
 
 @pytest.mark.slurm
 def test_torchrun_inside_sbatch(slurm):
     """`torchrun --standalone --nproc-per-node=4` in an sbatch script on hostc: the batch step's SLURM_*
     variables are inherited, torchrun's RANK/LOCAL_RANK must win (4 ranks, 2 per GPU)."""
+    need_tool(slurm, "torchrun")
     env = {"DISTMEM_FLEET": FLEET}
-    report = _report(slurm, "sbatch-torchrun")
-    argv = " ".join(probe_argv(slurm, "torch-env", report))
+    job = job_dir(slurm, "sbatch-torchrun")
+    argv = " ".join(probe_argv(slurm, "torch-env", job))
     script = (f"#!/bin/bash\nset -e\necho batch step: SLURM_PROCID=$SLURM_PROCID SLURM_NTASKS=$SLURM_NTASKS "
               f"SLURM_LOCALID=$SLURM_LOCALID on $(hostname)\n"
               f"exec timeout 100 {slurm.bin}/torchrun --standalone --nproc-per-node=4 --max-restarts=0 --no-python "
               f"{argv}\n")
     r = slurm.sbatch(script, ["-N1", "-n1", "--cpus-per-task=4", "-w", "hostc"], env=env, timeout=150)
     want = expected(["hostc"] * 4, parse_fleet_spec(FLEET, slurm.names))
-    _check(slurm, r, want, report, env)
+    _check(slurm, r, want, job, env)

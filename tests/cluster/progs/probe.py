@@ -77,10 +77,23 @@ def _close(kind: str) -> None:
             dist.destroy_process_group()
 
 
+def _emit(row: dict, rows: str | None) -> None:
+    text = json.dumps(row, sort_keys=True)
+    if rows:
+        os.makedirs(rows, exist_ok=True)
+        tmp = os.path.join(rows, f".{row['hostname']}-{row['pid']}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(rows, f"{row['hostname']}-{row['pid']}.json"))
+    print("PROBE " + text, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--transport", default="none")
     ap.add_argument("--report", default=None, help="rank 0 writes the job's report JSON here")
+    ap.add_argument("--rows", default=None, help="folder for this rank's row as <hostname>-<pid>.json "
+                    "(launchers may split long output lines; a file cannot be interleaved)")
     ap.add_argument("--timeout", type=float, default=45.0, help="seconds for the transport and report()")
     args = ap.parse_args()
     row = {"hostname": socket.gethostname(), "pid": os.getpid(),
@@ -98,9 +111,9 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - the test shows every rank's error, not just the first
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["traceback"] = traceback.format_exc()[-2000:]
-        print("PROBE " + json.dumps(row, sort_keys=True), flush=True)
+        _emit(row, args.rows)
         return 3
-    print("PROBE " + json.dumps(row, sort_keys=True), flush=True)
+    _emit(row, args.rows)
     try:
         distmem.report(path=args.report, timeout=args.timeout, print_table=False)
     except Exception as exc:  # noqa: BLE001
