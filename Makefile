@@ -44,6 +44,7 @@ test-main:
 	@bin=$$(scripts/env.sh main | tail -n 1); \
 	bash scripts/build_native.sh >/dev/null 2>&1 || echo "[make test] native cap build failed; its tests will say why"; \
 	echo "[make test] main environment: TensorFlow 2.15.1 + Horovod 0.28.1 + Open MPI"; \
+	bash scripts/cluster_deps.sh || echo "[make test] cluster packages not installed; tests/cluster will say why"; \
 	DISTMEM_ENV_BIN=$$bin $$bin/python -m pytest tests -q -ra -p no:cacheprovider
 
 test-latest:
