@@ -46,7 +46,7 @@ def job_dir(cluster: Cluster, name: str) -> str:
     return path
 
 
-def probe_argv(cluster: Cluster, transport: str, job: str, timeout: float = 45) -> List[str]:
+def probe_argv(cluster: Cluster, transport: str, job: str, timeout: float = 30) -> List[str]:
     """The probe's command line; rank 0 writes ``<job>/report.json``, every rank ``<job>/rows/*.json``."""
     return [os.path.join(cluster.bin, "python"), PROBE, "--transport", transport, "--timeout", str(timeout),
             "--report", os.path.join(job, "report.json"), "--rows", os.path.join(job, "rows")]
