@@ -178,6 +178,7 @@ class Cluster:
         self.tmp = ""
         self.munged: Optional[subprocess.Popen] = None
         self.log: List[str] = []
+        self._launches = 0
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -581,13 +582,16 @@ class Cluster:
         return self.run_on(self.login.name, shlex.join(cmd), timeout=timeout, env=fwd)
 
     def torchrun(self, hosts: Sequence[str], nproc: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
-                 timeout: float = 120, port: int = 29400, run_id: Optional[str] = None) -> List[Result]:
+                 timeout: float = 120, port: Optional[int] = None, run_id: Optional[str] = None) -> List[Result]:
         """One ``torchrun`` agent per host, c10d rendezvous at the first host's address on ``dm0``.
 
         ``argv`` is run as given (``--no-python``), so it starts with the interpreter.
         """
         head = self.host(hosts[0])
-        run_id = run_id or f"dmcl{os.getpid()}{int(time.time())}"
+        self._launches += 1
+        # A new port per launch: the previous rendezvous' socket may still be in TIME_WAIT.
+        port = port or 29400 + self._launches % 500
+        run_id = run_id or f"dmcl{os.getpid()}x{self._launches}"
         cmds = []
         for h in hosts:
             cmd = [os.path.join(self.bin, "torchrun"), f"--nnodes={len(hosts)}", f"--nproc-per-node={nproc}",
