@@ -131,3 +131,42 @@ def test_torchrun_inside_sbatch(slurm):
     r = slurm.sbatch(script, ["-N1", "-n1", "--cpus-per-task=4", "-w", "hostc"], env=env, timeout=150)
     want = expected(["hostc"] * 4, parse_fleet_spec(FLEET, slurm.names))
     _check(slurm, r, want, job, env)
+
+
+@pytest.mark.slurm
+def test_torchrun_under_srun(slurm):
+    """`srun -N2 --ntasks-per-node=1 torchrun --nnodes=2 --nproc-per-node=2`: every worker inherits the step's
+    SLURM_PROCID (0 or 1) and SLURM_NTASKS=2; torchrun, the inner launcher, must win."""
+    need_tool(slurm, "torchrun")
+    env = {"DISTMEM_FLEET": FLEET}
+    job = job_dir(slurm, "srun-torchrun")
+    port = 29900 + slurm._launches % 50
+    agent = (f"exec {slurm.bin}/torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "
+             f"--rdzv-endpoint={slurm.login.addr}:{port} --rdzv-id=srun$SLURM_JOB_ID --max-restarts=0 "
+             f"--local-addr=$(hostname) --no-python " + " ".join(probe_argv(slurm, "torch-env", job)))
+    r = slurm.srun(["-N2", "--ntasks-per-node=1", "-w", "hosta,hostb"], ["bash", "-c", agent], env=env, timeout=150)
+    groups = {}
+    for row in probe_rows(r, job):
+        g = row.get("env", {}).get("GROUP_RANK")
+        if g is not None:
+            groups.setdefault(int(g), row["hostname"])
+    if sorted(groups) != [0, 1] or sorted(groups.values()) != ["hosta", "hostb"]:
+        pytest.fail(f"torchrun groups {groups}: expected groups 0 and 1 on hosta and hostb\n" + r.describe(8000),
+                    pytrace=False)
+    want = expected(torchrun_hosts(groups, 2), parse_fleet_spec(FLEET, slurm.names))
+    _check(slurm, r, want, job, env)
+
+
+@pytest.mark.slurm
+def test_mpirun_inside_sbatch(slurm):
+    """`mpirun --map-by node` in an sbatch job on hosta and hostb: Open MPI starts its daemons through
+    SLURM, the ranks also see the allocation's SLURM_* variables; mpirun, the inner launcher, must win."""
+    env = {"DISTMEM_FLEET": FLEET}
+    job = job_dir(slurm, "sbatch-mpirun")
+    argv = " ".join(probe_argv(slurm, "mpi", job))
+    script = (f"#!/bin/bash\nset -e\nexec timeout 100 mpirun -np 4 --map-by node --oversubscribe --bind-to none "
+              f"--mca btl self,vader,tcp --mca btl_tcp_if_include dm0 --mca oob_tcp_if_include dm0 "
+              f"--mca btl_vader_single_copy_mechanism none -x DISTMEM_FLEET -x PATH {argv}\n")
+    r = slurm.sbatch(script, ["-N2", "--ntasks-per-node=2", "-w", "hosta,hostb"], env=env, timeout=150)
+    want = expected(map_node("hosta:2,hostb:2"), parse_fleet_spec(FLEET, slurm.names))
+    _check(slurm, r, want, job, env)
