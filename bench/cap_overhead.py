@@ -89,7 +89,7 @@ def _torch_loop(iters: int) -> dict:
 
 def _library() -> str:
     sys.path.insert(0, ROOT)
-    from distmem import native
+    from distmem.apply import native
 
     path = native.find_library()
     if path:

@@ -45,11 +45,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from distmem.costs import LayerCost  # noqa: E402
-from distmem.devices import fleet_inventory  # noqa: E402
+from distmem.discover.gpus import fleet_inventory  # noqa: E402
 from distmem.plan import make_plan  # noqa: E402
-from distmem.plan.partition import (bounds_from_cuts, lower_bound, partition_pipeline, partition_plain,  # noqa: E402
-                                    stage_demands)
-from distmem.topology import Topology  # noqa: E402
+from distmem.plan.partition import bounds_from_cuts, lower_bound, partition_pipeline, partition_plain, stage_demands
+from distmem.discover.identity import Topology  # noqa: E402
 
 BATCH = 32
 FP32 = 4

@@ -88,7 +88,7 @@ def worker_latency(calls: int) -> None:
             n["i"] += 1
             hvd.allgather_object(payload, name=f"bench.peer.{n['i']}")
 
-    from distmem.summary import local_vectors
+    from distmem.report.summary import local_vectors
 
     width = len(local_vectors(distmem.snapshot())[0])
     modes = {"full": lambda: distmem.report(timeout=60, print_table=False),
@@ -139,7 +139,7 @@ def worker_throughput(steps: int, pairs: int, every: int) -> None:
     ])
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01, momentum=0.9)),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    from distmem.keras import MemoryReport
+    from distmem.report.keras import MemoryReport
 
     cb = MemoryReport(every_n_batches=every)
     model.fit(data, steps_per_epoch=every, epochs=1, verbose=0,
@@ -188,7 +188,7 @@ def worker_throughput_torch(steps: int, pairs: int, every: int) -> None:
     distmem.init(framework="torch", verbose=False)
     import torch
 
-    from distmem.timeline import ReportEvery
+    from distmem.report.periodic import ReportEvery
 
     comm = MPI.COMM_WORLD
     plan = distmem.current_plan()
@@ -253,7 +253,7 @@ def worker_throughput_torch(steps: int, pairs: int, every: int) -> None:
 
 def aggregation(n: int = 10_000, repeats: int = 9) -> Dict[str, Any]:
     """Rank 0's work for n received snapshots: dicts -> Snapshots -> Report with warnings."""
-    from distmem.stats import Snapshot, aggregate
+    from distmem.report.aggregate import Snapshot, aggregate
     from distmem.units import GiB, MiB
 
     rows = []
@@ -273,7 +273,7 @@ def aggregation(n: int = 10_000, repeats: int = 9) -> Dict[str, Any]:
                              plan_fingerprint="0123456789abcdef", plan_source="nvml",
                              overhead_bytes=768 * MiB).to_dict())
     payload = pickle.dumps(rows)
-    from distmem import summary as sm
+    from distmem.report import summary as sm
 
     vecs = [(s, *sm.local_vectors(s)) for s in (Snapshot.from_dict(d) for d in rows)]
     rs = [sum(col) for col in zip(*[v[1] for v in vecs])]

@@ -4,25 +4,40 @@
     plan = distmem.init(strategy="data")   # first, before any GPU op
     ...
     distmem.report()                       # collective; rank 0 prints the table
+
+The package is laid out by stage - discover -> plan -> apply -> observe -> report - with the
+transports (comm), the OOM guard (guard), the estimator (estimate) and the command line (cli)
+beside them; :mod:`distmem.api` wires the stages together. README "Layout" shows the tree.
 """
 __version__ = "0.1.0"
 
 from . import guard
-from .api import check_plan, current_plan, init, plan_from_env, report, reset, snapshot
+from .api import check_plan, current_plan, init, plan_from_env, reset, snapshot
 from .errors import ConfigError, DistmemError, DoesNotFitError, GatherTimeoutError, TooLateError
 from .guard import find_batch_size
+from .observe.snapshot import Snapshot
 from .plan import Allocation, DeviceSlot, Plan
-from .stats import Report, Snapshot
-from .timeline import ReportEvery
+from .report.aggregate import Report
+from .report.periodic import ReportEvery
+from .api import report  # after the report package is imported: the name is the function, not the package
+
+# ``distmem.report`` is both the public function and the report stage's package. The function wins
+# the attribute; naming it after the package lets ``import distmem.report.sinks as s`` still resolve
+# (Python falls back to sys.modules under the attribute's ``__name__``).
+report.__name__ = "distmem.report"
 
 __all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "plan_from_env", "current_plan", "check_plan", "reset",
            "Plan", "Allocation", "DeviceSlot", "Snapshot", "Report",
            "ReportEvery", "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]
 
+#: Old module paths kept for one release as short re-export modules (README "Layout" lists them).
+COMPAT_MODULES = ("keras", "timeline", "render", "summary", "native", "placement", "comm_tf", "topology", "devices",
+                  "stats")
+
 
 def __getattr__(name):
     # distmem.keras.MemoryReport after a plain `import distmem`, without importing TensorFlow up front.
-    if name in ("keras", "timeline", "render", "summary", "native", "placement", "estimate", "comm_tf"):
+    if name in COMPAT_MODULES + ("estimate",):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

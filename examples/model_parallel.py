@@ -63,7 +63,7 @@ def main():
     import tensorflow as tf
     import horovod.tensorflow.keras as hvd
 
-    from distmem import placement
+    from distmem.apply import placement
 
     hvd.init()
     with placement.placement_scope(plan):

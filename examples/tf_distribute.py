@@ -22,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
 import distmem.comm  # noqa: E402
-import distmem.comm_tf  # noqa: E402
+import distmem.comm.tf_strategy  # noqa: E402
 
 
 def parse_args():

@@ -110,7 +110,7 @@ def main():
     plan = distmem.init(strategy="data", framework="torch", memory=args.memory, **options)
 
     import torch
-    from distmem.frameworks.torch import device as planned_device
+    from distmem.apply.torch import device as planned_device
 
     dev = planned_device(plan)
     torch.manual_seed(1234)

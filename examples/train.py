@@ -62,7 +62,7 @@ def main():
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
     timeline = None
     try:
-        from distmem.keras import MemoryReport
+        from distmem.report.keras import MemoryReport
 
         timeline = MemoryReport(every_n_batches=args.every, path=args.report.replace(".json", "-timeline.json"),
                                 plot=args.plot)
@@ -75,7 +75,7 @@ def main():
         print(f"[rank 0] report for {len(rep.ranks)} rank(s) written to {args.report}")
         if args.plot:
             try:
-                from distmem.render import plot
+                from distmem.report.sinks import plot
 
                 points = timeline.every.points if timeline is not None else None
                 plot(rep, args.plot, timeline=points)

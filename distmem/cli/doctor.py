@@ -162,10 +162,10 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
     """Everything doctor reports, as data. ``probe`` returns Horovod's flags (None skips it)."""
     from .. import __version__
     from ..comm import mpi_launched
-    from ..devices import fleet_inventory, inventory, nvml_available
-    from ..frameworks import detect_framework
+    from ..discover.gpus import fleet_inventory, inventory, nvml_available
+    from ..apply import detect_framework
     from ..plan import make_plan
-    from ..topology import Topology, from_env, launcher_of
+    from ..discover.identity import Topology, from_env, launcher_of
 
     env = dict(os.environ if env is None else env)
     d = Diagnosis()
@@ -198,9 +198,9 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
     except DistmemError as exc:
         d.problems.append(str(exc))
     if inv is not None and not inv.real and spec not in (None, "", "-1", "NoDevFiles", "none"):
-        from ..devices import _VISIBLE_ITEM  # the same grammar inventory() checks once NVML is there
+        from ..discover.gpus import VISIBLE_ITEM  # the same grammar inventory() checks once NVML is there
 
-        bad = [item for item in spec.split(",") if not _VISIBLE_ITEM.match(item.strip())]
+        bad = [item for item in spec.split(",") if not VISIBLE_ITEM.match(item.strip())]
         dup = sorted({item.strip() for item in spec.split(",") if spec.split(",").count(item) > 1})
         if bad or dup:
             d.problems.append(f"CUDA_VISIBLE_DEVICES={spec!r}: " + (f"cannot read item(s) {bad}" if bad else "")

@@ -6,9 +6,9 @@ import importlib
 import json
 from typing import Any, Dict
 
-from ..devices import fleet_inventory, inventory
+from ..discover.gpus import fleet_inventory, inventory
 from ..plan import make_plan
-from ..topology import Topology
+from ..discover.identity import Topology
 from ..units import format_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--emit", choices=["k8s"], default=None, help="emit deployment resources for the plan")
-    from ..launch_k8s import add_cli_arguments as add_k8s_arguments
+    from .k8s import add_cli_arguments as add_k8s_arguments
 
     add_k8s_arguments(p)
     for module in _EXTRA.values():
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     topo = Topology(rank=0, size=ranks, local_rank=0, local_size=per_node, node="node0", source="cli")
     plan = make_plan(args.strategy, topo, inv, **_options(args))
     if args.emit == "k8s":
-        from ..launch_k8s import emit_k8s  # written with the launch templates
+        from .k8s import emit_k8s  # written with the launch templates
 
         print(emit_k8s(plan, args))
         return 0

@@ -14,7 +14,7 @@ import sys
 from typing import Dict
 
 from ..errors import ConfigError
-from ..render import plot, print_report, prometheus, read_json
+from ..report.sinks import plot, print_report, prometheus, read_json
 
 __all__ = ["add_arguments", "run"]
 

@@ -15,29 +15,18 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from .. import defaults
 from ..costs import LayerCost
 from ..errors import ConfigError
-from ..units import MiB, format_bytes
+from ..units import format_bytes
 
 __all__ = ["LayerEstimate", "Estimate", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
            "PROCESS_OVERHEAD_BYTES"]
 
-try:  # the planners' default, so a plan and an estimate subtract the same overhead
-    from ..plan.base import DEFAULT_OVERHEAD_BYTES as PROCESS_OVERHEAD_BYTES
-except ImportError:  # pragma: no cover - planners absent in a trimmed install
-    #: CUDA context + cuBLAS/cuDNN handles and workspaces outside the allocator: ~760 MiB measured
-    #: on an H200 after one training step, rounded up to 64 MiB.
-    PROCESS_OVERHEAD_BYTES = 768 * MiB
-
-#: torch's caching allocator keeps freed blocks reserved; after one Adam step of eight torchvision
-#: models at batch 32 on an H200, reserved ran 7% to 52% above the allocated peak. A footprint must
-#: cover the worst of them, so the default headroom is the largest ratio measured.
-TORCH_CACHE_HEADROOM = 0.52
-
-#: TensorFlow's GPU BFC allocator coalesces free chunks and rounds to 256 B, so it wastes less than
-#: torch's cache; 10% covers its bin-level internal fragmentation. Not measured on a GPU here (the
-#: GPU machine has no TensorFlow): a planning margin, to be replaced by a measurement.
-TF_GPU_ALLOCATOR_HEADROOM = 0.10
+# One place for the defaults, shared with the planners: a plan and an estimate subtract the same overhead.
+PROCESS_OVERHEAD_BYTES = defaults.OVERHEAD_BYTES
+TORCH_CACHE_HEADROOM = defaults.TORCH_CACHE_HEADROOM
+TF_GPU_ALLOCATOR_HEADROOM = defaults.TF_GPU_ALLOCATOR_HEADROOM
 
 
 @dataclass

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..comm import DEFAULT_TIMEOUT, Comm, get_comm
+from ..comm import Comm, get_comm, resolve_timeout
+from ..console import say as console_say
 from ..errors import GatherTimeoutError
 from .errors import PeerError
 from .flags import FlagReducer, Status, Verdict, decode, encode, flag_reducer
@@ -33,8 +33,7 @@ log = logging.getLogger("distmem")
 
 def say(rank: int, msg: str) -> None:
     """One log line, prefixed like the rest of distmem's (``[distmem rank R]``), on the ``distmem`` logger."""
-    if os.environ.get("DISTMEM_QUIET") != "1":
-        log.warning("[distmem rank %d] %s", rank, msg)
+    console_say(f"[distmem rank {rank}] {msg}", logger=log)
 
 
 def classify(exc: BaseException, in_fetch: bool = False) -> Status:
@@ -82,7 +81,7 @@ class Agreement:
         self.comm = comm if comm is not None else get_comm()
         self.flags = flags if flags is not None else flag_reducer(self.comm)
         self.rank, self.size = self.comm.rank, self.comm.size
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        self.timeout = resolve_timeout(timeout)
         if self.timeout <= 0:
             from ..errors import ConfigError
 

@@ -1,36 +1,74 @@
-"""Pure planners: strategy spec + topology + inventory (+ estimates) -> Plan."""
+"""Stage: plan. Pure: takes the strategy and its options, this job's topology and GPUs (the
+discover stage) and, where a strategy needs them, per-layer estimates (the estimate stage), and
+returns the :class:`Plan` - every rank's devices, mode and budget - identical on every rank that
+computes it from the same inputs.
+
+Each strategy is a planner ``plan_<name>(topo, inv, **options) -> Plan`` registered in
+:data:`PLANNERS`; a new strategy adds a module and one :func:`register` call.
+"""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import Any, Callable, Dict
 
-from ..devices import Inventory
+from ..discover.gpus import Inventory
+from ..discover.identity import Topology
 from ..errors import ConfigError
-from ..topology import Topology
-from .base import Allocation, DeviceSlot, Plan, STRATEGIES
+from .types import STRATEGIES, Allocation, DeviceSlot, Plan
 
-__all__ = ["make_plan", "Plan", "Allocation", "DeviceSlot", "STRATEGIES"]
+__all__ = ["make_plan", "register", "planner", "PLANNERS", "Plan", "Allocation", "DeviceSlot", "STRATEGIES"]
 
-# strategy -> (module, function); each planner takes (topo, inv, **options) and returns a Plan.
-_PLANNERS = {
-    "data": ("distmem.plan.data", "plan_data"),
-    "pipeline": ("distmem.plan.pipeline", "plan_pipeline"),
-    "model": ("distmem.plan.model", "plan_model"),
-    "tenants": ("distmem.plan.tenants", "plan_tenants"),
-}
+Planner = Callable[..., Plan]
+
+
+def _data() -> Planner:
+    from .data import plan_data
+
+    return plan_data
+
+
+def _pipeline() -> Planner:
+    from .pipeline import plan_pipeline
+
+    return plan_pipeline
+
+
+def _model() -> Planner:
+    from .model import plan_model
+
+    return plan_model
+
+
+def _tenants() -> Planner:
+    from .tenants import plan_tenants
+
+    return plan_tenants
+
+
+#: strategy -> loader of its planner (imported on first use, so ``distmem plan`` stays fast).
+PLANNERS: Dict[str, Callable[[], Planner]] = {"data": _data, "pipeline": _pipeline, "model": _model,
+                                              "tenants": _tenants}
+
+
+def register(strategy: str, loader: Callable[[], Planner]) -> None:
+    """Add (or replace) a strategy: ``loader()`` returns its planner."""
+    PLANNERS[strategy] = loader
+
+
+def planner(strategy: str) -> Planner:
+    """The planner function of ``strategy``; ConfigError naming the known strategies otherwise."""
+    if strategy not in PLANNERS:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(PLANNERS)}")
+    try:
+        return PLANNERS[strategy]()
+    except ImportError as exc:
+        raise ConfigError(f"strategy {strategy!r} is not available in this build ({exc})") from exc
 
 
 def make_plan(strategy: str, topo: Topology, inv: Inventory, **options: Any) -> Plan:
     """Dispatch to the strategy's planner. Pure: the same inputs give the same plan on every rank."""
-    if strategy not in _PLANNERS:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(_PLANNERS)}")
-    module, func = _PLANNERS[strategy]
+    fn = planner(strategy)
     try:
-        planner = getattr(importlib.import_module(module), func)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"strategy {strategy!r} is not available in this build ({exc})") from exc
-    try:
-        return planner(topo, inv, **options)
+        return fn(topo, inv, **options)
     except TypeError as exc:
         if "unexpected keyword argument" in str(exc):
             raise ConfigError(f"strategy {strategy!r} does not take that option: {exc}") from None

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from ..devices import Gpu, Inventory
+from ..discover.gpus import Gpu, Inventory
+from .. import defaults
 from ..errors import ConfigError, DoesNotFitError
-from ..topology import Topology
+from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
-from .base import DEFAULT_OVERHEAD_BYTES, DEFAULT_RESERVE, MEMORY_MODES
+from .types import DEFAULT_OVERHEAD_BYTES, DEFAULT_RESERVE, MEMORY_MODES
 
 __all__ = ["Options", "rank_layout", "ranks_per_device", "equal_share", "resolve_options", "floor_mib"]
 
@@ -40,7 +41,7 @@ def ranks_per_device(local_size: int, num_devices: int) -> Dict[int, int]:
 
 def resolve_options(gpus: List[Gpu], *, memory: str = "auto", reserve: SizeLike = DEFAULT_RESERVE,
                     overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
-                    headroom: SizeLike = "5%") -> Options:
+                    headroom: SizeLike = defaults.HEADROOM) -> Options:
     if memory not in MEMORY_MODES:
         raise ConfigError(f"memory={memory!r} is not one of {', '.join(MEMORY_MODES)}; use 'auto' "
                           "(growth alone on a GPU, hard limit when shared), 'growth' or 'limit'")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ..devices import Inventory
+from ..discover.gpus import Inventory
 from ..errors import DoesNotFitError
-from ..topology import Topology
+from ..discover.identity import Topology
 from ..units import SizeLike, format_bytes, parse_bytes
-from .base import Allocation, DeviceSlot, Plan
+from .types import Allocation, DeviceSlot, Plan
 from .common import Options, equal_share, floor_mib, rank_layout, ranks_per_device, resolve_options
 
 __all__ = ["plan_data"]

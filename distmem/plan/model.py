@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..devices import Inventory
+from ..discover.gpus import Inventory
 from ..errors import ConfigError, DoesNotFitError
-from ..topology import Topology
+from ..discover.identity import Topology
 from ..units import SizeLike, format_bytes, parse_bytes
-from .base import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
+from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import equal_share, rank_layout, resolve_options
 from .partition import Partition, layers_from_dicts, partition_model
 from .pipeline import _add, add_layer_arguments, layer_options_from_args, layers_from_model, planned_bytes

@@ -22,11 +22,11 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..costs import LayerCost
-from ..devices import Inventory
+from ..discover.gpus import Inventory
 from ..errors import ConfigError, DoesNotFitError
-from ..topology import Topology
+from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
-from .base import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
+from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import Options, equal_share, rank_layout, ranks_per_device, resolve_options
 from .partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
 
@@ -71,7 +71,7 @@ def layers_from_model(model: Any, *, batch_size: Optional[int] = None, optimizer
                           f"({exc}); pass layers=[LayerCost(...), ...] or stages=['9GiB', ...] instead") from None
     if isinstance(model, str):
         try:
-            from ..estimate.cli import load_model
+            from ..estimate.loader import load_model
         except ImportError as exc:
             raise ConfigError(f"model={model!r}: cannot load model specs ({exc}); build the model and pass it") from None
         model = load_model(model, input_shape)

@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..devices import Inventory
+from ..discover.gpus import Inventory
 from ..errors import ConfigError, DoesNotFitError
-from ..topology import Topology
+from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
-from .base import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
+from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import floor_mib, rank_layout, ranks_per_device, resolve_options
 
 __all__ = ["plan_tenants", "parse_tenants", "TenantsLike", "tenant_table", "add_cli_arguments",

@@ -101,7 +101,7 @@ def require_gpu() -> None:
 def cap_lib() -> str:
     """The built library: $DISTMEM_CAP_LIB, the installed copy, or a fresh build."""
     sys.path.insert(0, ROOT)
-    from distmem import native
+    from distmem.apply import native
 
     path = native.find_library()
     if path:

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "pro
 import gpuprobe  # noqa: E402
 import launch  # noqa: E402
 
-from distmem.frameworks import torch as tadapter  # noqa: E402
-from distmem.plan.base import DEFAULT_OVERHEAD_BYTES  # noqa: E402
+from distmem.apply import torch as tadapter  # noqa: E402
+from distmem.plan.types import DEFAULT_OVERHEAD_BYTES  # noqa: E402
 
 MiB = launch.MiB
 pytestmark = pytest.mark.gpus(2)

@@ -7,7 +7,7 @@ import ctypes
 import json
 import sys
 
-from distmem import native
+from distmem.apply import native
 from distmem.errors import DistmemError
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from native_helpers import GiB, MiB, ROOT
 
-from distmem import native
+from distmem.apply import native
+from distmem.cli import exec as exec_cli
 from distmem.errors import DistmemError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -154,7 +155,7 @@ def planned(monkeypatch, built):
         def fake(options):
             calls.append(options)
             return _fake_plan(slots)
-        monkeypatch.setattr(native, "_plan_for_exec", fake)
+        monkeypatch.setattr(exec_cli, "plan_for_exec", fake)
     monkeypatch.setenv(native.ENV_LIB, built.lib)
     monkeypatch.setenv("DISTMEM_QUIET", "1")
     return SimpleNamespace(plan_for=plan_for, calls=calls)
@@ -162,7 +163,7 @@ def planned(monkeypatch, built):
 
 def test_exec_dry_run_one_device(planned, capsys):
     planned.plan_for([(1, 5 * GiB)])
-    rc = native.exec_main(["--strategy", "pipeline", "-o", "stages=4", "-o", "reserve=1GiB", "--dry-run", "--",
+    rc = exec_cli.main(["--strategy", "pipeline", "-o", "stages=4", "-o", "reserve=1GiB", "--dry-run", "--",
                            "python", "train.py", "--lr", "3"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -173,28 +174,28 @@ def test_exec_dry_run_one_device(planned, capsys):
 
 def test_exec_dry_run_several_devices(planned, capsys):
     planned.plan_for([(0, 4 * GiB), (1, 6 * GiB)])
-    assert native.exec_main(["--dry-run", "python", "x.py"]) == 0
+    assert exec_cli.main(["--dry-run", "python", "x.py"]) == 0
     assert f"DISTMEM_CAP_BYTES=0:{4 * GiB},1:{6 * GiB} DISTMEM_CAP_DEVICE=0,1 python x.py" in capsys.readouterr().out
 
 
 def test_exec_without_a_gpu_in_the_plan_runs_uncapped(planned, capsys):
     planned.plan_for([])
-    assert native.exec_main(["--dry-run", "--", "python", "x.py"]) == 0
+    assert exec_cli.main(["--dry-run", "--", "python", "x.py"]) == 0
     assert capsys.readouterr().out.strip() == "python x.py"
 
 
 def test_exec_usage_errors(planned, capsys):
-    assert native.exec_main([]) == 2
+    assert exec_cli.main([]) == 2
     assert "no command given" in capsys.readouterr().err
-    assert native.exec_main(["--cap", "lots", "--", "true"]) == 2
+    assert exec_cli.main(["--cap", "lots", "--", "true"]) == 2
     assert "cannot read 'lots'" in capsys.readouterr().err
-    assert native.exec_main(["-o", "novalue", "--", "true"]) == 2
+    assert exec_cli.main(["-o", "novalue", "--", "true"]) == 2
     assert "is not KEY=VALUE" in capsys.readouterr().err
 
 
 def _exec(built, args, timeout=60, **extra):
     env = _clean_env(DISTMEM_CAP_LIB=built.lib, LD_LIBRARY_PATH=built.fake_dir, **extra)
-    return subprocess.run([sys.executable, "-m", "distmem.native", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "distmem.cli.exec", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 

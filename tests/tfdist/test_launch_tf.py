@@ -108,7 +108,7 @@ def test_helpers():
 
 
 def test_topology_reads_the_launchers_tf_config():
-    from distmem.topology import from_env
+    from distmem.discover.identity import from_env
 
     for rank, cfg in enumerate(tf_configs(["localhost:1", "localhost:2", "localhost:3"])):
         topo = from_env({"TF_CONFIG": cfg}, node="me")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from distmem.comm_tf import worker_position
+from distmem.comm.tf_strategy import worker_position
 from distmem.errors import ConfigError
 
 from helpers import ROOT, python, run
@@ -124,11 +124,11 @@ def test_worker_position_follows_topology_order():
 def test_bytes_travel_exactly_as_float32():
     import numpy as np
 
-    from distmem.comm_tf import _pack, _unpack
+    from distmem.comm.tf_strategy import pack, unpack
 
     rng = np.random.default_rng(3)
     for n in (0, 1, 2, 3, 4, 299, 3000):
         payload = rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()
-        row = _pack(payload, max(1, -(-n // 3)) + 1)
+        row = pack(payload, max(1, -(-n // 3)) + 1)
         assert row.dtype == np.float32 and float(row.max(initial=0)) < 2**24
-        assert _unpack(row.astype(np.float32), n) == payload
+        assert unpack(row.astype(np.float32), n) == payload

@@ -41,7 +41,7 @@ def test_fleet_dry_run_records_limits_without_applying(monkeypatch):
     assert plan.source == "fleet:1x16GiB" and plan.mine.devices[0].enforce
     rep = distmem.report(print_table=False)
     assert rep.ranks[0].plan_source == "fleet:1x16GiB"
-    from distmem.render import table
+    from distmem.report.sinks import table
 
     assert "dry run" in table(rep)
 

@@ -2,8 +2,9 @@ import logging
 
 import pytest
 
-from distmem import devices
-from distmem.devices import fleet_inventory, parse_fleet, parse_visible_devices
+from distmem.discover import gpus as devices
+from distmem.discover import nvml as nvml_binding
+from distmem.discover.gpus import fleet_inventory, parse_fleet, parse_visible_devices
 from distmem.errors import ConfigError
 from distmem.units import GiB
 
@@ -45,8 +46,8 @@ def test_fleet():
 
 
 def test_no_nvml_is_cpu_mode_with_one_line(monkeypatch, caplog):
-    monkeypatch.setitem(devices._state, "init", False)
-    monkeypatch.setitem(devices._state, "error", "NVML Shared Library Not Found")
+    monkeypatch.setitem(nvml_binding._state, "init", False)
+    monkeypatch.setitem(nvml_binding._state, "error", "NVML Shared Library Not Found")
     with caplog.at_level(logging.INFO, logger="distmem"):
         inv = devices.inventory()
     assert inv.gpus == [] and inv.source == "none" and "CPU mode" in inv.note

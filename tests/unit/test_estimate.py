@@ -3,8 +3,7 @@ import pytest
 
 from distmem.costs import LayerCost
 from distmem.errors import ConfigError
-from distmem.estimate.liveness import (BFCAllocator, CudaCachingAllocator, ExactAllocator, Graph, Node,
-                                       replay)
+from distmem.estimate.liveness import BFCAllocator, CudaCachingAllocator, ExactAllocator, Graph, Node, replay
 from distmem.estimate.precision import dtype_bytes, resolve_precision
 from distmem.estimate.table import TORCH_CACHE_HEADROOM, Estimate, LayerEstimate
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, List
 
-from distmem.comm import Comm, _reduce
+from distmem.comm import Comm, reduce_rows
 from distmem.errors import GatherTimeoutError
 
 
@@ -33,7 +33,7 @@ class ThreadComm(Comm):
         self.world, self.rank, self.size = world, rank, world.n
 
     def allreduce(self, values, op="sum", timeout=30.0):
-        return _reduce(self.world.exchange(self.rank, [float(v) for v in values], timeout), op)
+        return reduce_rows(self.world.exchange(self.rank, [float(v) for v in values], timeout), op)
 
     def allgather(self, obj, timeout=30.0):
         return self.world.exchange(self.rank, obj, timeout)

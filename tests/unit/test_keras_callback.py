@@ -11,7 +11,7 @@ import pytest
 
 import distmem
 from distmem.errors import ConfigError, DistmemError
-from distmem.timeline import ReportEvery
+from distmem.report.periodic import ReportEvery
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,7 +94,7 @@ def _fit(tf, callback, epochs=2, steps=5, steps_per_execution=1):
 def test_memory_report_in_model_fit(tmp_path, spe):
     tf = pytest.importorskip("tensorflow")
     distmem.init(fleet="2x16GiB", framework="tensorflow", verbose=False)
-    from distmem.keras import MemoryReport
+    from distmem.report.keras import MemoryReport
 
     cb = MemoryReport(every_n_batches=3, path=str(tmp_path / "timeline.json"), plot=str(tmp_path / "m.png"),
                       log_dir=str(tmp_path / "tb"), prometheus=str(tmp_path / "m.prom"))
@@ -120,7 +120,7 @@ def test_memory_report_in_model_fit(tmp_path, spe):
 
 def test_memory_report_without_init_says_what_to_do():
     tf = pytest.importorskip("tensorflow")
-    from distmem.keras import MemoryReport
+    from distmem.report.keras import MemoryReport
 
     with pytest.raises(DistmemError, match="call distmem.init"):
         _fit(tf, MemoryReport(every_n_batches=2), epochs=1, steps=2)
@@ -128,7 +128,7 @@ def test_memory_report_without_init_says_what_to_do():
 
 def test_memory_report_keras_flags():
     pytest.importorskip("tensorflow")
-    from distmem.keras import MemoryReport
+    from distmem.report.keras import MemoryReport
 
     assert MemoryReport._supports_tf_logs is True and MemoryReport.async_safe is False
-    assert MemoryReport.__module__ == "distmem.keras"
+    assert MemoryReport.__module__ == "distmem.report.keras"

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from distmem import launch_k8s
+from distmem.cli import k8s as launch_k8s
 from distmem.cli import plan as plan_cmd
-from distmem.devices import Inventory, fleet_inventory
+from distmem.discover.gpus import Inventory, fleet_inventory
 from distmem.errors import ConfigError
 from distmem.plan import make_plan
-from distmem.topology import Topology
+from distmem.discover.identity import Topology
 from distmem.units import MiB
 
 from helpers import ROOT, have, run

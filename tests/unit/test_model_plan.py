@@ -4,11 +4,11 @@ import math
 import pytest
 
 from distmem.costs import LayerCost
-from distmem.devices import Inventory, fleet_inventory
+from distmem.discover.gpus import Inventory, fleet_inventory
 from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
 from distmem.plan.partition import partition_model
-from distmem.topology import Topology
+from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 
 CPU = Inventory([], "none")

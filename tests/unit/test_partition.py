@@ -6,8 +6,8 @@ import pytest
 
 from distmem.costs import LayerCost
 from distmem.errors import ConfigError
-from distmem.plan.partition import (bounds_from_cuts, in_flight, layers_from_dicts, lower_bound,
-                                    partition_model, partition_pipeline, partition_plain, solve, stage_demands)
+from distmem.plan.partition import (bounds_from_cuts, in_flight, layers_from_dicts, lower_bound, partition_model,
+    partition_pipeline, partition_plain, solve, stage_demands)
 
 
 @pytest.mark.parametrize("p,m,expected", [

@@ -6,14 +6,14 @@ import math
 import pytest
 
 from distmem.costs import LayerCost
-from distmem.devices import Inventory, fleet_inventory
+from distmem.discover.gpus import Inventory, fleet_inventory
 from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
-from distmem.plan.base import DEFAULT_OVERHEAD_BYTES
+from distmem.plan.types import DEFAULT_OVERHEAD_BYTES
 from distmem.plan.partition import partition_pipeline
 from distmem.plan.pipeline import (add_cli_arguments, plan_from_args, plan_options_from_args, planned_bytes,
-                                   stage_of_rank)
-from distmem.topology import Topology
+    stage_of_rank)
+from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 
 CPU = Inventory([], "none")

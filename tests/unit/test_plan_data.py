@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from distmem.devices import fleet_inventory, Inventory
+from distmem.discover.gpus import fleet_inventory, Inventory
 from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
-from distmem.plan.base import DEFAULT_OVERHEAD_BYTES
-from distmem.topology import Topology
+from distmem.plan.types import DEFAULT_OVERHEAD_BYTES
+from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 
 

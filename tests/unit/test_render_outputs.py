@@ -10,11 +10,11 @@ import pytest
 
 from distmem import cli
 from distmem.errors import ConfigError
-from distmem.render import (TensorBoard, plot, print_report, prometheus, prometheus_text, read_json, table,
-                            write_json)
-from distmem.stats import aggregate
-from distmem.summary import reduce_locally
-from distmem.timeline import point
+from distmem.report.sinks import (TensorBoard, plot, print_report, prometheus, prometheus_text, read_json, table,
+    write_json)
+from distmem.report.aggregate import aggregate
+from distmem.report.summary import reduce_locally
+from distmem.report.periodic import point
 from distmem.units import GiB, MiB
 
 from test_stats_warnings import snap

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from distmem.stats import (GROUP_ABOVE, WARN_IMBALANCE_MIN_BYTES, Report, Snapshot, aggregate,
-                           allocator_pool_bytes, outside_allocator_bytes)
-from distmem.summary import STAGE_SLOTS, reduce_locally
+from distmem.report.aggregate import (GROUP_ABOVE, WARN_IMBALANCE_MIN_BYTES, Report, Snapshot, aggregate,
+    allocator_pool_bytes, outside_allocator_bytes)
+from distmem.report.summary import STAGE_SLOTS, reduce_locally
 from distmem.units import GiB, MiB
 
 H = "node-a"

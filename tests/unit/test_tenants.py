@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from distmem.devices import Inventory, fleet_inventory
+from distmem.discover.gpus import Inventory, fleet_inventory
 from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
-from distmem.plan.base import DEFAULT_OVERHEAD_BYTES
+from distmem.plan.types import DEFAULT_OVERHEAD_BYTES
 from distmem.plan.tenants import DEFAULT_MAX_TENANTS, MIN_TENANT_BYTES, parse_tenants, tenant_table
-from distmem.topology import Topology
+from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 
 from helpers import ROOT

@@ -18,12 +18,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from distmem.devices import fleet_inventory  # noqa: E402
+from distmem.discover.gpus import fleet_inventory  # noqa: E402
 from distmem.errors import TooLateError  # noqa: E402
-from distmem.frameworks import tensorflow as tf_adapter  # noqa: E402
+from distmem.apply import tensorflow as tf_adapter  # noqa: E402
 from distmem.plan import make_plan  # noqa: E402
-from distmem.plan.base import Allocation, DeviceSlot, Plan  # noqa: E402
-from distmem.topology import Topology  # noqa: E402
+from distmem.plan.types import Allocation, DeviceSlot, Plan  # noqa: E402
+from distmem.discover.identity import Topology  # noqa: E402
 from distmem.units import GiB, MiB  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -181,7 +181,7 @@ CHILD = textwrap.dedent("""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     from distmem.devices import Inventory
     from distmem.errors import TooLateError
-    from distmem.frameworks import tensorflow as tf_adapter
+    from distmem.apply import tensorflow as tf_adapter
     from distmem.plan import make_plan
     from distmem.topology import Topology
     import tensorflow as tf

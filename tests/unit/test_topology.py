@@ -3,7 +3,7 @@ import json
 import pytest
 
 from distmem.errors import ConfigError
-from distmem.topology import Topology, detect, from_env, launcher_of
+from distmem.discover.identity import Topology, detect, from_env, launcher_of
 
 
 def test_single_process_without_launcher():

@@ -9,13 +9,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import distmem  # noqa: E402
-from distmem.devices import Inventory, fleet_inventory  # noqa: E402
+from distmem.discover.gpus import Inventory, fleet_inventory  # noqa: E402
 from distmem.errors import ConfigError, DistmemError, TooLateError  # noqa: E402
-from distmem.frameworks import adapter, detect_framework  # noqa: E402
-from distmem.frameworks import torch as tadapter  # noqa: E402
+from distmem.apply import adapter, detect_framework  # noqa: E402
+from distmem.apply import torch as tadapter  # noqa: E402
+from distmem.apply import torch_probe as probe  # noqa: E402
 from distmem.plan import make_plan  # noqa: E402
-from distmem.plan.base import DeviceSlot  # noqa: E402
-from distmem.topology import Topology  # noqa: E402
+from distmem.plan.types import DeviceSlot  # noqa: E402
+from distmem.discover.identity import Topology  # noqa: E402
 from distmem.units import GiB, MiB  # noqa: E402
 
 # What CUDA reports on an H200 (139.8 GiB) beside NVML's 143771 MiB total.
@@ -119,7 +120,7 @@ def _clean(monkeypatch):
 
 def test_framework_names_resolve_to_this_adapter():
     assert detect_framework("torch") == detect_framework("pytorch") == "torch"
-    assert adapter("torch") is tadapter
+    assert adapter("torch").module is tadapter and adapter("torch").name == "torch"
     for name in tadapter.__all__:
         assert hasattr(tadapter, name), name
 
@@ -174,7 +175,7 @@ def test_device_without_plan_names_the_fix():
 
 def test_measure_on_cpu_fails_with_the_remedy():
     with pytest.raises(DistmemError, match=r"overhead='768MiB'"):
-        tadapter.measure_context(0, timeout=120)
+        probe.measure_context(0, timeout=120)
 
 
 # ------------------------------------------------------------------------------ GPU logic, fake CUDA
@@ -364,7 +365,9 @@ def test_init_applies_through_the_backend_and_reports(monkeypatch):
 
     inv = fleet_inventory("2x143771MiB")
     inv.source = "nvml"
-    monkeypatch.setattr(api._devices, "inventory", lambda **kw: inv)
+    from distmem.discover import gpus
+
+    monkeypatch.setattr(gpus, "inventory", lambda **kw: inv)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
@@ -384,10 +387,10 @@ def test_init_applies_through_the_backend_and_reports(monkeypatch):
 def test_measure_overhead_rounds_up_to_64_mib(monkeypatch):
     for raw, want in ((612 * MiB, 640 * MiB), (760 * MiB, 768 * MiB), (768 * MiB, 768 * MiB),
                       (768 * MiB + 1, 832 * MiB), (1, 64 * MiB)):
-        monkeypatch.setattr(tadapter, "measure_context", lambda d, timeout=120.0, r=raw: {"overhead_bytes": r})
-        got = tadapter.measure_context_overhead(0)
-        assert got == want and 0 <= got - raw < tadapter.OVERHEAD_ROUNDING
-    assert tadapter.OVERHEAD_ROUNDING < tadapter.OVERHEAD_TOLERANCE
+        monkeypatch.setattr(probe, "measure_context", lambda d, timeout=120.0, r=raw: {"overhead_bytes": r})
+        got = probe.measure_context_overhead(0)
+        assert got == want and 0 <= got - raw < probe.OVERHEAD_ROUNDING
+    assert probe.OVERHEAD_ROUNDING < tadapter.OVERHEAD_TOLERANCE
 
 
 def test_measure_overhead_agrees_across_ranks(monkeypatch):
@@ -400,22 +403,22 @@ def test_measure_overhead_agrees_across_ranks(monkeypatch):
 
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    monkeypatch.setattr(tadapter, "measure_context", lambda d, timeout=120.0: {"overhead_bytes": 700 * MiB})
+    monkeypatch.setattr(probe, "measure_context", lambda d, timeout=120.0: {"overhead_bytes": 700 * MiB})
     comm.set_comm(MaxComm())
-    assert tadapter.measure_context_overhead(0) == 896 * MiB
-    assert tadapter.measure_context_overhead(0, agree=False) == 704 * MiB
+    assert probe.measure_context_overhead(0) == 896 * MiB
+    assert probe.measure_context_overhead(0, agree=False) == 704 * MiB
 
 
 def test_measure_parses_the_child_line(monkeypatch):
     import subprocess
 
-    line = tadapter._MEASURE_TAG + json.dumps({"overhead_bytes": 5, "device": 0})
+    line = probe.MEASURE_TAG + json.dumps({"overhead_bytes": 5, "device": 0})
 
     class Done:
         returncode, stdout, stderr = 0, "noise\n" + line + "\n", ""
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done())
-    assert tadapter.measure_context(0)["overhead_bytes"] == 5
+    assert probe.measure_context(0)["overhead_bytes"] == 5
 
 
 def test_too_late_changes_no_allocator_setting(monkeypatch):

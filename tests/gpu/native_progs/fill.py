@@ -36,7 +36,7 @@ def _raw_status(why):
 
 def _native_status():
     try:
-        from distmem import native
+        from distmem.apply import native
     except Exception as exc:  # noqa: BLE001 - report, don't fail: the parent decides
         return _raw_status(f"import distmem.native: {type(exc).__name__}: {exc}")
     return native.status()

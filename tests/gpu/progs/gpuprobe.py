@@ -37,7 +37,7 @@ def setup():
     if FAKE:
         import fakecuda
 
-        from distmem.frameworks import torch as tadapter
+        from distmem.apply import torch as tadapter
 
         tadapter.set_backend(fakecuda.BACKEND)
 

@@ -8,9 +8,9 @@ import pytest
 
 import distmem
 from distmem import comm as dcomm
-from distmem import devices as ddevices
-from distmem.stats import Snapshot, aggregate
-from distmem.summary import summary_report
+from distmem.discover import gpus as ddevices
+from distmem.report.aggregate import Snapshot, aggregate
+from distmem.report.summary import summary_report
 from distmem.units import GiB, MiB
 
 RANK, SIZE = hvd.rank(), hvd.size()

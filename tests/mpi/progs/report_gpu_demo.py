@@ -57,7 +57,7 @@ def train(out: str, steps: int) -> None:
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     batch = 64 * (1 + rank)  # uneven shards: each rank's activations differ
     leak = []
-    from distmem.timeline import ReportEvery
+    from distmem.report.periodic import ReportEvery
 
     every = ReportEvery(20, path=os.path.join(out, "train-timeline.json"), flush_seconds=0)
     t0 = time.time()
@@ -79,7 +79,7 @@ def train(out: str, steps: int) -> None:
     rep = every.close()
     if rank == 0:
         print(f"[rank 0] {steps} steps in {time.time() - t0:.1f} s; {len(rep.timeline)} timeline points")
-        from distmem.render import table
+        from distmem.report.sinks import table
 
         print(table(rep))
 

@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 import distmem
 from distmem import comm as dcomm
-from distmem.topology import detect
+from distmem.discover.identity import detect
 
 WORLD = MPI.COMM_WORLD
 

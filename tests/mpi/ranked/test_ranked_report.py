@@ -14,9 +14,9 @@ from mpi4py import MPI
 
 import distmem
 from distmem import comm as dcomm
-from distmem import devices as ddevices
-from distmem.stats import Snapshot, aggregate
-from distmem.summary import summary_report
+from distmem.discover import gpus as ddevices
+from distmem.report.aggregate import Snapshot, aggregate
+from distmem.report.summary import summary_report
 from distmem.units import GiB, MiB
 
 WORLD = MPI.COMM_WORLD
@@ -78,7 +78,7 @@ def test_summary_protocol_equals_aggregate_over_mpi():
 def test_report_every_gathers_at_the_same_steps_on_every_rank(tmp_path):
     distmem.init(strategy="data", fleet="2x16GiB", framework="none", verbose=False)
     path = os.path.join(OUT, f"ranked-timeline-{SIZE}.json")
-    from distmem.timeline import ReportEvery
+    from distmem.report.periodic import ReportEvery
 
     ev = ReportEvery(4, path=path, prometheus=os.path.join(OUT, f"ranked-{SIZE}.prom"))
     results = [ev.step() for _ in range(10)]

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
-import distmem.comm_tf  # noqa: E402
+import distmem.comm.tf_strategy  # noqa: E402
 
 plan = distmem.init(strategy="data", verbose=False)  # before the strategy: the contract under test
 import tensorflow as tf  # noqa: E402

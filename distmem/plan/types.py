@@ -6,23 +6,19 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .. import defaults, settings
 from ..errors import ConfigError
 from ..units import format_bytes
 
 __all__ = ["DeviceSlot", "Allocation", "Plan", "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RESERVE",
            "STRATEGIES", "MEMORY_MODES"]
 
-#: Memory a process holds on a GPU outside the framework allocator: CUDA context, cuBLAS/cuDNN
-#: handles and workspaces. Measured on an H200 with CUDA 13: 612 MiB right after CUDA starts and
-#: about 760 MiB once cuBLAS/cuDNN have run a training step; we plan for the latter, rounded up to
-#: the next 64 MiB. The torch adapter can measure it on the machine instead (overhead="measure").
-DEFAULT_OVERHEAD_BYTES = 768 * 1024**2
-
-#: Kept free on every GPU for the driver and for fragmentation between processes' pools.
-DEFAULT_RESERVE = "256MiB"
+#: The defaults live in distmem.defaults (one place); named here for the planners and old imports.
+DEFAULT_OVERHEAD_BYTES = defaults.OVERHEAD_BYTES
+DEFAULT_RESERVE = defaults.RESERVE
 
 STRATEGIES = ("data", "pipeline", "model", "tenants")
-MEMORY_MODES = ("auto", "growth", "limit")
+MEMORY_MODES = settings.MEMORY_MODES
 
 
 @dataclass

@@ -28,9 +28,9 @@ import json
 import shlex
 from typing import Any, Dict, List, Optional
 
-from .errors import ConfigError
-from .plan.base import Plan
-from .units import MiB
+from ..errors import ConfigError
+from ..plan.types import Plan
+from ..units import MiB
 
 __all__ = ["emit_k8s", "manifests", "render_yaml", "add_cli_arguments", "SHARING_MODES", "API_VERSION"]
 

@@ -61,6 +61,19 @@ def _apply_cpu(cfg: Any, count: int) -> List[str]:
     return [_set_logical(cfg, cpus[0], wanted, f"split the CPU into {count} logical devices")]
 
 
+def prepare(plan: Any = None) -> List[str]:
+    """Before TensorFlow creates its devices, in dry runs too: give the CPU allocator statistics.
+
+    TensorFlow's default CPU allocator keeps no statistics unless oneDNN is on (the default on Intel
+    CPUs, not on AMD), so ``get_memory_info('CPU:0')`` would fail on half the machines. The BFC CPU
+    allocator (``TF_CPU_ALLOCATOR_USE_BFC``, read when the CPU device is created) keeps them; a value
+    the user set is left alone."""
+    if "TF_CPU_ALLOCATOR_USE_BFC" in os.environ:
+        return []
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    return ["TF_CPU_ALLOCATOR_USE_BFC=true (CPU allocator statistics)"]
+
+
 def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
     """Configure TensorFlow for ``plan.mine``. ``tf_config`` replaces ``tf.config`` in tests."""
     alloc = plan.mine
@@ -140,7 +153,7 @@ def stats(plan: Any = None) -> Dict[str, Any]:
             "reserved_bytes": None, "devices": devices}
 
 
-def reset_peak() -> None:
+def reset_peak(plan: Any = None) -> None:
     """Start a new peak measurement (``tf.config.experimental.reset_memory_stats``)."""
     tf = _tf()
     for name in logical_devices():

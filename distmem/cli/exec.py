@@ -1,0 +1,139 @@
+"""``distmem-exec [options] -- COMMAND...``: run COMMAND under distmem's native hard cap (the
+LD_PRELOAD library of :mod:`distmem.apply.native`), with this rank's cap computed from the plan."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from .. import settings
+from ..apply.native import (ENV_CAP, ENV_DEVICE, ENV_GPU_BUDGET, ENV_LIB, ENV_PLAN, LIBRARY_NAME, CapLike,
+                            NativeCapError, caps_from_plan, launch_env)
+from ..console import say
+from ..errors import DistmemError
+from ..units import parse_bytes
+
+__all__ = ["main", "plan_for_exec"]
+
+
+def _option_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def plan_for_exec(options: Dict[str, Any]) -> Any:
+    """The job's plan from the launcher environment (``distmem.plan_from_env``), for the cap."""
+    from ..api import plan_from_env
+
+    return plan_from_env(**options)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="distmem-exec",
+        description="Run a command under distmem's native hard cap: compute this rank's cap from the plan "
+                    "(or take --cap) and exec the command with LD_PRELOAD and DISTMEM_CAP_BYTES set.",
+        epilog="examples:  horovodrun -np 4 distmem-exec -- python train.py\n"
+               "           distmem-exec --strategy data -o reserve=1GiB -- python train.py\n"
+               "           distmem-exec --cap 10GiB -- python serve.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cap", help="cap every device the command uses at this size (bytes, 10GiB, 512MB); "
+                                 "skips the plan")
+    p.add_argument("--strategy", default="data", help="plan strategy, as in distmem.init (default: data)")
+    p.add_argument("--fleet", help="declared GPUs for a machine without them, e.g. 4x16GiB")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a planner option, as keyword arguments of distmem.init (repeatable); VALUE is read "
+                        "as JSON when it parses, else as text")
+    p.add_argument("--gpu-budget", help="also hold all capped processes on each GPU together below this size "
+                                        f"(sets {ENV_GPU_BUDGET}; shared through /dev/shm)")
+    p.add_argument("--library", help=f"path of {LIBRARY_NAME} (default: ${ENV_LIB} or the installed copy)")
+    p.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --)")
+    return p
+
+
+def _say(msg: str, *, note: bool = False) -> None:
+    """A line on stderr; notes (not errors) are silenced by DISTMEM_QUIET=1."""
+    say(f"distmem-exec: {msg}", always=not note)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``distmem-exec [options] -- COMMAND...``: exec COMMAND under this rank's native cap.
+
+    Returns (only when nothing is exec'd) the exit status: 0 for --dry-run, 2 for a usage or plan
+    error, 127 when COMMAND cannot be run.
+    """
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        _parser().print_usage(sys.stderr)
+        _say("no command given; e.g. distmem-exec -- python train.py")
+        return 2
+    try:
+        devices: Optional[List[int]] = None
+        if args.cap:
+            cap: CapLike = parse_bytes(args.cap, what="--cap")
+            where = f"--cap {args.cap}"
+        else:
+            options: Dict[str, Any] = {"strategy": args.strategy}
+            if args.fleet:
+                options["fleet"] = args.fleet
+            for item in args.option:
+                key, sep, value = item.partition("=")
+                if not sep or not key:
+                    raise NativeCapError(f"-o {item!r} is not KEY=VALUE; e.g. -o reserve=1GiB")
+                options[key.strip()] = _option_value(value.strip())
+            plan = plan_for_exec(options)
+            caps = caps_from_plan(plan)
+            if not caps:
+                _say(f"rank {plan.mine.rank} has no GPU in the plan (devices from {plan.source}); "
+                     "running the command without a cap", note=True)
+                if args.dry_run:
+                    print(shlex.join(command))
+                    return 0
+                return _exec(command, dict(os.environ))
+            devices = sorted(caps)
+            values = set(caps.values())
+            # One device, or equal caps: a single size caps every device the process touches, so an
+            # accidental context on another GPU cannot escape.
+            cap = values.pop() if len(values) == 1 else caps
+            where = f"plan strategy={plan.strategy}, rank {plan.mine.rank}, GPU {','.join(map(str, devices))}"
+        budget = parse_bytes(args.gpu_budget, what="--gpu-budget") if args.gpu_budget else None
+        env = launch_env(cap, library=args.library, devices=devices, gpu_budget=budget)
+        env.pop(ENV_PLAN, None)
+        if not args.cap:
+            env[ENV_PLAN] = plan.fingerprint()
+    except DistmemError as exc:
+        _say(str(exc))
+        return 2
+    if args.dry_run:
+        print(f"LD_PRELOAD={shlex.quote(env['LD_PRELOAD'])} {ENV_CAP}={env[ENV_CAP]}"
+              + (f" {ENV_DEVICE}={env[ENV_DEVICE]}" if ENV_DEVICE in env else "")
+              + (f" {ENV_GPU_BUDGET}={env[ENV_GPU_BUDGET]}" if budget is not None else "")
+              + " " + shlex.join(command))
+        return 0
+    if settings.flag("DISTMEM_CAP_VERBOSE"):
+        _say(f"cap {env[ENV_CAP]} ({where}) for: {shlex.join(command)}", note=True)
+    return _exec(command, env)
+
+
+def _exec(command: List[str], env: Dict[str, str]) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:
+        _say(f"cannot run {command[0]!r}: {exc.strerror or exc} (PATH={env.get('PATH', '')})")
+        return 127
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

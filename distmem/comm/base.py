@@ -1,0 +1,155 @@
+"""The one transport interface, the one-process transport and the pieces every transport shares.
+
+A :class:`Comm` gathers to a root, all-gathers and all-reduces short float vectors, each call
+bounded by a timeout; :meth:`Comm.flag_reducer` hands the OOM guard the fastest per-step flag
+all-reduce the transport has. Every collective is entered by all ranks in the same order; a call
+that cannot complete returns (gather) or raises :class:`~distmem.errors.GatherTimeoutError`
+within ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+
+from .. import settings
+from ..errors import ConfigError, GatherTimeoutError
+
+__all__ = ["Comm", "SingleComm", "FlagReducer", "SingleFlags", "CommFlags", "REDUCE_OPS", "check_op",
+           "reduce_rows", "resolve_timeout", "mpi_launched", "wait_until", "flag_timeout_error"]
+
+REDUCE_OPS = ("sum", "min", "max")
+
+
+def resolve_timeout(timeout: Optional[float]) -> float:
+    """``timeout`` in seconds (validated), or ``DISTMEM_TIMEOUT`` (default 60) when None."""
+    if timeout is None:
+        return settings.timeout()
+    return settings.positive_seconds(timeout, "timeout", "pass seconds, e.g. timeout=60")
+
+
+def mpi_launched(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when an MPI launcher (mpirun, horovodrun --mpi, srun with PMI) started this process."""
+    env = os.environ if env is None else env
+    return any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"))
+
+
+def check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+
+
+def reduce_rows(rows: Sequence[Sequence[float]], op: str) -> List[float]:
+    """Element-wise ``op`` over equal-length rows (the reduction of an all-gather)."""
+    fn: Callable = {"sum": sum, "min": min, "max": max}[op]
+    return [float(fn(col)) for col in zip(*rows)]
+
+
+def wait_until(test: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``test`` until it is true or ``time.monotonic()`` passes ``deadline``: a few immediate
+    retries (ranks usually arrive together), then sleeps of 20 us doubling to 250 us, so a late rank
+    costs at most ~250 us of added latency and no core spins."""
+    for _ in range(20):
+        if test():
+            return True
+    delay = 0.00002
+    while not test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(0.00025, delay * 2)
+    return True
+
+
+def flag_timeout_error(what: str, timeout: float, rank: int, size: int) -> GatherTimeoutError:
+    return GatherTimeoutError(
+        f"{what} did not complete within {timeout:.1f} s on rank {rank} of {size}: at least one rank never "
+        "reached the guard's flag all-reduce (it crashed, hung, raised outside the guarded step, or ran a "
+        "different number of steps). Every rank that waits raises this instead of hanging; check the other "
+        "ranks' logs, and raise timeout= (or DISTMEM_TIMEOUT) if one step can take longer")
+
+
+class FlagReducer:
+    """Sum-all-reduce of a short float vector with a timeout (the OOM guard's per-step verdict).
+    ``reduce`` raises GatherTimeoutError."""
+
+    name = "base"
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def reduce(self, vec: List[float], timeout: float) -> List[float]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank {self.rank} of {self.size}>"
+
+
+class SingleFlags(FlagReducer):
+    name = "single"
+
+    def reduce(self, vec: List[float], timeout: float) -> List[float]:
+        return list(vec)
+
+
+class Comm:
+    """A transport. ``gather`` returns ``(objects, missing)`` on the root, ``(None, [])`` elsewhere.
+    ``timeout=None`` means ``DISTMEM_TIMEOUT`` (default 60 s)."""
+
+    name = "base"
+    rank = 0
+    size = 1
+
+    def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None
+               ) -> Tuple[Optional[List[Any]], List[int]]:
+        raise NotImplementedError
+
+    def allreduce(self, values: Sequence[float], op: str = "sum", timeout: Optional[float] = None) -> List[float]:
+        raise NotImplementedError
+
+    def allgather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
+        raise NotImplementedError
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        self.allreduce([0.0], "sum", timeout)
+
+    def flag_reducer(self) -> FlagReducer:
+        """The guard's per-step flag all-reduce on this transport (default: through :meth:`allreduce`)."""
+        return CommFlags(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank {self.rank} of {self.size}>"
+
+
+class CommFlags(FlagReducer):
+    """Flags through a transport's own all-reduce (which carries its own timeout)."""
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self.name = comm.name
+        super().__init__(comm.rank, comm.size)
+
+    def reduce(self, vec: List[float], timeout: float) -> List[float]:
+        return self.comm.allreduce(vec, "sum", timeout)
+
+
+class SingleComm(Comm):
+    """One process: every collective is the identity."""
+
+    name = "single"
+
+    def gather(self, obj, root=0, timeout=None):
+        resolve_timeout(timeout)
+        return [obj], []
+
+    def allreduce(self, values, op="sum", timeout=None):
+        check_op(op)
+        resolve_timeout(timeout)
+        return [float(v) for v in values]
+
+    def allgather(self, obj, timeout=None):
+        resolve_timeout(timeout)
+        return [obj]
+
+    def flag_reducer(self) -> FlagReducer:
+        return SingleFlags(0, 1)

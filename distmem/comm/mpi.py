@@ -1,0 +1,222 @@
+"""mpi4py: point-to-point gathers and non-blocking collectives, every call with a real timeout.
+
+Isolation from the user's own MPI traffic: distmem works on a communicator of its own, a
+duplicate of ``COMM_WORLD`` made with the non-blocking ``MPI_Comm_idup`` at the first collective
+(every rank enters distmem's collectives in the same order, so the duplicate is matched) and
+polled against that call's deadline - a rank that never arrives cannot hang the others. Messages
+on it can never meet the user's receives, wildcard tags included. Should the duplicate not
+complete in time, distmem stays on ``COMM_WORLD`` for the rest of the process, with tags from a
+range reserved at the top of ``MPI_TAG_UB`` (the user's ``ANY_TAG`` receives could then still see
+them: the report says so).
+
+Requests that time out are never dropped while active: freeing an active request is erroneous in
+MPI (a late peer would write into freed buffers). They are kept with their buffers and completed
+(tested) at later calls.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import Any, List, Optional, Tuple
+
+from ..errors import GatherTimeoutError
+from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
+
+__all__ = ["MPIComm", "MPIFlags", "TAG_RANGE"]
+
+log = logging.getLogger("distmem")
+
+#: Tags distmem may use: the top ``TAG_RANGE`` values below ``MPI_TAG_UB`` (half data, half acks).
+TAG_RANGE = 1 << 21
+
+
+class _Pending:
+    """Requests abandoned at a timeout, kept alive with their buffers until they complete."""
+
+    def __init__(self) -> None:
+        self.items: List[Tuple[Any, Tuple[Any, ...]]] = []
+
+    def keep(self, req: Any, *buffers: Any) -> None:
+        self.items.append((req, buffers))
+
+    def drain(self) -> None:
+        still = []
+        for req, bufs in self.items:
+            try:
+                done = req.Test()
+            except Exception:  # noqa: BLE001 - a request MPI already failed: nothing left to free
+                done = True
+            if not done:
+                still.append((req, bufs))
+        self.items = still
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class MPIComm(Comm):
+    """mpi4py on a private duplicate of COMM_WORLD (made without a blocking collective)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any = None):
+        from mpi4py import MPI  # initialises MPI if the launcher has not; only called under a launcher
+
+        self.MPI = MPI
+        self.world = comm or MPI.COMM_WORLD
+        self.comm = self.world  # until the private duplicate exists
+        self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        ub = self.world.Get_attr(MPI.TAG_UB) or 32767
+        span = min(TAG_RANGE, (int(ub) + 1) // 4)
+        self._tag_base = int(ub) - 2 * span + 1
+        self._tag_span = span
+        self._seq = 0
+        self._dup: Optional[Tuple[Any, Any]] = None
+        self.isolated: Optional[bool] = None  # True once on the private communicator, False if it failed
+        self.pending = _Pending()
+
+    def ensure_private(self, deadline: float) -> None:
+        if self.isolated is not None or self.size == 1:
+            return
+        if self._dup is None:
+            self._dup = self.world.Idup()
+        newcomm, req = self._dup
+        if wait_until(req.Test, deadline):
+            self.comm, self.isolated = newcomm, True
+        else:
+            self.pending.keep(req, newcomm)
+            self.isolated = False
+            log.warning("distmem: rank %d: MPI_Comm_idup did not complete in time; distmem stays on COMM_WORLD "
+                        "with tags from %d upward (the job's ANY_TAG receives could see them)", self.rank,
+                        self._tag_base)
+
+    def _next_tag(self) -> int:
+        self._seq += 1
+        return self._tag_base + self._seq % self._tag_span
+
+    def gather(self, obj, root=0, timeout=None):
+        timeout = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        self.pending.drain()
+        self.ensure_private(deadline)
+        MPI, comm = self.MPI, self.comm
+        tag = self._next_tag()
+        ack_tag = tag + self._tag_span
+        if self.rank != root:
+            # Raw bytes, not mpi4py's pickled isend/recv: its recv uses matched probes
+            # (MPI_Mprobe), which crash Open MPI 4.1 while Horovod's thread uses MPI too.
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            req = comm.Isend([payload, MPI.BYTE], dest=root, tag=tag)
+            if not wait_until(req.Test, deadline):
+                self.pending.keep(req, payload)
+                log.warning("distmem: rank %d could not deliver its snapshot to rank %d within %.1f s",
+                            self.rank, root, timeout)
+                return None, []
+            # Wait for the root's acknowledgement, so that no rank runs ahead and exits (under
+            # Horovod, a rank's exit shuts Horovod - and the MPI it owns - down on every rank)
+            # while the root is still receiving.
+            ack = bytearray(1)
+            req = comm.Irecv([ack, MPI.BYTE], source=root, tag=ack_tag)
+            if not wait_until(req.Test, deadline):
+                self.pending.keep(req, ack)
+                log.warning("distmem: rank %d got no acknowledgement from rank %d within %.1f s",
+                            self.rank, root, timeout)
+            return None, []
+        out: List[Any] = [None] * self.size
+        out[root] = obj
+        pending = set(range(self.size)) - {root}
+        status = MPI.Status()
+
+        def receive_some() -> bool:
+            for r in sorted(pending):
+                if comm.Iprobe(source=r, tag=tag, status=status):
+                    buf = bytearray(status.Get_count(MPI.BYTE))
+                    comm.Recv([buf, MPI.BYTE], source=r, tag=tag)
+                    out[r] = pickle.loads(buf)
+                    pending.discard(r)
+            return not pending
+
+        wait_until(receive_some, deadline)
+        for r in range(self.size):
+            if r != root and r not in pending:
+                one = bytearray(b"\x01")
+                req = comm.Isend([one, MPI.BYTE], dest=r, tag=ack_tag)
+                if not req.Test():
+                    self.pending.keep(req, one)
+        return out, sorted(pending)
+
+    def _iallreduce(self, send: Any, recv: Any, mpi_op: Any, deadline: float, what: str, timeout: float) -> None:
+        req = self.comm.Iallreduce(send, recv, op=mpi_op)
+        if not wait_until(req.Test, deadline):
+            self.pending.keep(req, send, recv)
+            raise GatherTimeoutError(
+                f"{what} did not complete within {timeout:.1f} s on rank {self.rank} of {self.size}: at least one "
+                "rank never entered it (crashed, hung, or took another code path); check the other ranks' logs, "
+                "or raise timeout= / DISTMEM_TIMEOUT")
+
+    def allreduce(self, values, op="sum", timeout=None):
+        import numpy as np
+
+        check_op(op)
+        timeout = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        self.pending.drain()
+        self.ensure_private(deadline)
+        send = np.asarray(values, dtype=np.float64)
+        recv = np.empty_like(send)
+        mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+        self._iallreduce(send, recv, mpi_op, deadline, f"all-reduce of {len(send)} value(s)", timeout)
+        return recv.tolist()
+
+    def allgather(self, obj, timeout=None):
+        import numpy as np
+
+        timeout = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        gathered, missing = self.gather(obj, 0, timeout)
+        if self.rank == 0 and missing:
+            gathered = gathered + [None]  # marks failure; broadcast below carries it
+        payload = pickle.dumps((gathered, missing)) if self.rank == 0 else b""
+        left = max(deadline - time.monotonic(), 0.001)
+        size = self.allreduce([len(payload)], "max", left)[0]
+        buf = np.zeros(int(size), dtype=np.uint8)
+        if self.rank == 0:
+            buf[:] = np.frombuffer(payload, dtype=np.uint8)
+        req = self.comm.Ibcast(buf, root=0)
+        if not wait_until(req.Test, deadline):
+            self.pending.keep(req, buf)
+            raise GatherTimeoutError(f"allgather broadcast did not complete within {timeout:.1f} s on rank "
+                                     f"{self.rank} of {self.size}; raise timeout= / DISTMEM_TIMEOUT")
+        gathered, missing = pickle.loads(buf.tobytes())
+        if missing:
+            raise GatherTimeoutError(f"allgather: ranks {missing} did not arrive within {timeout:.1f} s",
+                                     missing)
+        return gathered
+
+    def flag_reducer(self) -> FlagReducer:
+        return MPIFlags(self)
+
+
+class MPIFlags(FlagReducer):
+    """The guard's flags by ``Iallreduce`` on distmem's communicator, polled with back-off."""
+
+    name = "mpi"
+
+    def __init__(self, comm: MPIComm):
+        self.mpi = comm
+        super().__init__(comm.rank, comm.size)
+
+    def reduce(self, vec, timeout):
+        import numpy as np
+
+        deadline = time.monotonic() + timeout
+        self.mpi.pending.drain()
+        self.mpi.ensure_private(deadline)
+        send = np.asarray(vec, dtype=np.float64)
+        recv = np.empty_like(send)
+        req = self.mpi.comm.Iallreduce(send, recv, op=self.mpi.MPI.SUM)
+        if not wait_until(req.Test, deadline):
+            self.mpi.pending.keep(req, send, recv)
+            raise flag_timeout_error("the guard's flag all-reduce (MPI)", timeout, self.rank, self.size)
+        return recv.tolist()

@@ -1,0 +1,117 @@
+"""torch.distributed (torchrun): object gathers bounded on a helper thread, all-reduces as real
+``all_reduce`` calls polled against a deadline (constant message size), on the rank's own GPU.
+
+Under NCCL every tensor of a collective must sit on the rank's own device. The helper thread
+that runs an object gather starts with CUDA's current device 0, so it sets the rank's device (the
+one distmem's plan pinned, else the caller's current device when the transport was made) before
+each call: no stray context on GPU 0, no duplicate-GPU error.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional
+
+from .. import session
+from ..bounded import Stuck, call_with_timeout
+from ..errors import GatherTimeoutError
+from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
+
+__all__ = ["TorchDistComm", "TorchDistFlags", "rank_device"]
+
+
+def rank_device(dist: Any) -> Optional[int]:
+    """The CUDA ordinal this rank's collectives must use under NCCL (None for CPU backends)."""
+    if dist.get_backend() != "nccl":
+        return None
+    plan = session.current_plan()
+    if plan is not None and plan.mine.devices:
+        return plan.mine.devices[0].index
+    import torch
+
+    return torch.cuda.current_device()
+
+
+class TorchDistComm(Comm):
+    """torch.distributed object collectives on the default group."""
+
+    name = "torch.distributed"
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.device = rank_device(dist)
+        self._abandoned: List[Any] = []
+
+    def _on_device(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)
+
+    def allgather(self, obj, timeout=None):
+        timeout = resolve_timeout(timeout)
+
+        def run():
+            self._on_device()
+            out: List[Any] = [None] * self.size
+            self.dist.all_gather_object(out, obj)
+            return out
+
+        try:
+            return call_with_timeout(run, timeout, "distmem-torch-dist")
+        except Stuck:
+            raise GatherTimeoutError(
+                f"torch.distributed all_gather_object did not complete within {timeout:.1f} s on rank {self.rank} of "
+                f"{self.size}: at least one rank never entered it (crashed, hung, or took another code path); check "
+                "the other ranks' logs, or raise timeout= / DISTMEM_TIMEOUT") from None
+
+    def gather(self, obj, root=0, timeout=None):
+        rows = self.allgather(obj, timeout)
+        return (rows, []) if self.rank == root else (None, [])
+
+    def allreduce(self, values, op="sum", timeout=None):
+        import torch
+
+        check_op(op)
+        timeout = resolve_timeout(timeout)
+        device = "cpu" if self.device is None else f"cuda:{self.device}"
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+        red = {"sum": self.dist.ReduceOp.SUM, "min": self.dist.ReduceOp.MIN, "max": self.dist.ReduceOp.MAX}[op]
+        work = self.dist.all_reduce(t, op=red, async_op=True)
+        if not wait_until(work.is_completed, time.monotonic() + timeout):
+            self._abandoned.append((work, t))
+            raise GatherTimeoutError(
+                f"torch.distributed all-reduce of {len(t)} value(s) did not complete within {timeout:.1f} s on rank "
+                f"{self.rank} of {self.size}: at least one rank never entered it; check the other ranks' logs, or "
+                "raise timeout= / DISTMEM_TIMEOUT")
+        work.wait()
+        return t.cpu().tolist()
+
+    def flag_reducer(self) -> FlagReducer:
+        return TorchDistFlags(self.dist, self.device)
+
+
+class TorchDistFlags(FlagReducer):
+    """torch.distributed: ``all_reduce(async_op=True)`` polled (on the rank's GPU for NCCL)."""
+
+    name = "torch.distributed"
+
+    def __init__(self, dist: Any, device: Optional[int] = None):
+        self.dist = dist
+        self.device = device if device is not None else rank_device(dist)
+        self._abandoned: list = []
+        super().__init__(dist.get_rank(), dist.get_world_size())
+
+    def reduce(self, vec, timeout):
+        import torch
+
+        device = "cpu" if self.device is None else f"cuda:{self.device}"
+        t = torch.tensor(vec, dtype=torch.float64, device=device)
+        work = self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, async_op=True)
+        if not wait_until(work.is_completed, time.monotonic() + timeout):
+            self._abandoned.append((work, t))
+            raise flag_timeout_error("the guard's flag all-reduce (torch.distributed)", timeout, self.rank, self.size)
+        work.wait()
+        return t.cpu().tolist()

@@ -1,0 +1,238 @@
+"""GPU inventory through NVML (``nvidia-ml-py``), behind one query helper.
+
+NVML creates no CUDA context, so reading the inventory is safe before any framework starts.
+Without NVML or without GPUs the inventory is empty and distmem runs in CPU mode; a declared fleet
+(``DISTMEM_FLEET=4x16GiB``) stands in for real GPUs in dry runs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..errors import ConfigError
+from ..units import parse_bytes
+from .nvml import nvml_available, nvml_error, nvml_handle_module, nvml_query, text
+
+__all__ = ["GpuProcess", "Gpu", "Inventory", "nvml_query", "nvml_available", "inventory", "VISIBLE_ITEM",
+           "parse_visible_devices", "parse_fleet", "fleet_inventory", "process_usage", "pid_usage"]
+
+log = logging.getLogger("distmem")
+
+
+@dataclass
+class GpuProcess:
+    """A process holding memory on a GPU, as NVML reports it (``nvidia-smi``'s process table).
+
+    ``used_bytes`` is None where NVML cannot attribute memory (some containers and MIG setups).
+    """
+
+    pid: int
+    used_bytes: Optional[int]
+
+
+@dataclass
+class Gpu:
+    """One visible GPU. ``index`` is its ordinal as CUDA frameworks see it (position in
+    CUDA_VISIBLE_DEVICES); ``nvml_index`` is ``nvidia-smi``'s index. Byte figures are
+    ``nvidia-smi --query-gpu=memory.total,memory.used,memory.free`` in bytes."""
+
+    index: int
+    nvml_index: Optional[int]
+    uuid: str
+    name: str
+    total_bytes: int
+    used_bytes: int = 0
+    free_bytes: int = 0
+    processes: List[GpuProcess] = field(default_factory=list)
+    mig: bool = False
+    #: Memory the driver and firmware keep (``nvidia-smi -q``: FB Memory Usage / Reserved; NVML's v2
+    #: memory query). CUDA's total (``cudaMemGetInfo``) is ``total_bytes - reserved_bytes``: on an
+    #: H200 NVML reports 143771 MiB and CUDA about 143160 MiB.
+    reserved_bytes: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def holders(self) -> Dict[int, Optional[int]]:
+        """pid -> bytes NVML attributes to it on this GPU (None where it cannot attribute)."""
+        return {p.pid: p.used_bytes for p in self.processes}
+
+
+def pid_usage(gpus: Sequence[Gpu], pid: int) -> Dict[int, Optional[int]]:
+    """Bytes ``pid`` holds on each of ``gpus`` where NVML lists it, by ordinal: the one
+    which-process-holds-what lookup (reports, foreign-memory warnings, ``process_usage``)."""
+    return {g.index: g.holders()[pid] for g in gpus if pid in g.holders()}
+
+
+@dataclass
+class Inventory:
+    """The GPUs this process may use. ``source`` is ``nvml``, ``fleet:<spec>`` or ``none``."""
+
+    gpus: List[Gpu]
+    source: str
+    driver: Optional[str] = None
+    visible_spec: Optional[str] = None
+    note: str = ""
+
+    @property
+    def real(self) -> bool:
+        """True when the GPUs were read from NVML, False for a declared fleet or none."""
+        return self.source == "nvml"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"gpus": [g.to_dict() for g in self.gpus], "source": self.source, "driver": self.driver,
+                "visible_spec": self.visible_spec, "note": self.note}
+
+
+VISIBLE_ITEM = re.compile(r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-zA-Z/-]+)$")
+
+
+def parse_visible_devices(spec: Optional[str], physical_uuids: Sequence[str],
+                          mig_uuids: Optional[Dict[str, int]] = None) -> List[int | str]:
+    """Resolve ``CUDA_VISIBLE_DEVICES`` against the node's GPUs.
+
+    ``physical_uuids`` lists GPU UUIDs in NVML order; ``mig_uuids`` maps MIG UUIDs to their parent
+    GPU's NVML index. Returns, in visible order, an NVML index (int) per whole GPU or the MIG UUID
+    (str) per MIG instance. ``None`` (unset) means every GPU; ``""``, ``-1`` and ``NoDevFiles``
+    mean none. Items may be indices, full or unique-prefix ``GPU-`` UUIDs, or ``MIG-`` UUIDs.
+    """
+    n = len(physical_uuids)
+    if spec is None:
+        return list(range(n))
+    spec = spec.strip()
+    if spec in ("", "-1", "NoDevFiles", "none"):
+        return []
+    out: List[int | str] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not VISIBLE_ITEM.match(item):
+            raise ConfigError(
+                f"CUDA_VISIBLE_DEVICES={spec!r}: cannot read item {item!r}; use GPU indices (0,1), "
+                "GPU UUIDs (GPU-8c1f...) or MIG UUIDs (MIG-...) separated by commas; "
+                f"this node has {n} GPU(s)")
+        if item.isdigit():
+            idx = int(item)
+            if idx >= n:
+                raise ConfigError(f"CUDA_VISIBLE_DEVICES={spec!r}: index {idx} does not exist; this node "
+                                  f"has {n} GPU(s), indices 0..{n - 1}")
+            value: int | str = idx
+        elif item.startswith("GPU-"):
+            hits = [i for i, u in enumerate(physical_uuids) if u.lower().startswith(item.lower())]
+            if len(hits) != 1:
+                raise ConfigError(f"CUDA_VISIBLE_DEVICES={spec!r}: {item!r} matches {len(hits)} GPU(s) "
+                                  f"of {list(physical_uuids)}; give a full UUID from `nvidia-smi -L`")
+            value = hits[0]
+        else:
+            migs = mig_uuids or {}
+            hits_m = [u for u in migs if u.lower().startswith(item.lower())]
+            if len(hits_m) != 1:
+                raise ConfigError(f"CUDA_VISIBLE_DEVICES={spec!r}: MIG device {item!r} matches "
+                                  f"{len(hits_m)} MIG instance(s); `nvidia-smi -L` lists their UUIDs")
+            value = hits_m[0]
+        if value in out:
+            raise ConfigError(f"CUDA_VISIBLE_DEVICES={spec!r}: {item!r} names a device listed twice")
+        out.append(value)
+    return out
+
+
+def _processes(handle: Any) -> List[GpuProcess]:
+    procs: List[GpuProcess] = []
+    seen = set()
+    for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        for p in nvml_query(fn, handle, default=[]) or []:
+            if p.pid in seen:
+                continue
+            seen.add(p.pid)
+            used = getattr(p, "usedGpuMemory", None)
+            procs.append(GpuProcess(pid=int(p.pid), used_bytes=int(used) if used is not None else None))
+    return procs
+
+
+def _reserved(handle: Any) -> int:
+    """Bytes the driver keeps on the GPU, from NVML's v2 memory query; 0 where the driver or binding lacks it."""
+    version = getattr(nvml_handle_module(), "nvmlMemory_v2", None)
+    info = nvml_query("nvmlDeviceGetMemoryInfo", handle, version, default=None) if version else None
+    return int(getattr(info, "reserved", 0) or 0)
+
+
+def _gpu(ordinal: int, handle: Any, nvml_index: Optional[int], mig: bool) -> Gpu:
+    mem = nvml_query("nvmlDeviceGetMemoryInfo", handle, default=None)
+    return Gpu(index=ordinal, nvml_index=nvml_index,
+               uuid=text(nvml_query("nvmlDeviceGetUUID", handle, default="")),
+               name=text(nvml_query("nvmlDeviceGetName", handle, default="unknown")),
+               total_bytes=int(mem.total) if mem else 0, used_bytes=int(mem.used) if mem else 0,
+               free_bytes=int(mem.free) if mem else 0, processes=_processes(handle), mig=mig,
+               reserved_bytes=_reserved(handle))
+
+
+def inventory(env: Optional[Dict[str, str]] = None, quiet: bool = False) -> Inventory:
+    """The GPUs visible to this process, read from NVML; empty (CPU mode) when there are none."""
+    env = dict(os.environ if env is None else env)
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if not nvml_available():
+        note = f"no GPU inventory: {nvml_error()}; running in CPU mode"
+        if not quiet:
+            log.info("distmem: %s", note)
+        return Inventory([], "none", visible_spec=spec, note=note)
+    count = nvml_query("nvmlDeviceGetCount", default=0)
+    handles = [nvml_query("nvmlDeviceGetHandleByIndex", i) for i in range(count)]
+    uuids = [text(nvml_query("nvmlDeviceGetUUID", h, default="")) for h in handles]
+    migs: Dict[str, int] = {}
+    mig_handles: Dict[str, Any] = {}
+    for i, h in enumerate(handles):
+        current = nvml_query("nvmlDeviceGetMigMode", h, default=None)
+        if current and current[0] == 1:
+            for j in range(nvml_query("nvmlDeviceGetMaxMigDeviceCount", h, default=0)):
+                mh = nvml_query("nvmlDeviceGetMigDeviceHandleByIndex", h, j, default=None)
+                if mh is not None:
+                    u = text(nvml_query("nvmlDeviceGetUUID", mh, default=""))
+                    migs[u], mig_handles[u] = i, mh
+    visible = parse_visible_devices(spec, uuids, migs)
+    gpus = [_gpu(o, mig_handles[v], migs[v], True) if isinstance(v, str) else _gpu(o, handles[v], v, False)
+            for o, v in enumerate(visible)]
+    driver = text(nvml_query("nvmlSystemGetDriverVersion", default="")) or None
+    note = "" if gpus else "NVML found no visible GPU; running in CPU mode"
+    if note and not quiet:
+        log.info("distmem: %s", note)
+    return Inventory(gpus, "nvml", driver=driver, visible_spec=spec, note=note)
+
+
+_FLEET = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?([0-9.]+\s*[A-Za-z]*)\s*$")
+
+
+def parse_fleet(spec: str) -> List[int]:
+    """``"4x16GiB"`` -> four totals of 16 GiB; ``"2x80GiB,2x40GiB"`` mixes sizes (bytes each)."""
+    totals: List[int] = []
+    for part in spec.split(","):
+        m = _FLEET.match(part)
+        if not m:
+            raise ConfigError(f"fleet {spec!r}: cannot read {part!r}; write COUNTxSIZE such as 4x16GiB "
+                              "or 2x80GiB,2x40GiB")
+        count = int(m.group(1) or 1)
+        if count < 1:
+            raise ConfigError(f"fleet {spec!r}: a GPU count must be at least 1, got {count}")
+        totals += [parse_bytes(m.group(2), what=f"fleet {spec!r}")] * count
+    if any(t <= 0 for t in totals):
+        raise ConfigError(f"fleet {spec!r}: every GPU needs a positive size")
+    return totals
+
+
+def fleet_inventory(spec: str) -> Inventory:
+    """An inventory of declared GPUs for dry runs; nothing is applied to hardware."""
+    gpus = [Gpu(index=i, nvml_index=None, uuid=f"fleet-{i}", name="declared", total_bytes=t, free_bytes=t)
+            for i, t in enumerate(parse_fleet(spec))]
+    return Inventory(gpus, f"fleet:{spec}", note="declared fleet (dry run): limits are planned, not applied")
+
+
+def process_usage(pid: Optional[int] = None) -> Dict[int, Optional[int]]:
+    """NVML-measured bytes this process (default: ours) holds on each visible GPU, by ordinal.
+
+    Only GPUs where the process appears are listed; a value of None means NVML lists the process
+    but cannot attribute memory to it.
+    """
+    if not nvml_available():
+        return {}
+    return pid_usage(inventory(quiet=True).gpus, os.getpid() if pid is None else pid)

@@ -1,0 +1,191 @@
+"""Where this process stands in the job: rank, size, local rank, local size, node.
+
+Read from, in order: an initialised Horovod; horovodrun's environment (Gloo and MPI modes); Open
+MPI, MPICH / Intel MPI (PMI) and SLURM variables; torchrun's variables; TF_CONFIG; mpi4py (only
+when MPI is already initialised, so that importing distmem never starts MPI); else one process.
+Nothing here touches CUDA or TensorFlow's GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from ..errors import ConfigError
+
+__all__ = ["Topology", "detect", "from_env", "launcher_of"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One process's place in the job.
+
+    ``node_index`` counts nodes in rank order (node of rank 0 is 0) under the usual block
+    mapping (ranks of a node are consecutive); ``source`` names where the figures came from.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node: str = ""
+    source: str = "single"
+    launcher: str = "none"
+
+    @property
+    def node_index(self) -> int:
+        return self.rank // max(self.local_size, 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.size // max(self.local_size, 1)))
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.size > 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["node_index"] = self.node_index
+        return d
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer; "
+                                  "check the launcher's configuration") from None
+    return None
+
+
+def launcher_of(env: Mapping[str, str] = os.environ) -> str:
+    """Name the launcher that started this process, from its environment."""
+    if "HOROVOD_RANK" in env or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
+        return "horovodrun-gloo"
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        # horovodrun --mpi starts mpirun and exports no HOROVOD_* variable of its own (0.28.1), so it
+        # reads as mpirun unless the user set HOROVOD_* settings themselves.
+        return "horovodrun-mpi" if any(k.startswith("HOROVOD_") for k in env) else "mpirun"
+    if "PMI_SIZE" in env or "PMIX_RANK" in env or "MPI_LOCALNRANKS" in env:
+        return "mpich"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return "slurm"
+    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_WORLD_SIZE" in env and "RANK" in env):
+        return "torchrun"
+    if "TF_CONFIG" in env:
+        return "tf-config"
+    return "none"
+
+
+def _from_tf_config(raw: str, node: str) -> Optional[Topology]:
+    try:
+        cfg = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON ({exc}); it must look like "
+                          '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}') from None
+    cluster = cfg.get("cluster") or {}
+    task = cfg.get("task") or {}
+    ttype, tindex = task.get("type"), task.get("index")
+    if ttype is None or tindex is None:
+        return None
+    # Ranks are workers in order; a "chief" task counts as rank 0 ahead of the workers.
+    order = []
+    for kind in ("chief", "worker"):
+        order += [(kind, i, addr) for i, addr in enumerate(cluster.get(kind, []))]
+    if not order:
+        return None
+    try:
+        pos = [(k, i) for k, i, _ in order].index((ttype, int(tindex)))
+    except ValueError:
+        return None  # an evaluator or parameter server takes no training rank
+    host = lambda addr: addr.rsplit(":", 1)[0]  # noqa: E731
+    my_host = host(order[pos][2])
+    same = [p for p, (_, _, addr) in enumerate(order) if host(addr) == my_host]
+    return Topology(rank=pos, size=len(order), local_rank=same.index(pos), local_size=len(same),
+                    node=node if my_host in ("localhost", "127.0.0.1") else my_host,
+                    source="TF_CONFIG", launcher="tf-config")
+
+
+def from_env(env: Mapping[str, str] = os.environ, node: Optional[str] = None) -> Optional[Topology]:
+    """Topology from launcher variables alone, or None when no launcher variables are present."""
+    node = node or socket.gethostname()
+    launcher = launcher_of(env)
+    sets = [
+        ("horovodrun", ("HOROVOD_RANK",), ("HOROVOD_SIZE",), ("HOROVOD_LOCAL_RANK",), ("HOROVOD_LOCAL_SIZE",)),
+        ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",),
+         ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+        ("mpich/pmi", ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"),
+         ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE")),
+        ("slurm", ("SLURM_PROCID",), ("SLURM_NTASKS",), ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
+        ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    ]
+    for source, rank_v, size_v, lrank_v, lsize_v in sets:
+        rank, size = _int(env, *rank_v), _int(env, *size_v)
+        if rank is None or size is None:
+            continue
+        if source == "torchrun" and launcher != "torchrun":
+            continue  # RANK/WORLD_SIZE alone are too generic to trust
+        local_rank = _int(env, *lrank_v)
+        local_size = None
+        if source == "slurm":
+            # SLURM_NTASKS_PER_NODE can read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise.
+            raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+            try:
+                local_size = int(raw.split("(")[0].split(",")[0]) if raw else None
+            except ValueError:
+                local_size = None
+        else:
+            local_size = _int(env, *lsize_v)
+        if local_rank is None:
+            local_rank = 0 if local_size in (None, 1) else rank % local_size
+        if local_size is None:
+            local_size = 1 if size == 1 else max(local_rank + 1, 1)
+        if not (0 <= rank < size) or not (0 <= local_rank < local_size):
+            raise ConfigError(f"inconsistent launcher variables from {source}: rank={rank} size={size} "
+                              f"local_rank={local_rank} local_size={local_size}; check the launch command")
+        return Topology(rank, size, local_rank, local_size, node, source, launcher)
+    if "TF_CONFIG" in env:
+        return _from_tf_config(env["TF_CONFIG"], node)
+    return None
+
+
+def _from_horovod() -> Optional[Topology]:
+    for name in ("horovod.tensorflow", "horovod.torch", "horovod.keras", "horovod.tensorflow.keras"):
+        hvd = sys.modules.get(name)
+        if hvd is None:
+            continue
+        try:
+            if hvd.is_initialized():
+                return Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
+                                socket.gethostname(), "horovod", launcher_of())
+        except Exception:  # noqa: BLE001 - an uninitialised or broken Horovod is "not Horovod"
+            continue
+    return None
+
+
+def _from_mpi4py() -> Optional[Topology]:
+    mpi_mod = sys.modules.get("mpi4py.MPI")
+    if mpi_mod is None or not mpi_mod.Is_initialized() or mpi_mod.Is_finalized():
+        return None
+    comm = mpi_mod.COMM_WORLD
+    local = comm.Split_type(mpi_mod.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return Topology(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(),
+                        mpi_mod.Get_processor_name(), "mpi4py", launcher_of())
+    finally:
+        local.Free()
+
+
+def detect(env: Mapping[str, str] = os.environ) -> Topology:
+    """This process's topology. Never initialises CUDA, TensorFlow's GPU or MPI."""
+    for found in (_from_horovod(), from_env(env), _from_mpi4py()):
+        if found is not None:
+            return found
+    return Topology(node=socket.gethostname())

@@ -1,0 +1,206 @@
+"""One rank's memory at one moment: the :class:`Snapshot` and the figures read off it.
+
+:func:`take` is the one place a snapshot is made: the framework adapter's allocator figures,
+NVML's per-process bytes on the rank's GPUs, and RSS, beside the applied plan.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+__all__ = ["Snapshot", "take", "rss_bytes", "allocator_pool_bytes", "outside_allocator_bytes", "plan_usage",
+           "usage_text", "nvml_on_planned"]
+
+
+@dataclass
+class Snapshot:
+    """One rank's memory at one moment. Bytes throughout; None where a figure is not available.
+
+    ``current_bytes``/``peak_bytes``: the framework allocator's in-use and peak (TensorFlow
+    ``get_memory_info``, torch ``memory_allocated``/``max_memory_allocated``), summed over the
+    rank's devices (``CPU:0`` without a GPU). ``reserved_bytes``: what the allocator holds from the
+    driver (torch ``memory_reserved``). ``nvml_bytes``: this process's usage as NVML reports it
+    (``nvidia-smi``'s process table), by device ordinal. ``rss_bytes``: resident host memory.
+    ``gpu_pids``: for each device this rank uses, every pid NVML lists on it.
+    ``gpu_process_bytes``: for each device this rank uses, pid -> NVML used bytes (None where NVML
+    cannot attribute memory); lets the report put numbers on foreign and mis-pinned processes.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    host: str
+    pid: int
+    framework: str
+    strategy: str
+    devices: List[int]
+    allocation: Dict[str, Any]
+    limit_bytes: Optional[int]
+    enforced: bool
+    current_bytes: Optional[int] = None
+    peak_bytes: Optional[int] = None
+    reserved_bytes: Optional[int] = None
+    nvml_bytes: Dict[int, Optional[int]] = field(default_factory=dict)
+    rss_bytes: Optional[int] = None
+    gpu_pids: Dict[int, List[int]] = field(default_factory=dict)
+    gpu_uuids: Dict[int, str] = field(default_factory=dict)
+    stage: Optional[int] = None
+    step: Optional[int] = None
+    time: float = field(default_factory=time.time)
+    plan_fingerprint: str = ""
+    plan_source: str = ""
+    overhead_bytes: Optional[int] = None
+    native: Optional[Dict[str, Any]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+    gpu_process_bytes: Dict[int, Dict[int, Optional[int]]] = field(default_factory=dict)
+
+    @property
+    def nvml_total(self) -> Optional[int]:
+        vals = [v for v in self.nvml_bytes.values() if v is not None]
+        return sum(vals) if vals else None
+
+    @property
+    def peak_or_current(self) -> Optional[int]:
+        """The allocator peak, or the current figure where no peak is kept."""
+        return self.peak_bytes if self.peak_bytes is not None else self.current_bytes
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["nvml_bytes"] = {str(k): v for k, v in self.nvml_bytes.items()}
+        d["gpu_pids"] = {str(k): v for k, v in self.gpu_pids.items()}
+        d["gpu_uuids"] = {str(k): v for k, v in self.gpu_uuids.items()}
+        d["gpu_process_bytes"] = {str(k): {str(p): b for p, b in v.items()} for k, v in self.gpu_process_bytes.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Snapshot":
+        known = _SNAPSHOT_FIELDS
+        kw = {k: v for k, v in d.items() if k in known}
+        for key in ("nvml_bytes", "gpu_pids", "gpu_uuids"):
+            m = kw.get(key)
+            kw[key] = {int(k): v for k, v in m.items()} if m else {}
+        m = kw.get("gpu_process_bytes")
+        kw["gpu_process_bytes"] = {int(k): {int(p): b for p, b in (v or {}).items()} for k, v in m.items()} if m else {}
+        return cls(**kw)
+
+
+_SNAPSHOT_FIELDS = frozenset(Snapshot.__dataclass_fields__)
+
+
+def allocator_pool_bytes(s: Snapshot) -> Optional[int]:
+    """What the framework allocator holds from the driver, as best the snapshot tells.
+
+    ``reserved_bytes`` where the framework reports it (torch); else the allocator peak, because
+    TensorFlow's BFC allocator keeps every chunk it has grown to and never returns it, so its pool
+    is its peak, not its current use (subtracting ``current`` would count the free part of the pool
+    as memory outside the allocator); else the current figure.
+    """
+    if s.reserved_bytes is not None:
+        return s.reserved_bytes
+    return s.peak_or_current
+
+
+def plan_usage(s: Snapshot) -> Optional[int]:
+    """What counts against the rank's planned bytes: the larger of the allocator's peak and what it
+    holds from the driver (torch's hard limit caps the reserved pool, not the allocated bytes; a
+    pool at its cap means cache flushes, fragmentation and the next spike an OOM)."""
+    vals = [v for v in (s.peak_or_current, s.reserved_bytes) if v is not None]
+    return max(vals) if vals else None
+
+
+def usage_text(s: Snapshot, used: int) -> str:
+    peak = s.peak_or_current
+    if s.reserved_bytes is not None and used == s.reserved_bytes and peak is not None and peak < used:
+        return f"holds {format_bytes(used)} in its allocator (reserved; peak allocated {format_bytes(peak)})"
+    return f"peaked at {format_bytes(used)}"
+
+
+def nvml_on_planned(s: Snapshot) -> Optional[int]:
+    """NVML's bytes for this process on the devices its plan gave it (memory on other GPUs belongs to
+    the shared-GPU warning, not to this rank's own overhead)."""
+    if not s.devices:
+        return s.nvml_total
+    vals = [v for d, v in s.nvml_bytes.items() if d in s.devices and v is not None]
+    return sum(vals) if vals else None
+
+
+def outside_allocator_bytes(s: Snapshot) -> Optional[int]:
+    """NVML's figure for this process on its planned devices minus the allocator pool: CUDA context,
+    cuBLAS/cuDNN workspaces, NCCL buffers. None without NVML or allocator figures."""
+    nv, pool = nvml_on_planned(s), allocator_pool_bytes(s)
+    if nv is None or pool is None:
+        return None
+    return nv - pool
+
+
+
+
+def rss_bytes() -> Optional[int]:
+    """This process's resident host memory (``ps``'s RSS) in bytes; None where it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - psutil missing: fall back to /proc
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return None
+
+
+def take(step: Optional[int] = None) -> Snapshot:
+    """This rank's memory now: allocator, NVML per-process and RSS figures beside its applied plan."""
+    from .. import session
+    from ..apply import adapter
+    from ..discover import gpus as discover_gpus
+    from ..discover.identity import detect
+    from ..errors import DistmemError
+
+    state = session.state
+    plan = state.plan
+    if plan is None:
+        raise DistmemError("distmem.snapshot()/report() need a plan: call distmem.init() first")
+    mine = plan.mine
+    fw = state.framework or "none"
+    st = adapter(fw).stats(plan)
+    topo = state.topology or detect()
+    pid = os.getpid()
+    nvml: Dict[int, Optional[int]] = {}
+    gpu_pids: Dict[int, List[int]] = {}
+    uuids: Dict[int, str] = {}
+    procs: Dict[int, Dict[int, Optional[int]]] = {}
+    inv = state.inventory
+    if inv is not None and inv.real:
+        live = discover_gpus.inventory(quiet=True)
+        nvml = discover_gpus.pid_usage(live.gpus, pid)
+        planned = {d.index for d in mine.devices}
+        for g in live.gpus:
+            if g.index in nvml or g.index in planned:
+                uuids[g.index] = g.uuid
+            if g.index in planned:
+                procs[g.index] = g.holders()
+                gpu_pids[g.index] = list(procs[g.index])
+    native_status = None
+    from .. import settings
+
+    if settings.raw("DISTMEM_CAP_BYTES"):
+        try:
+            from ..apply import native
+
+            native_status = native.status()
+        except Exception as exc:  # noqa: BLE001 - the report must not fail on the optional cap
+            native_status = {"error": str(exc)}
+    return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=topo.local_rank, host=topo.node,
+                    pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
+                    allocation=mine.to_dict(),
+                    limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
+                    enforced=any(d.enforce for d in mine.devices),
+                    current_bytes=st.get("current_bytes"),
+                    peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
+                    rss_bytes=rss_bytes(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs,
+                    stage=mine.stage, step=step, plan_fingerprint=session.fingerprint(plan), plan_source=plan.source,
+                    overhead_bytes=plan.overhead_bytes, native=native_status,
+                    extra={"framework_devices": st.get("devices", [])})

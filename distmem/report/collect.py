@@ -1,0 +1,37 @@
+"""The one gather path: every report (``distmem.report()``, periodic reports, the Keras callback)
+is a :func:`collect` - each rank's :func:`~distmem.observe.snapshot.take`, gathered to rank 0
+(``"full"``) or all-reduced (``"summary"``) - and rank 0 builds the job's Report."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from ..comm import get_comm, resolve_timeout
+from ..errors import ConfigError
+from ..observe.snapshot import Snapshot, take
+from .aggregate import Report, aggregate
+from .summary import summary_report
+
+__all__ = ["collect", "DETAILS"]
+
+DETAILS = ("full", "summary")
+
+
+def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail: str = "full") -> Optional[Report]:
+    """Collective: gather (``"full"``) or all-reduce (``"summary"``) every rank's snapshot; rank 0 gets
+    the Report, the others None. Prints and writes nothing."""
+    if detail not in DETAILS:
+        raise ConfigError(f"detail={detail!r} is not 'full' or 'summary'")
+    timeout = resolve_timeout(timeout)
+    snap = take(step)
+    c = get_comm()
+    if detail == "summary":
+        return summary_report(snap, c, timeout)
+    t0 = time.monotonic()
+    rows, missing = c.gather(snap.to_dict(), 0, timeout)
+    if rows is None:
+        return None
+    rep = aggregate([Snapshot.from_dict(r) for r in rows if r is not None], c.size, missing, strategy=snap.strategy)
+    rep.aggregates["gather_seconds"] = time.monotonic() - t0
+    rep.aggregates["transport"] = c.name
+    return rep

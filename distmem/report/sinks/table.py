@@ -1,0 +1,145 @@
+"""The report as a table: plain text readable in any job log, or rich on an interactive terminal."""
+from __future__ import annotations
+
+import sys
+from typing import IO, Any, List, Optional
+
+from ... import settings
+from ...units import format_bytes
+from ..aggregate import Report
+
+__all__ = ["table", "rich_table", "print_report", "source_note"]
+
+
+def _b(n) -> str:
+    return format_bytes(n) if n is not None else "-"
+
+
+def source_note(report: Report) -> str:
+    sources = sorted({s.plan_source for s in report.ranks if s.plan_source})
+    dry = [src for src in sources if src != "nvml"]
+    if not dry:
+        return ""
+    what = ", ".join(dry)
+    return f"; devices from {what} (dry run: limits planned, not applied)" if what != "none" else "; no GPU (CPU mode)"
+
+
+_HEAD = ["rank", "local", "host", "device", "stage", "mode", "planned", "current", "peak", "reserved", "nvml",
+         "rss", "headroom"]
+
+
+def _rows(report: Report) -> List[List[str]]:
+    rows: List[List[str]] = []
+    for s in report.ranks:
+        mode = s.allocation.get("mode", "?") if s.allocation else "?"
+        peak = s.peak_or_current
+        head_room = (s.limit_bytes - peak) if (s.limit_bytes and peak is not None) else None
+        dev = ",".join(f"GPU{d}" for d in dict.fromkeys(s.devices)) or "CPU"  # tenants share one GPU
+        rows.append([str(s.rank), str(s.local_rank), s.host[:16], dev, "-" if s.stage is None else str(s.stage),
+                     mode + ("" if s.enforced or mode in ("cpu", "growth") else "*"),
+                     _b(s.limit_bytes), _b(s.current_bytes), _b(peak), _b(s.reserved_bytes), _b(s.nvml_total),
+                     _b(s.rss_bytes), _b(head_room)])
+    for r in report.missing:
+        rows.append([str(r), "?", "(missing)", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+    return rows
+
+
+def _title(report: Report) -> str:
+    if report.detail == "summary":
+        n = report.aggregates.get("ranks_reporting")
+        return (f"distmem report (summary): {report.world_size} rank(s), strategy {report.strategy}, "
+                + ("reduction incomplete" if n is None else f"{n} reporting"))
+    return (f"distmem report: {report.world_size} rank(s), strategy {report.strategy}, "
+            f"{len(report.ranks)} reporting" + (f", missing {report.missing}" if report.missing else "")
+            + source_note(report))
+
+
+def _footer(report: Report) -> List[str]:
+    out: List[str] = []
+    for s in report.ranks:
+        if s.strategy == "tenants":
+            out += [f"rank {s.rank} {note}" for note in (s.allocation or {}).get("notes", [])]
+    a = report.aggregates
+    if "total_peak_bytes" in a:
+        out.append(f"total: current {_b(a.get('total_current_bytes'))}, peak {_b(a['total_peak_bytes'])}"
+                   + (f", planned {_b(a['total_limit_bytes'])}" if a.get("total_limit_bytes") else "")
+                   + (f", nvml {_b(a['total_nvml_bytes'])}" if a.get("total_nvml_bytes") else ""))
+        imb = a.get("imbalance")
+        low = (a.get("summary") or {}).get("min_peak_rank")
+        out.append(f"peak per rank: max {_b(a['max_peak_bytes'])} (rank {a.get('max_peak_rank')}), mean "
+                   f"{_b(a['mean_peak_bytes'])}, min {_b(a['min_peak_bytes'])}"
+                   + (f" (rank {low})" if low is not None else "")
+                   + (f", imbalance max/mean {imb:.2f}" if imb else ""))
+    if "min_headroom_bytes" in a:
+        out.append(f"smallest headroom: {_b(a['min_headroom_bytes'])} on rank {a['min_headroom_rank']}")
+    if report.timeline:
+        first, last = report.timeline[0], report.timeline[-1]
+        out.append(f"timeline: {len(report.timeline)} point(s), steps {first.get('step')}..{last.get('step')}")
+    return out
+
+
+def table(report: Report) -> str:
+    """The per-rank table, planned beside actual, with totals, imbalance, headroom and warnings.
+
+    Plain text with aligned columns, so it reads the same in a terminal and in a job log.
+    """
+    rows = _rows(report)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(_HEAD)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    out = [_title(report)]
+    if rows:
+        out += [line(_HEAD), line(["-" * w for w in widths])]
+        out += [line(r) for r in rows]
+    out += _footer(report)
+    for w in report.warnings:
+        out.append(f"WARNING: {w}")
+    return "\n".join(out)
+
+
+def rich_table(report: Report) -> Any:
+    """The same content as :func:`table` as a ``rich`` renderable (requires ``rich``)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=_title(report), title_justify="left", header_style="bold")
+    for i, h in enumerate(_HEAD):
+        t.add_column(h, justify="right" if i >= 6 else "left", no_wrap=True)
+    ratio = {s.rank: (s.peak_or_current / s.limit_bytes) for s in report.ranks
+             if s.limit_bytes and s.peak_or_current is not None}
+    for row in _rows(report):
+        style = None
+        if row[2] == "(missing)":
+            style = "red"
+        elif row[0].isdigit() and int(row[0]) in ratio:
+            r = ratio[int(row[0])]
+            style = "bold red" if r > 1 else ("yellow" if r > 0.9 else None)
+        t.add_row(*row, style=style)
+    parts: List[Any] = [t] if report.ranks or report.missing else [Text(_title(report), style="bold")]
+    parts += [Text(line) for line in _footer(report)]
+    parts += [Text(f"WARNING: {w}", style="yellow") for w in report.warnings]
+    return Group(*parts)
+
+
+def print_report(report: Report, file: Optional[IO[str]] = None, use_rich: Optional[bool] = None) -> None:
+    """Print the table: rich colours on a terminal when ``rich`` is installed, plain text otherwise
+    (job logs, pipes). ``use_rich`` forces either."""
+    file = file or sys.stdout
+    if use_rich is None:
+        # Launchers (mpirun, horovodrun) prefix every line with the rank and may hand ranks a
+        # pseudo-terminal: boxes and colours would only garble the job log there.
+        from ...discover.identity import launcher_of
+
+        use_rich = bool(getattr(file, "isatty", lambda: False)()) and launcher_of() == "none" \
+            and not settings.plain()
+    if use_rich:
+        try:
+            from rich.console import Console
+
+            Console(file=file, width=max(120, 0)).print(rich_table(report))
+            return
+        except ImportError:
+            pass
+    print(table(report), file=file, flush=True)
+
+

@@ -1,0 +1,53 @@
+"""What this process has applied: the plan, the framework, the observed topology and inventory.
+
+A leaf that every stage may read (nothing here imports a stage at run time); only the facade
+(:mod:`distmem.api`) writes it, in :func:`distmem.init` and :func:`distmem.reset`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:  # types only: a leaf must not import the stages
+    from .discover.gpus import Inventory
+    from .discover.identity import Topology
+    from .plan.types import Plan
+
+__all__ = ["Session", "state", "current_plan", "fingerprint", "clear"]
+
+
+@dataclass
+class Session:
+    """The process's applied state. ``applied`` is what the framework adapter reported; ``options``
+    the arguments ``init()`` was called with (a second, different ``init()`` is an error)."""
+
+    plan: Optional["Plan"] = None
+    framework: Optional[str] = None
+    applied: Optional[Dict[str, Any]] = None
+    topology: Optional["Topology"] = None
+    inventory: Optional["Inventory"] = None
+    options: Optional[Dict[str, Any]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+    _fingerprint: Optional[str] = None
+    _fingerprint_of: Any = None
+
+
+state = Session()
+
+
+def current_plan() -> Optional["Plan"]:
+    """The plan ``distmem.init()`` applied in this process, or None before ``init()``."""
+    return state.plan
+
+
+def fingerprint(plan: "Plan") -> str:
+    """The plan's fingerprint, hashed once per plan: a plan of many ranks makes a large JSON, and
+    every periodic snapshot carries it."""
+    if state._fingerprint_of is not plan:
+        state._fingerprint, state._fingerprint_of = plan.fingerprint(), plan
+    return state._fingerprint or ""
+
+
+def clear() -> None:
+    """Forget everything (tests; a process cannot un-apply a framework)."""
+    state.__dict__.update(Session().__dict__)

@@ -1,0 +1,154 @@
+"""Every ``DISTMEM_*`` environment variable, read in one place, lazily, and validated.
+
+Nothing is read at import: ``import distmem`` never fails on a bad variable. Each accessor reads
+the variable when it is asked for and raises :class:`~distmem.errors.ConfigError` naming the
+variable, its value and the accepted form. Callers pass ``env`` to read another mapping (tests,
+launch wrappers).
+
+=====================================  ==========================================================
+variable                               meaning
+=====================================  ==========================================================
+``DISTMEM_TIMEOUT``                    seconds a collective waits for the other ranks (default 60)
+``DISTMEM_FLEET``                      declared GPUs for dry runs: ``4x16GiB``, ``a=2x80GiB;b=2x16GiB``
+``DISTMEM_LIMIT``                      per-rank limit for strategy="data" (``6GiB``, ``45%``, ``0.45``)
+``DISTMEM_MEMORY``                     ``auto`` | ``growth`` | ``limit``
+``DISTMEM_OVERHEAD``                   per-process memory outside the allocator (``768MiB``, ``auto``)
+``DISTMEM_REPORT``                     where rank 0 writes the report JSON
+``DISTMEM_QUIET``                      ``1``: no progress lines on stderr
+``DISTMEM_PLAIN``                      ``1``: plain tables, never rich
+``DISTMEM_COMM``                       ``auto`` | ``mpi``: which transport gathers (MPI when launched by it)
+``DISTMEM_LAYOUT_DIR``                 folder of the node-local layout exchange (default /dev/shm or tmp)
+``DISTMEM_LAYOUT_TIMEOUT``             seconds a rank waits for its host's other ranks (default 30)
+``DISTMEM_LAUNCH_TIMEOUT``             seconds ``distmem launch-tf`` lets a job run (default 3600)
+``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``  ``1`` / ``0``: torch's expandable segments on / off
+``DISTMEM_CAP_*``                      the native cap's settings, written by ``distmem-exec``
+=====================================  ==========================================================
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from .errors import ConfigError
+
+__all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "MEMORY_MODES", "VARIABLES"]
+
+MEMORY_MODES = ("auto", "growth", "limit")
+VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
+             "DISTMEM_REPORT", "DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_COMM", "DISTMEM_LAYOUT_DIR",
+             "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS")
+
+
+def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The variable's text, stripped; None when unset or empty."""
+    value = (os.environ if env is None else env).get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def positive_seconds(value: object, what: str, remedy: str = "") -> float:
+    """``value`` as seconds > 0 (a number or its text); ConfigError naming ``what`` otherwise."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"{what}={value!r} is not a number of seconds above 0; "
+                          + (remedy or "give e.g. 60"))
+    return seconds
+
+
+def _seconds(name: str, default: float, env: Optional[Mapping[str, str]]) -> float:
+    text = raw(name, env)
+    if text is None:
+        return default
+    return positive_seconds(text, name, f"set e.g. {name}={default:g} (seconds), or unset it for {default:g}")
+
+
+def flag(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """A yes/no variable: ``1/true/yes/on`` or ``0/false/no/off``; None when unset."""
+    text = raw(name, env)
+    if text is None:
+        return None
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={text!r} is not a yes/no value; use 1 or 0")
+
+
+def timeout(env: Optional[Mapping[str, str]] = None) -> float:
+    """``DISTMEM_TIMEOUT``: seconds a collective waits for the other ranks (default 60)."""
+    return _seconds("DISTMEM_TIMEOUT", 60.0, env)
+
+
+def layout_timeout(env: Optional[Mapping[str, str]] = None) -> float:
+    """``DISTMEM_LAYOUT_TIMEOUT``: seconds a rank waits for its host's other ranks at init (default 30)."""
+    return _seconds("DISTMEM_LAYOUT_TIMEOUT", 30.0, env)
+
+
+def launch_timeout(env: Optional[Mapping[str, str]] = None) -> float:
+    """``DISTMEM_LAUNCH_TIMEOUT``: seconds ``distmem launch-tf`` lets the whole job run (default 3600)."""
+    return _seconds("DISTMEM_LAUNCH_TIMEOUT", 3600.0, env)
+
+
+def fleet(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``DISTMEM_FLEET``: declared GPUs (text; :func:`distmem.discover.gpus.parse_fleet` reads it)."""
+    return raw("DISTMEM_FLEET", env)
+
+
+def limit(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``DISTMEM_LIMIT``: a per-rank limit for strategy="data" (text; the planner parses it)."""
+    return raw("DISTMEM_LIMIT", env)
+
+
+def memory(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``DISTMEM_MEMORY``: ``auto``, ``growth`` or ``limit``; None when unset."""
+    text = raw("DISTMEM_MEMORY", env)
+    if text is not None and text not in MEMORY_MODES:
+        raise ConfigError(f"DISTMEM_MEMORY={text!r} is not one of {', '.join(MEMORY_MODES)}; use 'auto' (growth "
+                          "alone on a GPU, hard limit when shared), 'growth' or 'limit'")
+    return text
+
+
+def overhead(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``DISTMEM_OVERHEAD``: per-process memory outside the allocator (text: a size, ``auto`` or ``measure``)."""
+    return raw("DISTMEM_OVERHEAD", env)
+
+
+def report_path(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``DISTMEM_REPORT``: where rank 0 writes the report JSON."""
+    return raw("DISTMEM_REPORT", env)
+
+
+def quiet(env: Optional[Mapping[str, str]] = None) -> bool:
+    """``DISTMEM_QUIET=1``: no progress lines on stderr (errors still raise)."""
+    return bool(flag("DISTMEM_QUIET", env))
+
+
+def plain(env: Optional[Mapping[str, str]] = None) -> bool:
+    """``DISTMEM_PLAIN=1``: plain text tables, never rich."""
+    return bool(flag("DISTMEM_PLAIN", env))
+
+
+def comm(env: Optional[Mapping[str, str]] = None) -> str:
+    """``DISTMEM_COMM``: ``auto`` (default) or ``mpi`` (use MPI whenever mpirun launched the job)."""
+    text = raw("DISTMEM_COMM", env) or "auto"
+    if text not in ("auto", "mpi", "framework"):
+        raise ConfigError(f"DISTMEM_COMM={text!r} is not 'auto', 'mpi' or 'framework'; unset it for 'auto'")
+    return text
+
+
+def layout_dir(env: Optional[Mapping[str, str]] = None) -> str:
+    """``DISTMEM_LAYOUT_DIR``: the node-local folder ranks of a host exchange their layout in
+    (default ``/dev/shm`` where it exists, else the temp folder)."""
+    text = raw("DISTMEM_LAYOUT_DIR", env)
+    if text is not None:
+        return text
+    import tempfile
+
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
