@@ -17,6 +17,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS = {
     "plan": ("distmem.cli.plan", "compute a plan (dry run, no GPU needed)"),
     "estimate": ("distmem.estimate.cli", "per-layer memory estimate of a model"),
+    "fit": ("distmem.cli.fit", "which layouts of a model fit every rank of a fleet, best first"),
     "report": ("distmem.cli.report", "render a saved report (table, plot)"),
     "doctor": ("distmem.cli.doctor", "what distmem sees: launcher, GPUs, NVML, frameworks"),
     "launch-tf": ("distmem.cli.launch_tf", "start N local tf.distribute workers with TF_CONFIG"),

@@ -1,0 +1,120 @@
+"""``distmem fit``: which layouts of a model fit every rank of a fleet, best first.
+
+    distmem fit --model torchvision:resnet50 --global-batch-size 512 --gpus 4x12GiB
+    distmem fit --model keras:ResNet50 --global-batch-size 256 --gpus 8x80GiB --hosts 2 --precision fp32
+    distmem fit --layers costs.json --layers-batch-size 1 --global-batch-size 2048 --gpus 8x80GiB --hosts 8 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import Any, Dict, List, Optional
+
+from ..errors import ConfigError
+
+__all__ = ["add_arguments", "run", "main"]
+
+
+def _ints(text: Optional[str], what: str) -> Optional[List[int]]:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--{what} {text!r}: give whole numbers separated by commas, e.g. 1,2,4") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``distmem fit``'s options to ``p``."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="SPEC",
+                     help="torchvision:NAME, keras:NAME or module.path:factory (estimated per layer, no GPU)")
+    src.add_argument("--layers", metavar="FILE.json",
+                     help="per-layer costs: a JSON list of {name, state_bytes, activation_bytes, output_bytes}")
+    p.add_argument("--layers-batch-size", type=int, default=1, help="the batch --layers was measured at (default 1)")
+    p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, whole job")
+    p.add_argument("--gpus", required=True, help="GPUs of each host, e.g. 8x80GiB or 4x80GiB,4x40GiB")
+    p.add_argument("--hosts", type=int, default=1, help="hosts with --gpus each (default 1)")
+    p.add_argument("--framework", choices=["torch", "tensorflow"], default=None,
+                   help="whose allocator and overhead to model (default: the model's)")
+    p.add_argument("--precision", default="auto",
+                   help="auto (tries fp32 and bf16), float32, mixed_bfloat16 or mixed_float16")
+    p.add_argument("--optimizer", default="adam", help="optimizer whose state is counted (default adam)")
+    p.add_argument("--input-shape", default=None, help="one sample without the batch axis, e.g. 3,224,224")
+    p.add_argument("--schedules", default="1f1b,gpipe", help="pipeline schedules to try (default 1f1b,gpipe)")
+    p.add_argument("--pipelines", default=None, help="pipeline degrees to try, e.g. 1,2,4 (default: all)")
+    p.add_argument("--micro-batches", default=None, help="micro-batch sizes to allow, e.g. 8,16 (default: all)")
+    p.add_argument("--ranks-per-gpu", default="1,2", help="ranks sharing one GPU to try (default 1,2)")
+    p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
+                   help="activation recomputation in pipelines (default: try both)")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="allocator margin over its peak under a hard limit, a ratio (default 0.10)")
+    p.add_argument("--reserve", default="256MiB", help="kept free on every GPU (default 256MiB)")
+    p.add_argument("--overhead", default=None,
+                   help="memory outside the allocator per process (default: modelled per layout, NCCL included)")
+    p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
+    p.add_argument("--nccl-buffsize", default=None, help="NCCL_BUFFSIZE the job runs with (default NCCL's 4 MiB)")
+    p.add_argument("--top", type=int, default=10, help="layouts that fit to list (default 10)")
+    p.add_argument("--rejected", type=int, default=5, help="best rejected layouts to list (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
+
+
+def _options(args: argparse.Namespace) -> Dict[str, Any]:
+    if args.global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size {args.global_batch_size}: give the samples per step, at least 1")
+    if args.hosts < 1:
+        raise ConfigError(f"--hosts {args.hosts}: at least one host")
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    opts: Dict[str, Any] = dict(global_batch_size=args.global_batch_size, gpus=args.gpus, hosts=args.hosts,
+                                framework=args.framework, precision=args.precision, optimizer=args.optimizer,
+                                schedules=schedules, pipelines=_ints(args.pipelines, "pipelines"),
+                                micro_batches=_ints(args.micro_batches, "micro-batches"),
+                                ranks_per_gpu=_ints(args.ranks_per_gpu, "ranks-per-gpu"),
+                                recompute={"auto": "auto", "on": True, "off": False}[args.recompute],
+                                headroom=args.headroom, reserve=args.reserve, overhead=args.overhead,
+                                foreign=args.foreign, nccl_buffsize=args.nccl_buffsize, top=args.top,
+                                rejected=args.rejected)
+    if args.layers:
+        try:
+            with open(args.layers, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--layers {args.layers}: cannot read a JSON list of layer costs ({exc})") from None
+        opts["layers"] = data["layers"] if isinstance(data, dict) and "layers" in data else data
+        opts["layers_batch_size"] = args.layers_batch_size
+        opts["name"] = args.layers
+    else:
+        opts["model"] = args.model
+        opts["input_shape"] = args.input_shape
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``distmem fit`` with parsed ``args``; 0 when a layout fits, 3 when none does."""
+    from ..plan.fit import fit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the estimator's own warnings are summarised in the result
+        result = fit(**_options(args))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=str))
+    else:
+        print(result.table())
+    return 0 if result.fits else 3
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="distmem fit", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"distmem fit: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
