@@ -26,7 +26,7 @@ with Cluster(hosts=int(sys.argv[1]), python_bin=os.path.dirname(sys.executable))
     exec "$py" - "$here" <<'PY'
 import fcntl, os, sys
 sys.path.insert(0, os.path.join(sys.argv[1], "tests", "cluster"))
-from harness import LOCKS, PREFIX, SLOTS, clean_stale
+from harness import LOCKS, PREFIX, SLOTS, _clean_tmp, clean_stale
 os.makedirs(LOCKS, exist_ok=True)
 for slot in range(SLOTS):
     fd = os.open(os.path.join(LOCKS, f"{PREFIX}{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -35,8 +35,10 @@ for slot in range(SLOTS):
     except OSError:
         print(f"[cluster] slot {slot} is held by a live run: left alone")
         continue
-    for ns in clean_stale(f"{PREFIX}{slot}"):
-        print(f"[cluster] removed {ns}")
+    previous = os.pread(fd, 4096, 0).decode(errors="replace").split()
+    left = clean_stale(f"{PREFIX}{slot}") + (_clean_tmp(previous[1]) if len(previous) >= 2 else [])
+    for what in left:
+        print(f"[cluster] removed {what}")
     os.close(fd)
 PY
     ;;

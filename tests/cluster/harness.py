@@ -149,6 +149,26 @@ def _stale_netns(prefix: str) -> List[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(prefix + "-")]
 
 
+TMP_PREFIX = "distmem-cluster-"
+
+
+def _clean_tmp(tmp: str) -> List[str]:
+    """Kill processes whose command line names a dead run's folder (its munged), then remove the folder."""
+    if not os.path.basename(tmp).startswith(TMP_PREFIX) or not os.path.isdir(tmp):
+        return []
+    pids = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if tmp.encode() + b"/" in f.read():
+                    pids.append(pid)
+        except OSError:
+            continue
+    _kill_pids(pids, grace=1.0)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return [tmp] + [f"pid {p}" for p in pids]
+
+
 def clean_stale(prefix: str) -> List[str]:
     """Remove ``prefix``'s namespaces (and every process in them), left by an earlier run that was killed.
 
@@ -203,7 +223,10 @@ class Cluster:
             raise ClusterUnavailable(reason)
         t0 = time.monotonic()
         self._claim()
-        self.tmp = tempfile.mkdtemp(prefix="distmem-cluster-")
+        self.tmp = tempfile.mkdtemp(prefix=TMP_PREFIX)
+        # The slot's lock file names this run's folder, so a run killed with SIGKILL is cleaned next time.
+        os.ftruncate(self._lockfd, 0)  # type: ignore[arg-type]
+        os.pwrite(self._lockfd, f"{os.getpid()} {self.tmp}\n".encode(), 0)  # type: ignore[arg-type]
         try:
             self._files()
             self._network()
@@ -236,11 +259,12 @@ class Cluster:
                 os.close(fd)
                 continue
             self._lockfd, self.prefix = fd, f"{PREFIX}{slot}"
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            previous = os.pread(fd, 4096, 0).decode(errors="replace").split()
             stale = clean_stale(self.prefix)
+            if len(previous) >= 2:
+                stale += _clean_tmp(previous[1])
             if stale:
-                self.log.append(f"removed {len(stale)} namespaces left by a killed run: {', '.join(stale)}")
+                self.log.append(f"removed what a killed run left: {', '.join(stale)}")
             break
         else:
             raise ClusterUnavailable(f"all {SLOTS} cluster slots are in use ({LOCKS}/*.lock held by live runs)")
