@@ -528,15 +528,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         now = time.gmtime()
         deadline = time.time() + ((hh * 60 + mm) - (now.tm_hour * 60 + now.tm_min)) * 60 - now.tm_sec
     work = tempfile.mkdtemp(prefix="distmem-faults-")
-    if args.inject:
-        phase, sig, victim, point = args.inject.split(":")
-        inj = Injection(0, phase, sig, int(victim), int(point), "bare" if phase == "bare" else "distmem")
-        for name in chosen:
-            o = run_injection(name, inj, np_=args.np, timeout=args.timeout, slack=args.slack,
-                              startup=240.0, work=work)
-            print(json.dumps({"launcher": name, **o.to_dict(), "tail": o.tail}, indent=1), flush=True)
-        return 0
     try:
+        if args.inject:
+            phase, sig, victim, point = args.inject.split(":")
+            inj = Injection(0, phase, sig, int(victim), int(point), "bare" if phase == "bare" else "distmem")
+            for name in chosen:
+                o = run_injection(name, inj, np_=args.np, timeout=args.timeout, slack=args.slack,
+                                  startup=240.0, work=work)
+                print(json.dumps({"launcher": name, **o.to_dict(), "tail": o.tail}, indent=1), flush=True)
+            return 0
         for name in chosen:
             line = run_launcher(name, injections=args.injections, bare=args.bare, seed=args.seed, np_=args.np,
                                 timeout=args.timeout, slack=args.slack, stop_share=args.stop_share, log=args.log,
