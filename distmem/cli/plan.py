@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from typing import Any, Dict
 
@@ -10,12 +9,10 @@ from ..discover.gpus import fleet_inventory, inventory
 from ..plan import make_plan
 from ..discover.identity import Topology
 from ..units import format_bytes
+from .strategy_args import STRATEGY_ARGUMENTS
 
 __all__ = ["add_arguments", "run"]
 
-# Strategies whose extra CLI options live beside their planner: module exposing
-# add_cli_arguments(parser) and plan_options_from_args(args) -> dict.
-_EXTRA = {"pipeline": "distmem.plan.pipeline", "model": "distmem.plan.model", "tenants": "distmem.plan.tenants"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,11 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .k8s import add_cli_arguments as add_k8s_arguments
 
     add_k8s_arguments(p)
-    for module in _EXTRA.values():
-        try:
-            importlib.import_module(module).add_cli_arguments(p)
-        except (ImportError, AttributeError):
-            continue
+    for add, _ in STRATEGY_ARGUMENTS.values():
+        add(p)
 
 
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -47,7 +41,7 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
     if args.strategy == "data":
         opts["limit"] = args.limit
     else:
-        opts.update(importlib.import_module(_EXTRA[args.strategy]).plan_options_from_args(args))
+        opts.update(STRATEGY_ARGUMENTS[args.strategy][1](args))
     return opts
 
 

@@ -15,7 +15,6 @@ creates (``plan.extras["cpu_logical_devices"]``).
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..discover.gpus import Inventory
@@ -25,9 +24,9 @@ from ..units import SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import equal_share, rank_layout, resolve_options
 from .partition import Partition, layers_from_dicts, partition_model
-from .pipeline import _add, add_layer_arguments, layer_options_from_args, layers_from_model, planned_bytes
+from .pipeline import layers_from_model, planned_bytes
 
-__all__ = ["plan_model", "device_name", "add_cli_arguments", "plan_options_from_args", "plan_from_args"]
+__all__ = ["plan_model", "device_name"]
 
 
 def device_name(kind: str, k: int) -> str:
@@ -143,30 +142,3 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: ``distmem plan --strategy model ...`` (distmem/cli/plan.py calls these two).
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--gpus-per-rank --batch-size`` plus the layer options shared with pipeline."""
-    add_layer_arguments(parser)
-    _add(parser, "--gpus-per-rank", type=int, default=None,
-         help="devices each rank owns (model; default visible GPUs // ranks per node)")
-    _add(parser, "--batch-size", type=int, default=None, help="batch size for the estimate (model)")
-
-
-def plan_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """Keyword arguments for :func:`plan_model` from parsed CLI flags."""
-    out = layer_options_from_args(args)
-    if "layers" not in out and "model" not in out:
-        raise ConfigError("--strategy model needs --layers FILE.json or --model SPEC (e.g. keras:ResNet50)")
-    if getattr(args, "gpus_per_rank", None) is not None:
-        out["gpus_per_rank"] = args.gpus_per_rank
-    if getattr(args, "batch_size", None) is not None:
-        out["batch_size"] = args.batch_size
-    return out
-
-
-def plan_from_args(args: argparse.Namespace, topo: Topology, inv: Inventory) -> Plan:
-    """The model-parallel plan the CLI prints: common options (memory, reserve, overhead, foreign) + ours."""
-    common = {k: getattr(args, k) for k in ("memory", "reserve", "overhead", "foreign") if getattr(args, k, None)
-              is not None}
-    return plan_model(topo, inv, **common, **plan_options_from_args(args))

@@ -15,9 +15,7 @@ that are partitioned exactly, with the stage-dependent multiplier (:mod:`distmem
 from __future__ import annotations
 
 
-import argparse
 import importlib
-import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -30,9 +28,7 @@ from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import Options, equal_share, rank_layout, ranks_per_device, resolve_options
 from .partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
 
-__all__ = ["plan_pipeline", "stage_of_rank", "planned_bytes", "layers_from_model", "add_cli_arguments",
-           "add_layer_arguments", "layer_options_from_args",
-           "plan_options_from_args", "plan_from_args", "RANK_ORDERS"]
+__all__ = ["plan_pipeline", "stage_of_rank", "planned_bytes", "layers_from_model", "RANK_ORDERS"]
 
 RANK_ORDERS = ("pipeline", "replica")
 
@@ -246,93 +242,3 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: ``distmem plan --strategy pipeline ...`` (distmem/cli/plan.py calls these two).
-
-def _add(parser: argparse.ArgumentParser, *flags: str, **kwargs: Any) -> None:
-    """Add an option unless another strategy's module already did (both add to one parser)."""
-    if any(f in parser._option_string_actions for f in flags):  # noqa: SLF001 - argparse has no public test
-        return
-    parser.add_argument(*flags, **kwargs)
-
-
-def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``--strategy pipeline`` and ``--strategy model``: where per-layer costs come from."""
-    _add(parser, "--layers", metavar="FILE.json",
-         help="per-layer costs: a JSON list of {name, state_bytes, activation_bytes, output_bytes} "
-              "(pipeline/model)")
-    _add(parser, "--model", metavar="SPEC", help="model to estimate per layer, e.g. keras:ResNet50 (pipeline/model)")
-    _add(parser, "--input-shape", metavar="H,W,C", help="model input shape without the batch axis, e.g. 96,96,3")
-    _add(parser, "--optimizer", default=None, help="optimizer for the estimate (sgd, momentum, adam)")
-    _add(parser, "--input-bytes", default="0", help="model input per (micro-)batch, held by the first stage/device")
-    _add(parser, "--headroom", default="10%", help="added to each computed demand for the allocator's cache "
-         "(default 10%%, TensorFlow's BFC margin; use 52%% for torch's caching allocator) (pipeline/model)")
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--stages --num-stages --micro-batch-size --num-micro-batches --schedule --recompute
-    --rank-order`` plus the shared layer options; safe to call on a parser that has some of them."""
-    add_layer_arguments(parser)
-    _add(parser, "--stages", metavar="SIZES", help="explicit per-stage demand, e.g. 9GiB,7GiB,7GiB,5GiB (pipeline)")
-    _add(parser, "--num-stages", type=int, default=None, help="pipeline stages (default: ranks per node)")
-    _add(parser, "--micro-batch-size", type=int, default=None, help="samples per micro-batch (estimator's batch)")
-    _add(parser, "--num-micro-batches", type=int, default=None, help="micro-batches per step (default: stages)")
-    _add(parser, "--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
-    _add(parser, "--recompute", action="store_true", help="activation recomputation (pipeline)")
-    _add(parser, "--rank-order", choices=list(RANK_ORDERS), default="pipeline",
-         help="pipeline: consecutive ranks form one pipeline; replica: consecutive ranks share a stage")
-
-
-def _shape(text: Optional[str]) -> Optional[Tuple[int, ...]]:
-    if not text:
-        return None
-    try:
-        return tuple(int(x) for x in str(text).replace("x", ",").split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--input-shape {text!r}: write sizes separated by commas, e.g. 96,96,3") from None
-
-
-def layer_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """``layers=`` / ``model=`` and their estimate options from the shared CLI flags."""
-    out: Dict[str, Any] = {}
-    path = getattr(args, "layers", None)
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--layers {path}: cannot read a JSON list of layer costs ({exc})") from None
-        out["layers"] = layers_from_dicts(data["layers"] if isinstance(data, dict) and "layers" in data else data)
-    if getattr(args, "model", None):
-        out["model"] = args.model
-        out["input_shape"] = _shape(getattr(args, "input_shape", None))
-        if getattr(args, "optimizer", None):
-            out["optimizer"] = args.optimizer
-    out["input_bytes"] = getattr(args, "input_bytes", 0) or 0
-    out["headroom"] = getattr(args, "headroom", "10%") or "10%"
-    return out
-
-
-def plan_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """Keyword arguments for :func:`plan_pipeline` from parsed CLI flags (no topology, no devices)."""
-    out = layer_options_from_args(args)
-    if getattr(args, "stages", None):
-        out = {"stages": [s.strip() for s in args.stages.split(",") if s.strip()], "headroom": out["headroom"]}
-    elif "layers" not in out and "model" not in out:
-        raise ConfigError("--strategy pipeline needs --stages 9GiB,7GiB,..., --layers FILE.json or --model SPEC")
-    for key in ("num_stages", "micro_batch_size", "num_micro_batches"):
-        if getattr(args, key, None) is not None:
-            out[key] = getattr(args, key)
-    out["schedule"] = getattr(args, "schedule", "1f1b") or "1f1b"
-    out["recompute"] = bool(getattr(args, "recompute", False))
-    out["rank_order"] = getattr(args, "rank_order", "pipeline") or "pipeline"
-    if "stages" in out:
-        for key in ("micro_batch_size",):
-            out.pop(key, None)
-    return out
-
-
-def plan_from_args(args: argparse.Namespace, topo: Topology, inv: Inventory) -> Plan:
-    """The pipeline plan the CLI prints: common options (memory, reserve, overhead, foreign) + ours."""
-    common = {k: getattr(args, k) for k in ("memory", "reserve", "overhead", "foreign") if getattr(args, k, None)
-              is not None}
-    return plan_pipeline(topo, inv, **common, **plan_options_from_args(args))

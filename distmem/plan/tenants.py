@@ -25,7 +25,6 @@ declared fleet (``DISTMEM_FLEET``, ``distmem plan --gpus``) the plan describes t
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..discover.gpus import Inventory
@@ -35,8 +34,7 @@ from ..units import MiB, SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import floor_mib, rank_layout, ranks_per_device, resolve_options
 
-__all__ = ["plan_tenants", "parse_tenants", "TenantsLike", "tenant_table", "add_cli_arguments",
-           "plan_options_from_args", "DEFAULT_MAX_TENANTS", "MIN_TENANT_BYTES", "AUTO"]
+__all__ = ["plan_tenants", "parse_tenants", "TenantsLike", "tenant_table", "DEFAULT_MAX_TENANTS", "MIN_TENANT_BYTES", "AUTO"]
 
 #: Most tenants one process may split a GPU into unless ``max_tenants=`` says otherwise. Each logical
 #: device gets its own allocator and streams, and small slices fragment quickly; past a handful,
@@ -222,24 +220,3 @@ def tenant_table(plan: Plan, usage: Optional[Mapping[str, Mapping[str, Optional[
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: ``distmem plan --strategy tenants --tenants bert=6GiB,resnet=8GiB`` (distmem/cli/plan.py calls these).
-
-def _add(parser: argparse.ArgumentParser, *flags: str, **kwargs: Any) -> None:
-    if not any(f in parser._option_string_actions for f in flags):  # noqa: SLF001 - argparse has no public test
-        parser.add_argument(*flags, **kwargs)
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``--tenants`` and ``--max-tenants``."""
-    _add(parser, "--tenants", metavar="NAME=SIZE,...",
-         help="tenants: named slices of one GPU, e.g. bert=6GiB,resnet=8GiB (size 'auto': an equal share of the rest)")
-    _add(parser, "--max-tenants", type=int, default=DEFAULT_MAX_TENANTS,
-         help=f"tenants: most slices per GPU (default {DEFAULT_MAX_TENANTS})")
-
-
-def plan_options_from_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """Keyword arguments for :func:`plan_tenants` from parsed CLI flags."""
-    if not getattr(args, "tenants", None):
-        raise ConfigError("--strategy tenants needs --tenants NAME=SIZE,..., e.g. --tenants bert=6GiB,resnet=8GiB")
-    return {"tenants": parse_tenants(args.tenants),
-            "max_tenants": getattr(args, "max_tenants", None) or DEFAULT_MAX_TENANTS}

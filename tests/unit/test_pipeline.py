@@ -11,8 +11,9 @@ from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
 from distmem.plan.types import DEFAULT_OVERHEAD_BYTES
 from distmem.plan.partition import partition_pipeline
-from distmem.plan.pipeline import (add_cli_arguments, plan_from_args, plan_options_from_args, planned_bytes,
-    stage_of_rank)
+from distmem.cli.strategy_args import (add_model_arguments, add_pipeline_arguments, pipeline_options,
+                                      pipeline_plan)
+from distmem.plan.pipeline import planned_bytes, stage_of_rank
 from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 
@@ -172,8 +173,6 @@ def test_model_without_estimator_is_a_clear_error(monkeypatch):
 
 
 def test_cli_options(tmp_path):
-    from distmem.plan import model as model_plan
-
     path = tmp_path / "layers.json"
     path.write_text(json.dumps([l.to_dict() for l in layers(8)]))
     parser = argparse.ArgumentParser()
@@ -181,18 +180,18 @@ def test_cli_options(tmp_path):
     parser.add_argument("--reserve", default="256MiB")
     parser.add_argument("--overhead", default=None)
     parser.add_argument("--foreign", default="0")
-    add_cli_arguments(parser)
-    model_plan.add_cli_arguments(parser)  # both strategies register on one parser without a clash
+    add_pipeline_arguments(parser)
+    add_model_arguments(parser)  # both strategies register on one parser without a clash
     args = parser.parse_args(["--layers", str(path), "--num-stages", "2", "--num-micro-batches", "4",
                               "--schedule", "gpipe", "--recompute"])
-    opts = plan_options_from_args(args)
+    opts = pipeline_options(args)
     assert opts["num_stages"] == 2 and opts["schedule"] == "gpipe" and opts["recompute"] is True
-    plan = plan_from_args(args, topo(2, 2), fleet_inventory("2x80GiB"))
+    plan = pipeline_plan(args, topo(2, 2), fleet_inventory("2x80GiB"))
     assert plan.extras["pipeline"]["num_micro_batches"] == 4 and [a.stage for a in plan.allocations] == [0, 1]
     args = parser.parse_args(["--stages", "3GiB,2GiB"])
-    assert plan_options_from_args(args)["stages"] == ["3GiB", "2GiB"]
+    assert pipeline_options(args)["stages"] == ["3GiB", "2GiB"]
     with pytest.raises(ConfigError, match="--stages"):
-        plan_options_from_args(parser.parse_args([]))
+        pipeline_options(parser.parse_args([]))
 
 
 def test_model_goes_through_the_estimator(monkeypatch):
