@@ -15,6 +15,7 @@ import shlex
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from .. import settings
 from ..errors import DistmemError
 from ..units import MiB, format_bytes, parse_bytes
 
@@ -75,7 +76,7 @@ def find_library() -> Optional[str]:
 
     None when neither exists.
     """
-    override = os.environ.get(ENV_LIB)
+    override = settings.raw(ENV_LIB)
     if override:
         return os.path.abspath(override) if os.path.isfile(override) else None
     path = os.path.join(_PACKAGE_DIR, "_native", LIBRARY_NAME)
@@ -87,7 +88,7 @@ def library_path() -> str:
     path = find_library()
     if path:
         return path
-    override = os.environ.get(ENV_LIB)
+    override = settings.raw(ENV_LIB)
     if override:
         raise NativeCapError(f"{ENV_LIB}={override} does not name a file; point it at a built {LIBRARY_NAME} "
                              f"or unset it to use {os.path.join(_PACKAGE_DIR, '_native', LIBRARY_NAME)}")
@@ -170,11 +171,11 @@ def status(device: Optional[int] = None) -> Dict[str, Any]:
     planned = _planned_devices()
     dev = device if device is not None else (planned[0] if planned else 0)
     out: Dict[str, Any] = {
-        "active": False, "library": loaded_library(), "spec": os.environ.get(ENV_CAP), "config_ok": None,
+        "active": False, "library": loaded_library(), "spec": settings.raw(ENV_CAP), "config_ok": None,
         "config_error": None, "device": dev, "planned_devices": planned, "cap_bytes": None,
         "used_bytes": None, "peak_bytes": None, "denials": None, "last_denied_bytes": None,
         "live_allocations": None, "total_allocations": None, "devices": [], "lookups": None,
-        "wrapped_calls": None, "reports_cap_as_total": False, "plan_fingerprint": os.environ.get(ENV_PLAN),
+        "wrapped_calls": None, "reports_cap_as_total": False, "plan_fingerprint": settings.raw(ENV_PLAN),
         "gpu_budget": None,
     }
     lib = _symbols()

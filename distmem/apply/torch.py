@@ -28,7 +28,7 @@ import sys
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import session
+from .. import session, settings
 from ..errors import ConfigError, DistmemError, TooLateError
 from ..units import MiB, format_bytes
 
@@ -153,16 +153,12 @@ def _too_late(what: str, live: str, planned: str) -> TooLateError:
 def _want_expandable(explicit: Optional[bool]) -> Optional[bool]:
     if explicit is not None:
         return bool(explicit)
-    raw = os.environ.get("DISTMEM_TORCH_EXPANDABLE_SEGMENTS")
-    if raw is None or raw.strip() == "":
-        return None
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"DISTMEM_TORCH_EXPANDABLE_SEGMENTS={raw!r}: use 1 (turn expandable segments on), 0 "
-                      "(off) or leave it unset (keep PyTorch's allocator settings)")
+    try:
+        return settings.flag("DISTMEM_TORCH_EXPANDABLE_SEGMENTS")
+    except ConfigError:
+        raise ConfigError(f"DISTMEM_TORCH_EXPANDABLE_SEGMENTS={settings.raw('DISTMEM_TORCH_EXPANDABLE_SEGMENTS')!r}: "
+                          "use 1 (turn expandable segments on), 0 (off) or leave it unset (keep PyTorch's allocator "
+                          "settings)") from None
 
 
 def _conf_var(version: str) -> str:

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from .. import settings
 from ..errors import DistmemError
 from ..units import format_bytes
 
@@ -238,7 +239,7 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
         if hv.get("error"):
             d.notes.append(f"Horovod probe: {hv['error']}")
     # The plan init() would compute.
-    fleet = fleet or env.get("DISTMEM_FLEET")
+    fleet = fleet or settings.fleet(env)
     plan_inv = inv if (inv is not None and inv.gpus) else None
     if plan_inv is None and fleet:
         try:

@@ -27,13 +27,14 @@ import time
 from dataclasses import dataclass
 from typing import IO, Dict, List, Optional, Sequence
 
+from .. import settings
 from ..errors import ConfigError
 
 __all__ = ["add_arguments", "run", "main", "launch", "tf_configs", "free_ports", "worker_command",
            "DEFAULT_TIMEOUT", "TIMEOUT_EXIT"]
 
 #: Seconds the whole job may run before every worker is killed (``--timeout``, ``DISTMEM_LAUNCH_TIMEOUT``).
-DEFAULT_TIMEOUT = float(os.environ.get("DISTMEM_LAUNCH_TIMEOUT", "3600"))
+DEFAULT_TIMEOUT = 3600.0
 #: Exit code when the hard timeout stopped the job (the ``timeout`` command's convention).
 TIMEOUT_EXIT = 124
 _POLL = 0.05  # seconds between checks of the workers: short next to any worker's lifetime
@@ -135,7 +136,7 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def launch(command: Sequence[str], num_workers: int, *, timeout: float = DEFAULT_TIMEOUT, host: str = "localhost",
+def launch(command: Sequence[str], num_workers: int, *, timeout: Optional[float] = None, host: str = "localhost",
            chief: bool = False, python: str = sys.executable, grace: float = 5.0,
            env: Optional[Dict[str, str]] = None, out: IO[str] = sys.stdout, log: IO[str] = sys.stderr) -> int:
     """Run ``command`` as ``num_workers`` tf.distribute workers; return the job's exit code.
@@ -146,7 +147,9 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: float = DEFAULT
     """
     if num_workers < 1:
         raise ConfigError(f"-n {num_workers}: a job needs at least one worker")
-    if not timeout or timeout <= 0:
+    if timeout is None:
+        timeout = settings.launch_timeout()
+    elif not timeout > 0:
         raise ConfigError(f"--timeout {timeout}: every launch needs a positive hard timeout in seconds")
     cmd = worker_command(command, python)
     bind = "127.0.0.1" if host in ("localhost", "127.0.0.1") else host
@@ -231,7 +234,7 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: float = DEFAULT
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers (ranks) to start")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    p.add_argument("--timeout", type=float, default=None,
                    help=f"hard limit in seconds for the whole job; then every worker is killed and the exit code "
                         f"is {TIMEOUT_EXIT} (default {DEFAULT_TIMEOUT:.0f}, or DISTMEM_LAUNCH_TIMEOUT)")
     p.add_argument("--host", default="localhost", help="address the workers listen on (default localhost)")

@@ -16,7 +16,7 @@ from ..plan.tenants import DEFAULT_MAX_TENANTS, parse_tenants
 from ..plan.types import Plan
 
 __all__ = ["add_once", "add_layer_arguments", "add_pipeline_arguments", "add_model_arguments", "add_tenant_arguments",
-           "layer_options_from_args", "pipeline_options", "model_options", "tenant_options", "pipeline_plan",
+           "layer_options_from_args", "common_options", "pipeline_options", "model_options", "tenant_options", "pipeline_plan",
            "model_plan", "STRATEGY_ARGUMENTS"]
 
 
@@ -103,11 +103,15 @@ def pipeline_options(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
+def common_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The options every strategy takes (memory, reserve, overhead, foreign), where given."""
+    return {k: getattr(args, k) for k in ("memory", "reserve", "overhead", "foreign")
+            if getattr(args, k, None) is not None}
+
+
 def pipeline_plan(args: argparse.Namespace, topo: Topology, inv: Inventory) -> Plan:
-    """The pipeline plan the CLI prints: common options (memory, reserve, overhead, foreign) + ours."""
-    common = {k: getattr(args, k) for k in ("memory", "reserve", "overhead", "foreign") if getattr(args, k, None)
-              is not None}
-    return plan_pipeline(topo, inv, **common, **pipeline_options(args))
+    """The pipeline plan the CLI prints: the common options plus the pipeline's own."""
+    return plan_pipeline(topo, inv, **common_options(args), **pipeline_options(args))
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,18 +127,15 @@ def model_options(args: argparse.Namespace) -> Dict[str, Any]:
     out = layer_options_from_args(args)
     if "layers" not in out and "model" not in out:
         raise ConfigError("--strategy model needs --layers FILE.json or --model SPEC (e.g. keras:ResNet50)")
-    if getattr(args, "gpus_per_rank", None) is not None:
-        out["gpus_per_rank"] = args.gpus_per_rank
-    if getattr(args, "batch_size", None) is not None:
-        out["batch_size"] = args.batch_size
+    for key in ("gpus_per_rank", "batch_size"):
+        if getattr(args, key, None) is not None:
+            out[key] = getattr(args, key)
     return out
 
 
 def model_plan(args: argparse.Namespace, topo: Topology, inv: Inventory) -> Plan:
-    """The model-parallel plan the CLI prints: common options (memory, reserve, overhead, foreign) + ours."""
-    common = {k: getattr(args, k) for k in ("memory", "reserve", "overhead", "foreign") if getattr(args, k, None)
-              is not None}
-    return plan_model(topo, inv, **common, **model_options(args))
+    """The model-parallel plan the CLI prints: the common options plus the model strategy's own."""
+    return plan_model(topo, inv, **common_options(args), **model_options(args))
 
 
 def add_tenant_arguments(parser: argparse.ArgumentParser) -> None:

@@ -107,21 +107,14 @@ class MPIComm(Comm):
             # Raw bytes, not mpi4py's pickled isend/recv: its recv uses matched probes
             # (MPI_Mprobe), which crash Open MPI 4.1 while Horovod's thread uses MPI too.
             payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            req = comm.Isend([payload, MPI.BYTE], dest=root, tag=tag)
-            if not wait_until(req.Test, deadline):
-                self.pending.keep(req, payload)
-                log.warning("distmem: rank %d could not deliver its snapshot to rank %d within %.1f s",
-                            self.rank, root, timeout)
-                return None, []
-            # Wait for the root's acknowledgement, so that no rank runs ahead and exits (under
-            # Horovod, a rank's exit shuts Horovod - and the MPI it owns - down on every rank)
-            # while the root is still receiving.
-            ack = bytearray(1)
-            req = comm.Irecv([ack, MPI.BYTE], source=root, tag=ack_tag)
-            if not wait_until(req.Test, deadline):
-                self.pending.keep(req, ack)
-                log.warning("distmem: rank %d got no acknowledgement from rank %d within %.1f s",
-                            self.rank, root, timeout)
+            if self._completes(comm.Isend([payload, MPI.BYTE], dest=root, tag=tag), payload, deadline,
+                               f"could not deliver its snapshot to rank {root} within {timeout:.1f} s"):
+                # Wait for the root's acknowledgement, so that no rank runs ahead and exits (under
+                # Horovod, a rank's exit shuts Horovod - and the MPI it owns - down on every rank)
+                # while the root is still receiving.
+                ack = bytearray(1)
+                self._completes(comm.Irecv([ack, MPI.BYTE], source=root, tag=ack_tag), ack, deadline,
+                                f"got no acknowledgement from rank {root} within {timeout:.1f} s")
             return None, []
         out: List[Any] = [None] * self.size
         out[root] = obj
@@ -145,6 +138,14 @@ class MPIComm(Comm):
                 if not req.Test():
                     self.pending.keep(req, one)
         return out, sorted(pending)
+
+    def _completes(self, req: Any, buf: Any, deadline: float, failure: str) -> bool:
+        """Wait for ``req`` until ``deadline``; on a timeout keep it (and ``buf``) alive and log ``failure``."""
+        if wait_until(req.Test, deadline):
+            return True
+        self.pending.keep(req, buf)
+        log.warning("distmem: rank %d %s", self.rank, failure)
+        return False
 
     def _iallreduce(self, send: Any, recv: Any, mpi_op: Any, deadline: float, what: str, timeout: float) -> None:
         req = self.comm.Iallreduce(send, recv, op=mpi_op)

@@ -107,6 +107,10 @@ def plan_mismatch(groups: Optional[Dict[str, List[int]]] = None, pair: Sequence[
                     f"differ) - {SAME_OPTIONS}; detail='full' lists every rank's plan")
 
 
+def _listed(ranks: Optional[Sequence[int]]) -> str:
+    return f" (ranks {ranks_text(ranks)})" if ranks else ""
+
+
 def above_plan(rank: int, used: float, limit: float, ratio: float, *, peak: Optional[float] = None,
                reserved: Optional[float] = None, enforced: bool = True, count: int = 1,
                ranks: Optional[Sequence[int]] = None, **values: Any) -> Finding:
@@ -117,8 +121,7 @@ def above_plan(rank: int, used: float, limit: float, ratio: float, *, peak: Opti
                + ("" if enforced else "; it is not hard-limited, so a neighbour may run out")
                + "; give it a larger share (fewer ranks per GPU, limit=) or lower its batch size")
     else:
-        listed = f" (ranks {ranks_text(ranks)})" if ranks else ""
-        msg = (f"{count} ranks went above their plan{listed}; the worst, rank {rank}, {usage} = {ratio:.0%} of "
+        msg = (f"{count} ranks went above their plan{_listed(ranks)}; the worst, rank {rank}, {usage} = {ratio:.0%} of "
                f"{format_bytes(limit)}; give them a larger share or lower the batch size")
     return _finding("above_plan", ranks or [rank], msg, peak_bytes=peak, reserved_bytes=reserved, used_bytes=used,
                     limit_bytes=limit, ratio=ratio, count=count, worst_rank=rank, **values)
@@ -132,8 +135,7 @@ def near_limit(rank: int, used: float, limit: float, ratio: float, *, near: floa
         msg = (f"rank {rank} {usage} = {ratio:.0%} of its limit {format_bytes(limit)} (warning above {near:.0%}); "
                "a larger batch or a fragmentation spike will run out of memory")
     else:
-        listed = f" (ranks {ranks_text(ranks)})" if ranks else ""
-        msg = (f"{count} ranks went above {near:.0%} of their limit{listed}; the highest, rank {rank}, {usage} = "
+        msg = (f"{count} ranks went above {near:.0%} of their limit{_listed(ranks)}; the highest, rank {rank}, {usage} = "
                f"{ratio:.0%} of {format_bytes(limit)}; a larger batch will run out of memory")
     return _finding("near_limit", ranks or [rank], msg, peak_bytes=peak, reserved_bytes=reserved, used_bytes=used,
                     limit_bytes=limit, ratio=ratio, count=count, worst_rank=rank, **values)
@@ -218,8 +220,7 @@ def outside_allocator(rank: int, nvml: float, pool: float, outside: float, assum
     if count <= 1:
         who = f"rank {rank}"
     else:
-        listed = f" (ranks {ranks_text(ranks)})" if ranks else ""
-        who = f"{count} ranks hold more outside the allocator than planned{listed}; the worst, rank {rank},"
+        who = f"{count} ranks hold more outside the allocator than planned{_listed(ranks)}; the worst, rank {rank},"
     return _finding("outside_allocator", ranks or [rank],
                     f"{who} holds {format_bytes(nvml)} on its GPU per NVML but its allocator {what} is "
                     f"{format_bytes(pool)}: {format_bytes(outside)} outside the allocator (CUDA context, cuBLAS/cuDNN "
