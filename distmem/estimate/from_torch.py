@@ -15,17 +15,20 @@ still alive when the backward pass starts are that module's kept activations.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..units import MiB
+from .autocast import AutocastMode
 from .liveness import CudaCachingAllocator, ExactAllocator
 from .optimizers import torch_optimizer, torch_optimizer_factory
 from .precision import Precision, dtype_bytes, resolve_precision
 from .table import Estimate, LayerEstimate
 
-__all__ = ["estimate_torch", "CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "DEFAULT_TORCH_INPUT_SHAPE"]
+__all__ = ["estimate_torch", "CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "DEFAULT_TORCH_INPUT_SHAPE",
+           "LOSS_SCALE"]
 
 #: cuBLAS workspace torch allocates through its caching allocator, so it is part of
 #: ``max_memory_allocated``: 32 MiB on Hopper (sm90) by default (CUBLAS_WORKSPACE_CONFIG
@@ -36,10 +39,14 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: Python thread, the backward on autograd's device thread, so a training step holds two.
 CUBLAS_WORKSPACES = 2
 
+#: The loss scale ``GradScaler`` multiplies the loss by under fp16 (its default ``init_scale``).
+LOSS_SCALE = 65536.0
+
 #: Per-sample input shape assumed for a torchvision model when none is given.
 DEFAULT_TORCH_INPUT_SHAPE = (3, 224, 224)
 
 _ROW_OWN = " (own ops)"
+_TABLE_KEYS = ("kept", "rows", "out_bytes", "read_values")
 
 
 def _torch():
@@ -96,6 +103,12 @@ class _Tracker:
         self.blas = False
         self.peak_phase = "forward"
         self.out_bytes: Dict[int, int] = {}
+        self.serial: Dict[int, int] = {}
+        self.next_serial = 0
+        self.read_values: set = set()  # (module, phase) where the step read a tensor's value
+        #: (serial, bytes, phase) for an allocation, (serial, -1, phase) for a free: the step recorded
+        #: once, so later steps replay it through the allocator model without running the model again
+        self.trace: Optional[List[Tuple[int, int, str]]] = None
 
     def row_of(self, module, own: bool) -> int:
         key = id(module)
@@ -121,27 +134,113 @@ class _Tracker:
             self.peak_phase = self.phase
         if self.phase == "forward" and self.stack:
             self.owner[key] = self.stack[-1]
+        serial = self.next_serial
+        self.next_serial += 1
+        self.serial[key] = serial
+        if self.trace is not None:
+            self.trace.append((serial, n, self.phase))
         weakref.finalize(st, self._release, key)
 
     def _release(self, key: int) -> None:
         self.size.pop(key, None)
         self.owner.pop(key, None)
+        serial = self.serial.pop(key, None)
+        if self.trace is not None and serial is not None:
+            self.trace.append((serial, -1, self.phase))
         self.alloc.free(key)
+
+
+class _Meta(tuple):
+    """A memoised output tensor's (tag, shape, stride, dtype)."""
 
 
 def _dispatch_mode(tracker: _Tracker):
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+    from torch.utils._pytree import tree_flatten, tree_unflatten
 
     # ops that run on cuBLAS, whose first use creates the workspaces
     blas_ops = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_efficient_attention"}
 
+    torch = _torch()
+    # foreach kernels on the meta device are Python loops of shape checks (most of a large model's
+    # simulated optimizer step): an in-place one allocates nothing, an out-of-place one returns a
+    # tensor like each of its first list's, so both are answered without running them
+    computed = {"_foreach_norm", "_foreach_max"}
+
+    memo: Dict[Any, Any] = {}
+    fresh_ops: Dict[Any, bool] = {}
+
+    def fresh(func) -> bool:
+        """Whether ``func`` returns only new tensors (no view, no in-place or out= write)."""
+        ok = fresh_ops.get(func)
+        if ok is None:
+            try:
+                schema = func._schema
+                ok = all(r.alias_info is None for r in schema.returns) and \
+                    not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            except Exception:
+                ok = False
+            fresh_ops[func] = ok
+        return ok
+
+    def freeze(x):
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "meta" or x.layout != torch.strided:
+                raise TypeError
+            return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
+        if isinstance(x, (list, tuple)):
+            return tuple(freeze(y) for y in x)
+        if isinstance(x, dict):
+            return tuple((k, freeze(v)) for k, v in sorted(x.items()))
+        hash(x)
+        return x
+
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
             name = getattr(func, "__name__", str(func)).split(".")[0]
+            if name.startswith("_foreach_") and name not in computed and args and isinstance(args[0], (list, tuple)) \
+                    and all(torch.is_tensor(t) and t.device.type == "meta" for t in args[0]):
+                if name.endswith("_"):
+                    return None
+                out = [torch.empty_like(t) for t in args[0]]
+                for t in out:
+                    tracker.register(t)
+                return out
             if name in blas_ops:
                 tracker.blas = True
+            if name == "_local_scalar_dense" and args and torch.is_tensor(args[0]) and args[0].device.type == "meta":
+                # ``.item()`` / ``bool(t)``: a value the meta device does not have. Stand in the value a
+                # step on real data takes on its usual path (true, one), and say where it happened
+                where = tracker.module_names.get(tracker.stack[-1], "") if tracker.stack else ""
+                tracker.read_values.add((where or "(model)", tracker.phase))
+                t = args[0]
+                return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+            # on the meta device an op's outputs depend only on its inputs' shapes, strides and
+            # dtypes: a repeated layer reuses the first one's answer instead of rerunning torch's
+            # Python meta kernel (a new-tensor op only; views and in-place ops always run)
+            key = None
+            if fresh(func):
+                try:
+                    key = (func, freeze(args), freeze(kwargs))
+                except TypeError:
+                    key = None
+            hit = memo.get(key) if key is not None else None
+            if hit is not None:
+                spec, leaves = hit
+                out = tree_unflatten([torch.empty_strided(m[1], m[2], dtype=m[3], device="meta")
+                                      if isinstance(m, _Meta) else m for m in leaves], spec)
+            else:
+                out = func(*args, **kwargs)
+                if key is not None:
+                    leaves, spec = tree_flatten(out)
+                    if all(not torch.is_tensor(t) or (t.device.type == "meta" and t.layout == torch.strided
+                                                      and t.storage_offset() == 0 and t.untyped_storage().nbytes()
+                                                      == torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                             device="meta").untyped_storage().nbytes())
+                           for t in leaves):
+                        memo[key] = (spec, [_Meta(("t", tuple(t.shape), t.stride(), t.dtype))
+                                            if torch.is_tensor(t) else t for t in leaves])
             for t in tree_flatten(out)[0]:
                 tracker.register(t)
             return out
@@ -149,7 +248,7 @@ def _dispatch_mode(tracker: _Tracker):
 
 
 @contextlib.contextmanager
-def _fused_sdpa(enabled: bool):
+def _fused_sdpa(enabled: bool, autocast: Any = None):
     """Route scaled dot-product attention to the fused kernel CUDA runs (memory-efficient
     attention keeps the output and a log-sum-exp, not the score matrix); the meta device would
     otherwise take the math fallback, which keeps the full score matrix."""
@@ -161,18 +260,68 @@ def _fused_sdpa(enabled: bool):
         return
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or query.dim() != 4 or enable_gqa:
+        if autocast is not None and autocast.enabled:  # autocast runs attention in the compute dtype
+            query, key, value = (autocast._cast(t, autocast.dtype) for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = autocast._cast(attn_mask, autocast.dtype)
+        if enable_gqa and query.dim() == 4 and key.shape[1] != query.shape[1]:
+            # the fused kernels read grouped K/V in place; the same kept bytes as attention over them
+            return _gqa_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if query.dim() != 4 or (attn_mask is not None and attn_mask.dim() != 4):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale)
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            # CUDA turns a boolean mask into an additive bias in the query's dtype, which the kernel keeps
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device)
+        elif bias is not None and bias.dtype != query.dtype:
+            bias = bias.to(query.dtype)
+        grad = query.requires_grad or key.requires_grad or value.requires_grad
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, None, query.requires_grad or key.requires_grad or value.requires_grad,
-            dropout_p, is_causal, scale=scale)
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale)
         return out[0]
+
+    def _gqa_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale):
+        if attn_mask is None:
+            try:  # flash attention reads grouped K/V as they are, keeping the output and a log-sum-exp
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            except Exception:
+                pass
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=True)
     F.scaled_dot_product_attention = sdpa
     try:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+def _replay_steps(alloc, tracker: _Tracker, steps: int, peaks: List[int], phases: List[str]) -> None:
+    """Steps after the first, replayed from the first one's allocation trace through the allocator
+    model: the same kernels allocate and free the same buffers, except those the first step made
+    and left alive (the optimizer's state, created once), which a later step finds in place."""
+    trace = tracker.trace or []
+    tracker.trace = None
+    alive = set(tracker.serial.values())
+    skip = {s for s, n, _ in trace if n >= 0 and s in alive}
+    for r in range(steps):
+        alloc.reset_peak()
+        phase = "forward"
+        for serial, n, ph in trace:
+            if serial in skip:
+                continue
+            if n >= 0:
+                before = alloc.peak
+                alloc.alloc(("r", r, serial), n)
+                if alloc.peak > before:
+                    phase = ph
+            else:
+                alloc.free(("r", r, serial))
+        for serial, n, _ in trace:  # whatever the trace left allocated (nothing, normally)
+            alloc.free(("r", r, serial))
+        peaks.append(alloc.peak)
+        phases.append(phase)
 
 
 def _loss(output: Any, loss: Any):
@@ -263,46 +412,53 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         kept: Dict[int, int] = {}
         peaks: List[int] = []
         phases: List[str] = []
+        autocast = AutocastMode(cdt) if prec.cast_weights else None
         try:
-            with mode, _fused_sdpa(cuda):
-                for step in range(steps):
-                    alloc.reset_peak()
-                    tracker.peak_phase = "forward"
-                    tracker.phase = "forward"
-                    state = dict(meta_params)
-                    call_args = args
-                    if prec.cast_weights:
-                        # autocast semantics: compute-dtype copies of the fp32 masters, kept for backward
-                        state = {k: (v.to(cdt) if v.is_floating_point() else v) for k, v in state.items()}
-                        call_args = tuple(a.to(cdt) if torch.is_tensor(a) and a.is_floating_point() else a
-                                          for a in args)
-                    state.update(meta_buffers)
-                    out = torch.func.functional_call(model, state, call_args, kwargs)
+            with mode, _fused_sdpa(cuda, autocast):
+                alloc.reset_peak()
+                tracker.peak_phase = "forward"
+                tracker.phase = "forward"
+                tracker.trace = [] if steps > 1 and not forward_only else None
+                state = dict(meta_params)
+                state.update(meta_buffers)
+                # ``with autocast(): out = model(x); loss = crit(out, y)``, then backward outside it
+                if autocast is not None:
+                    autocast.__enter__()
+                try:
+                    out = torch.func.functional_call(model, state, args, kwargs)
                     value = _loss(out, loss)
-                    if step == 0 and keep_table:
-                        for key, owner in list(tracker.owner.items()):
-                            row = tracker.rows.get(owner)
-                            if row is not None:
-                                kept[row] = kept.get(row, 0) + tracker.size.get(key, 0)
-                    tracker.phase = "backward"
-                    del state
-                    if forward_only:
-                        peaks.append(alloc.peak)
-                        phases.append(tracker.peak_phase)
-                        break
+                finally:
+                    if autocast is not None:
+                        autocast.__exit__(None, None, None)
+                        autocast.clear()
+                if prec.loss_scaling:
+                    value = value * LOSS_SCALE  # GradScaler.scale(loss)
+                if keep_table:
+                    for key, owner in list(tracker.owner.items()):
+                        row = tracker.rows.get(owner)
+                        if row is not None:
+                            kept[row] = kept.get(row, 0) + tracker.size.get(key, 0)
+                tracker.phase = "backward"
+                del state
+                if forward_only:
+                    peaks.append(alloc.peak)
+                    phases.append(tracker.peak_phase)
+                else:
                     # the output and loss stay referenced through backward and the update, as in
                     # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
                     value.backward()
                     tracker.phase = "update"
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    del out, value, call_args
+                    del out, value
                     if tracker.blas and workspace and ("cublas", 0) not in alloc.sizes:
                         # created on the first matmul and kept for the process: part of every later step
                         for i in range(CUBLAS_WORKSPACES):
                             alloc.alloc(("cublas", i), workspace)
                     peaks.append(alloc.peak)
                     phases.append(tracker.peak_phase)
+                    if tracker.trace is not None:
+                        _replay_steps(alloc, tracker, steps - 1, peaks, phases)
         except ConfigError:
             raise
         except Exception as exc:
@@ -320,6 +476,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
             res["kept"] = kept
             res["rows"] = tracker.row_names
             res["out_bytes"] = dict(tracker.out_bytes)
+            res["read_values"] = sorted(tracker.read_values)
         return res
 
     first = run(batch_size, True)
@@ -332,7 +489,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         if train:
             if (batch, True) not in cache:
                 cache[(batch, True)] = run(batch, False)
-            return {k: v for k, v in cache[(batch, True)].items() if k not in ("kept", "rows", "out_bytes")}
+            return {k: v for k, v in cache[(batch, True)].items() if k not in _TABLE_KEYS}
         args, kwargs = _example(model, example_input, input_shape, batch, input_dtype)
         peak = _inference_peak(model, params, buffers, args, kwargs, cuda, prec)
         return {"peak": peak, "phase": "forward", "node": -1, "batch": batch}
@@ -342,7 +499,15 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                    device="cuda" if cuda else "cpu",
                    input_bytes_per_sample=_input_bytes(model, example_input, input_shape, input_dtype),
                    extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn)
-    est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in ("kept", "rows", "out_bytes")}
+    est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in _TABLE_KEYS}
+    for where, phase in first["read_values"]:
+        who = f"the optimizer's step ({info.name})" if phase == "update" else f"module '{where}' ({phase} pass)"
+        est.warnings.append(f"{who} read a tensor's value (.item(), bool() or a data-dependent branch), which a "
+                            f"meta-device simulation does not have; it was answered with true / 1, the path a step "
+                            f"without padding or overflow takes. If memory there depends on the value, measure "
+                            f"one step instead")
+    for w in est.warnings:
+        warnings.warn(f"distmem.estimate: {w}", stacklevel=2)
     return est
 
 
@@ -358,17 +523,22 @@ def _inference_peak(model, params, buffers, args, kwargs, cuda, prec) -> int:
     alloc = CudaCachingAllocator() if cuda else ExactAllocator()
     tracker = _Tracker(alloc)
     mode = _dispatch_mode(tracker)
+    cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
+    autocast = AutocastMode(cdt) if prec.cast_weights else None
     with mode:
         state = {k: torch.empty_like(p, device="meta") for k, p in params.items()}
         state.update({k: torch.empty_like(b, device="meta") for k, b in buffers.items()})
-        if prec.cast_weights:
-            cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
-            state = {k: (v.to(cdt) if v.is_floating_point() else v) for k, v in state.items()}
-        with torch.no_grad(), _fused_sdpa(cuda):
+        for t in (*args, *kwargs.values()):
+            tracker.register(t)
+        with torch.no_grad(), _fused_sdpa(cuda, autocast):
             was = model.training
             model.eval()
             try:
-                out = torch.func.functional_call(model, state, args, kwargs)
+                if autocast is not None:
+                    with autocast:
+                        out = torch.func.functional_call(model, state, args, kwargs)
+                else:
+                    out = torch.func.functional_call(model, state, args, kwargs)
             finally:
                 model.train(was)
         del out
