@@ -34,6 +34,10 @@ def test_each_host_has_its_name_address_and_sshd(cluster):
         assert ipaddress.ip_address(h.addr) in ipaddress.ip_network(f"{SUBNET}.0/24")
         resolved = {ln.split()[1]: ln.split()[0] for ln in lines if ln.startswith(SUBNET)}
         assert resolved == {x.name: x.addr for x in cluster.hosts}, r.describe()
+        routes = cluster.run_on(h.name, "ip -4 route show; ip -6 route show | grep -v '^fe80::/64' || true", timeout=20)
+        # One route, to the cluster's own /24: no traffic can leave the cluster.
+        assert routes.out.split("\n")[0].split()[:3] == [f"{SUBNET}.0/24", "dev", IFACE], routes.describe()
+        assert [ln for ln in routes.out.splitlines()[1:] if ln.strip()] == [], routes.describe()
     # Every host reaches every other one by name through its sshd, and lands on that host.
     hop = "; ".join(f"ssh {x.name} hostname" for x in cluster.hosts)
     for h in cluster.hosts:
