@@ -112,6 +112,10 @@ def main() -> int:
         row["error"] = f"{type(exc).__name__}: {exc}"
         row["traceback"] = traceback.format_exc()[-2000:]
         _emit(row, args.rows)
+        if args.transport == "mpi" and "mpi4py.MPI" in sys.modules:
+            # The other ranks would wait in report() until its timeout; end the whole job now.
+            sys.stdout.flush()
+            sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(3)
         return 3
     _emit(row, args.rows)
     try:
