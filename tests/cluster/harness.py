@@ -17,6 +17,7 @@ knows about distmem: the probe program and the expected values live beside this 
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -199,7 +200,6 @@ class Cluster:
         self.munged: Optional[subprocess.Popen] = None
         self.log: List[str] = []
         self._launches = 0
-        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
     def host(self, name: str) -> Host:
@@ -223,11 +223,11 @@ class Cluster:
             raise ClusterUnavailable(reason)
         t0 = time.monotonic()
         self._claim()
-        self.tmp = tempfile.mkdtemp(prefix=TMP_PREFIX)
-        # The slot's lock file names this run's folder, so a run killed with SIGKILL is cleaned next time.
-        os.ftruncate(self._lockfd, 0)  # type: ignore[arg-type]
-        os.pwrite(self._lockfd, f"{os.getpid()} {self.tmp}\n".encode(), 0)  # type: ignore[arg-type]
         try:
+            self.tmp = tempfile.mkdtemp(prefix=TMP_PREFIX)
+            # The slot's lock file names this run's folder, so a run killed with SIGKILL is cleaned next time.
+            os.ftruncate(self._lockfd, 0)  # type: ignore[arg-type]
+            os.pwrite(self._lockfd, f"{os.getpid()} {self.tmp}\n".encode(), 0)  # type: ignore[arg-type]
             self._files()
             self._network()
             for h in self.hosts:
@@ -248,8 +248,6 @@ class Cluster:
 
     def _claim(self) -> None:
         """Take the first free slot (its lock), clean what a killed run left there, name the hosts."""
-        import fcntl
-
         os.makedirs(LOCKS, exist_ok=True)
         for slot in range(SLOTS):
             fd = os.open(os.path.join(LOCKS, f"{PREFIX}{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -612,9 +610,7 @@ class Cluster:
         ``argv`` is run as given (``--no-python``), so it starts with the interpreter.
         """
         head = self.host(hosts[0])
-        self._launches += 1
-        # A new port per launch: the previous rendezvous' socket may still be in TIME_WAIT.
-        port = port or 29400 + self._launches % 500
+        port = port or self.next_port()
         run_id = run_id or f"dmcl{os.getpid()}x{self._launches}"
         cmds = []
         for h in hosts:
@@ -623,6 +619,11 @@ class Cluster:
                    "--max-restarts=0", f"--local-addr={self.host(h).addr}", "--no-python"] + list(argv)
             cmds.append((h, shlex.join(cmd)))
         return self.run_many(cmds, timeout=timeout, env=env)
+
+    def next_port(self, base: int = 29400) -> int:
+        """A TCP port not used by an earlier launch of this cluster (a rendezvous socket may be in TIME_WAIT)."""
+        self._launches += 1
+        return base + self._launches % 500
 
     def srun(self, args: Sequence[str], argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
              timeout: float = 90) -> Result:

@@ -140,7 +140,7 @@ def test_torchrun_under_srun(slurm):
     need_tool(slurm, "torchrun")
     env = {"DISTMEM_FLEET": FLEET}
     job = job_dir(slurm, "srun-torchrun")
-    port = 29900 + slurm._launches % 50
+    port = slurm.next_port()
     agent = (f"exec {slurm.bin}/torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "
              f"--rdzv-endpoint={slurm.login.addr}:{port} --rdzv-id=srun$SLURM_JOB_ID --max-restarts=0 "
              f"--local-addr=$(hostname) --no-python " + " ".join(probe_argv(slurm, "torch-env", job)))
