@@ -11,7 +11,7 @@ import pytest
 from expect import Expected, compare, table
 from harness import Cluster, Result
 
-__all__ = ["skip_or_fail", "need_tool", "PROBE", "ONE_GPU_PER_TASK", "job_dir", "probe_argv", "probe_rows", "report_hosts", "verdict", "outputs"]
+__all__ = ["skip_or_fail", "need_tool", "PROBE", "ONE_GPU_PER_TASK", "VISIBLE_BY_UUID", "job_dir", "probe_argv", "probe_rows", "report_hosts", "verdict", "outputs"]
 
 def required() -> bool:
     """DISTMEM_REQUIRE_CLUSTER=1: a cluster case that cannot run is a failure, not a skip."""
@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE = os.path.join(HERE, "progs", "probe.py")
 #: Exports CUDA_VISIBLE_DEVICES=$SLURM_LOCALID, then runs its arguments (one GPU per task).
 ONE_GPU_PER_TASK = os.path.join(HERE, "progs", "one_gpu_per_task.sh")
+#: Exports CUDA_VISIBLE_DEVICES=<UUID of GPU number local rank> (or a prefix: --chars N), then runs the rest.
+VISIBLE_BY_UUID = os.path.join(HERE, "progs", "visible_by_uuid.py")
 
 
 def job_dir(cluster: Cluster, name: str) -> str:

@@ -7,11 +7,13 @@ every rank that differs, the expected/probed table and the launcher's output.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from expect import (map_node, map_slot, parse_fleet_spec, expected, slurm_block, slurm_cyclic,
                     torchrun_hosts)
-from launches import ONE_GPU_PER_TASK, job_dir, need_tool, probe_argv, probe_rows, verdict
+from launches import ONE_GPU_PER_TASK, VISIBLE_BY_UUID, job_dir, need_tool, probe_argv, probe_rows, verdict
 
 pytestmark = pytest.mark.cluster
 
@@ -45,6 +47,19 @@ def test_mpirun_every_rank_told_gpu0(cluster):
     r = cluster.mpirun(hosts, probe_argv(cluster, "mpi", job), env=env, timeout=90)
     want = expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names), visible=lambda r, h, l: [0])
     assert all(w.shared_by == 2 and w.enforce for w in want)
+    _check(cluster, r, want, job, env)
+
+
+@pytest.mark.parametrize("chars", [None, 12], ids=["full-uuid", "uuid-prefix"])
+def test_mpirun_gpu_by_uuid(cluster, chars):
+    """Each rank's CUDA_VISIBLE_DEVICES names its own GPU by UUID (or a unique prefix of it): alone on it."""
+    hosts = "hosta:2,hostb:2"
+    env = {"DISTMEM_FLEET": FLEET}
+    job = job_dir(cluster, f"mpirun-uuid-{chars}")
+    wrap = [os.path.join(cluster.bin, "python"), VISIBLE_BY_UUID] + (["--chars", str(chars)] if chars else [])
+    r = cluster.mpirun(hosts, wrap + probe_argv(cluster, "mpi", job), env=env, timeout=90)
+    want = expected(map_slot(hosts), parse_fleet_spec(FLEET, cluster.names), visible=lambda r, h, l: [l])
+    assert all(w.shared_by == 1 and w.index == 0 for w in want)
     _check(cluster, r, want, job, env)
 
 
