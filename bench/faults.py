@@ -304,7 +304,16 @@ def run_injection(launcher: str, inj: Injection, *, np_: int, timeout: float, sl
                 out.launcher_hung = True
                 out.problems.append("the launcher did not exit within 60 s after the run was over")
     finally:
-        try:  # stragglers (a hung rank, an orted, a stopped victim) go with the launcher's group
+        # Stragglers (a hung rank, an orted, a stopped victim) go: the ranks by their pid files (launch-tf
+        # starts each worker in a session of its own), then the launcher's group.
+        for r in ranks:
+            pid = pid_of(r)
+            if pid is not None and _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
