@@ -49,17 +49,29 @@ FP32_OUT = frozenset({"softmax", "log_softmax", "cumprod", "cumsum", "sum", "pro
                       "matrix_norm", "_softmax"})
 
 
-def _mode_base():
+_CLASS: Any = None
+
+
+def AutocastMode(dtype: Any):  # noqa: N802 - used like the class it builds
+    """A torch function mode doing CUDA autocast to ``dtype`` for meta tensors while entered;
+    ``clear()`` drops its weight cache (autocast clears it when the outermost region exits).
+    The class is made on first use, so importing this module does not import torch."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _build()
+    return _CLASS(dtype)
+
+
+def _build():
     from torch.overrides import TorchFunctionMode
-    return TorchFunctionMode
+    body = {k: v for k, v in _Methods.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type("AutocastMode", (TorchFunctionMode,), body)
 
 
-class AutocastMode(_mode_base()):  # type: ignore[misc]
-    """CUDA autocast to ``dtype`` for meta tensors while active; ``clear()`` drops the weight cache
-    (autocast clears it when the outermost autocast region exits)."""
-
+class _Methods:
     def __init__(self, dtype: Any):
-        super().__init__()
+        from torch.overrides import TorchFunctionMode
+        TorchFunctionMode.__init__(self)
         import torch
         self.torch = torch
         self.dtype = dtype

@@ -2,6 +2,7 @@
 
     distmem estimate --model keras:MobileNetV2 --input-shape 96,96,3 --batch-size 64 --optimizer adam
     distmem estimate --model torchvision:resnet50 --batch-size 32 --mixed-precision --per-layer
+    distmem estimate --model hf:gpt2 --input-shape 1024 --batch-size 8 --precision bf16
     distmem estimate --model mypkg.models:build --input-shape 128 --json
 """
 from __future__ import annotations
@@ -24,11 +25,13 @@ __all__ = ["add_arguments", "run", "main", "load_model", "render_table"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``distmem estimate``'s options to ``parser``."""
     parser.add_argument("--model", required=True,
-                        help="keras:NAME (keras.applications), torchvision:NAME, or module.path:factory "
-                             "(your function returning a Keras model or a torch.nn.Module)")
+                        help="keras:NAME (keras.applications), torchvision:NAME, hf:NAME (a transformers config: "
+                             "local folder or config.json, local cache, or model type such as gpt2; random weights, "
+                             "nothing downloaded), or module.path:factory (your function returning a Keras model "
+                             "or a torch.nn.Module)")
     parser.add_argument("--input-shape", default=None,
                         help="one sample, no batch dimension: H,W,C for Keras (default 224,224,3), "
-                             "C,H,W for torch (default 3,224,224)")
+                             "C,H,W for torch (default 3,224,224), tokens for hf: (default 512)")
     parser.add_argument("--batch-size", type=int, default=32, help="training batch size (default 32)")
     parser.add_argument("--optimizer", default="adam",
                         help=f"optimizer whose state is counted: {', '.join(OPTIMIZER_NAMES)} (default adam)")

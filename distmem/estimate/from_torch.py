@@ -150,6 +150,20 @@ class _Tracker:
         self.alloc.free(key)
 
 
+def _same_shapes(args, kwargs) -> bool:
+    """Whether every tensor list among a foreach op's arguments matches the first one shape for
+    shape and dtype for dtype (no broadcasting, no promotion), so its outputs are like the first."""
+    first = args[0]
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, (list, tuple)) and a and hasattr(a[0], "shape"):
+            if len(a) != len(first) or any(getattr(x, "shape", None) != y.shape or
+                                           getattr(x, "dtype", None) != y.dtype for x, y in zip(a, first)):
+                return False
+        elif hasattr(a, "shape") and getattr(a, "dim", lambda: 0)() > 0:
+            return False  # one tensor against a list: may broadcast
+    return True
+
+
 class _Meta(tuple):
     """A memoised output tensor's (tag, shape, stride, dtype)."""
 
@@ -200,7 +214,8 @@ def _dispatch_mode(tracker: _Tracker):
             kwargs = kwargs or {}
             name = getattr(func, "__name__", str(func)).split(".")[0]
             if name.startswith("_foreach_") and name not in computed and args and isinstance(args[0], (list, tuple)) \
-                    and all(torch.is_tensor(t) and t.device.type == "meta" for t in args[0]):
+                    and all(torch.is_tensor(t) and t.device.type == "meta" for t in args[0]) \
+                    and _same_shapes(args, kwargs):
                 if name.endswith("_"):
                     return None
                 out = [torch.empty_like(t) for t in args[0]]
@@ -247,6 +262,29 @@ def _dispatch_mode(tracker: _Tracker):
     return Mode()
 
 
+class _CudaDropout:
+    """``F.dropout`` as CUDA runs it: the fused ``native_dropout`` kernel, which keeps a one-byte
+    mask for the backward pass. On the meta device (as on CPU) ``dropout`` decomposes into a
+    Bernoulli draw in the input's dtype, a mask four times larger in fp32."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if getattr(func, "__name__", "") == "dropout":
+                    torch = _torch()
+                    x = args[0] if args else kwargs.get("input")
+                    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+                    train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+                    inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
+                    if torch.is_tensor(x) and train and 0 < float(p) < 1 and not inplace and x.numel() > 0:
+                        return torch.native_dropout(x, float(p), True)[0]
+                return func(*args, **kwargs)
+        self.mode = Mode()
+
+
 @contextlib.contextmanager
 def _fused_sdpa(enabled: bool, autocast: Any = None):
     """Route scaled dot-product attention to the fused kernel CUDA runs (memory-efficient
@@ -267,6 +305,10 @@ def _fused_sdpa(enabled: bool, autocast: Any = None):
         if enable_gqa and query.dim() == 4 and key.shape[1] != query.shape[1]:
             # the fused kernels read grouped K/V in place; the same kept bytes as attention over them
             return _gqa_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if attn_mask is not None and attn_mask.requires_grad and query.dim() == 4:
+            # a learned additive bias (T5's relative positions) that needs its gradient: modelled as
+            # the math kernel, which keeps the score matrix (the fused kernels do not)
+            return _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
         if query.dim() != 4 or (attn_mask is not None and attn_mask.dim() != 4):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale)
@@ -280,6 +322,30 @@ def _fused_sdpa(enabled: bool, autocast: Any = None):
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, grad, dropout_p, is_causal, scale=scale)
         return out[0]
+
+    def _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale):
+        """``_scaled_dot_product_attention_math`` step by step, so its dropout is CUDA's (a bool mask)
+        and, under autocast, everything runs in the dtype autocast gave the inputs."""
+        import math
+        was = autocast.enabled if autocast is not None else None
+        if autocast is not None:
+            autocast.enabled = False  # inside autocast's sdpa kernel nothing is cast again
+        try:
+            s = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+            attn = torch.matmul(query * s, (key * s).transpose(-2, -1))
+            if is_causal:
+                causal = torch.ones(attn.shape[-2], attn.shape[-1], dtype=torch.bool, device=attn.device).tril()
+                attn = attn.masked_fill(~causal, float("-inf"))
+            if attn_mask is not None:
+                attn = attn + (attn_mask if attn_mask.dtype != torch.bool else
+                               torch.zeros(attn_mask.shape, dtype=attn.dtype, device=attn.device))
+            attn = torch.softmax(attn, dim=-1)
+            if dropout_p > 0:
+                attn = torch.native_dropout(attn, float(dropout_p), True)[0]
+            return torch.matmul(attn, value)
+        finally:
+            if autocast is not None:
+                autocast.enabled = was
 
     def _gqa_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale):
         if attn_mask is None:
@@ -414,7 +480,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         phases: List[str] = []
         autocast = AutocastMode(cdt) if prec.cast_weights else None
         try:
-            with mode, _fused_sdpa(cuda, autocast):
+            with mode, _fused_sdpa(cuda, autocast), (_CudaDropout().mode if cuda else contextlib.nullcontext()):
                 alloc.reset_peak()
                 tracker.peak_phase = "forward"
                 tracker.phase = "forward"
@@ -548,9 +614,13 @@ def _inference_peak(model, params, buffers, args, kwargs, cuda, prec) -> int:
 def _rows(first, second, params, info, prec: Precision, batch: int) -> List[LayerEstimate]:
     """Table rows in execution order from two simulations (``batch`` and ``batch + 1``)."""
     rows: List[LayerEstimate] = []
+    counted = set()  # a tied weight (an embedding shared with the output head) is held once
     for idx, (name, module, own) in enumerate(first["rows"]):
         r = LayerEstimate(name=name, kind=type(module).__name__)
         for p in module.parameters(recurse=False):
+            if id(p) in counted:
+                continue
+            counted.add(id(p))
             n = p.numel()
             wb = dtype_bytes(p.dtype)
             r.params += n

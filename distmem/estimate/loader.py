@@ -2,8 +2,11 @@
 
 Specs: ``keras:MobileNetV2`` (a ``keras.applications`` model, ``weights=None``),
 ``torchvision:resnet50`` (a ``torchvision.models`` builder, ``weights=None``, built on the meta
-device so nothing is allocated), ``module.path:factory`` (your own function returning a Keras model
-or a ``torch.nn.Module``; it gets ``input_shape=`` if it accepts it).
+device so nothing is allocated), ``hf:NAME`` (a Hugging Face ``transformers`` model built from its
+config with random weights on the meta device; NAME is a local folder or ``config.json``, a name in
+the local Hugging Face cache, or a ``transformers`` model type such as ``gpt2`` or ``t5``; nothing
+is downloaded), ``module.path:factory`` (your own function returning a Keras model or a
+``torch.nn.Module``; it gets ``input_shape=`` if it accepts it).
 """
 from __future__ import annotations
 
@@ -15,10 +18,14 @@ from typing import Any, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
-__all__ = ["load_model", "parse_shape", "framework_of", "DEFAULT_KERAS_INPUT_SHAPE"]
+__all__ = ["load_model", "parse_shape", "framework_of", "DEFAULT_KERAS_INPUT_SHAPE", "DEFAULT_HF_SEQUENCE"]
 
 #: Keras applications' own default input (height, width, channels).
 DEFAULT_KERAS_INPUT_SHAPE = (224, 224, 3)
+
+#: Tokens per sample of an ``hf:`` model when no input shape is given (capped by the model's own
+#: maximum positions).
+DEFAULT_HF_SEQUENCE = 512
 
 
 def parse_shape(text: Any) -> Optional[Tuple[int, ...]]:
@@ -97,6 +104,82 @@ def _torchvision(name: str, shape: Optional[Tuple[int, ...]]):
     return model
 
 
+def _hf_config(name: str):
+    """The ``transformers`` config for ``name`` without touching the network: a local folder or
+    json file, then the local Hugging Face cache, then a model type's default config."""
+    import transformers
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        return transformers.AutoConfig.from_pretrained(os.path.dirname(path) or ".") \
+            if os.path.basename(path) == "config.json" else transformers.PretrainedConfig.from_json_file(path)
+    if os.path.isdir(path):
+        try:
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            raise ConfigError(f"hf:{name}: the folder has no usable config.json ({type(exc).__name__}: {exc})") from None
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # a cache lookup only: never a download
+    try:
+        return transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception:
+        pass
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+    mapping = getattr(getattr(transformers.models, "auto").configuration_auto, "CONFIG_MAPPING", {})
+    if name in mapping:
+        return mapping[name]()
+    raise ConfigError(f"hf:{name} cannot be resolved without a download: it is not a local folder or config.json, "
+                      f"not in the local Hugging Face cache (HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}), "
+                      f"and not a transformers model type (e.g. gpt2, bert, llama, t5). Fetch its config once "
+                      f"(huggingface-cli download {name} config.json) or give the path to a config.json")
+
+
+def _hf(name: str, shape: Optional[Tuple[int, ...]]):
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise ConfigError(f"hf:{name} needs torch and transformers; install them (pip install transformers)") from None
+    cfg = _hf_config(name)
+    arch = next((getattr(transformers, a, None) for a in (getattr(cfg, "architectures", None) or [])
+                 if getattr(transformers, a, None) is not None), None)
+    candidates = [arch] if arch is not None else []
+    auto = transformers
+    if getattr(cfg, "is_encoder_decoder", False):
+        candidates.append(auto.AutoModelForSeq2SeqLM)
+    candidates += [auto.AutoModelForCausalLM, auto.AutoModelForMaskedLM, auto.AutoModel]
+    model, errors = None, []
+    for cls in candidates:
+        try:
+            with torch.device("meta"):  # no weights are allocated or initialised
+                model = cls._from_config(cfg) if hasattr(cls, "_from_config") else cls.from_config(cfg)
+            break
+        except Exception as exc:  # this head does not exist for the config: try the next one
+            errors.append(f"{getattr(cls, '__name__', cls)}: {exc}")
+    if model is None:
+        raise ConfigError(f"hf:{name}: no transformers model class builds from its config ({'; '.join(errors)[:400]})")
+    limit = int(getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "n_positions", 0) or DEFAULT_HF_SEQUENCE)
+    seq = int(shape[0]) if shape else min(DEFAULT_HF_SEQUENCE, limit)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    if vocab < 1:
+        raise ConfigError(f"hf:{name}: its config has no vocab_size, so token inputs cannot be made; estimate it "
+                          f"through the API with example_input=")
+    encdec = bool(getattr(cfg, "is_encoder_decoder", False))
+
+    def example_input(batch: int):
+        ids = torch.zeros((batch, seq), dtype=torch.long)
+        out = {"input_ids": ids}
+        if encdec:
+            out["decoder_input_ids"] = torch.zeros((batch, max(1, seq // 2)), dtype=torch.long)
+        return out
+    model.example_input = example_input
+    model._distmem_input_shape = (seq,)
+    return model
+
+
 def _user_factory(spec: str, shape: Optional[Tuple[int, ...]]):
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
@@ -130,18 +213,21 @@ def _user_factory(spec: str, shape: Optional[Tuple[int, ...]]):
 
 
 def load_model(spec: Any, input_shape: Optional[Sequence[int]] = None) -> Any:
-    """A built model for ``spec`` (``keras:NAME``, ``torchvision:NAME``, ``module.path:factory``);
-    a model object is returned unchanged. ``input_shape``: one sample, no batch dimension — for
-    Keras (height, width, channels), for torchvision (channels, height, width)."""
+    """A built model for ``spec`` (``keras:NAME``, ``torchvision:NAME``, ``hf:NAME``,
+    ``module.path:factory``); a model object is returned unchanged. ``input_shape``: one sample, no
+    batch dimension — for Keras (height, width, channels), for torchvision (channels, height,
+    width), for ``hf:`` (tokens,)."""
     if not isinstance(spec, str):
         return spec
     shape = parse_shape(input_shape)
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise ConfigError(f"model spec {spec!r}: use keras:NAME (e.g. keras:MobileNetV2), torchvision:NAME "
-                          f"(e.g. torchvision:resnet50) or module.path:factory")
+                          f"(e.g. torchvision:resnet50), hf:NAME (e.g. hf:gpt2) or module.path:factory")
     if kind.lower() in ("keras", "tf", "tensorflow"):
         return _keras_app(rest, shape)
     if kind.lower() in ("torchvision", "tv"):
         return _torchvision(rest, shape)
+    if kind.lower() in ("hf", "huggingface", "transformers"):
+        return _hf(rest, shape)
     return _user_factory(spec, shape)

@@ -94,3 +94,89 @@ def test_errors_name_the_fix():
         estimate_torch(object(), input_shape=(4,))
     with pytest.raises(ConfigError, match="could not run Sequential on the meta device"):
         estimate_torch(tiny(), input_shape=(5,), batch_size=2)
+
+
+class _Block(nn.Module):
+    """A transformer block's ops whose autocast dtypes differ: norms, matmuls, softmax, pow, GELU."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.gn = nn.GroupNorm(2, d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        a = torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        x = x + a
+        f = self.fc(x)
+        f = 0.5 * f * (1.0 + torch.tanh(0.79 * (f + 0.044715 * torch.pow(f, 3.0))))
+        x = x + self.out(f)
+        return self.gn(x.transpose(1, 2)).transpose(1, 2).sum(dim=-1)
+
+
+def _dtypes(model, run):
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: seen.append((type(m).__name__, o.dtype)))
+    try:
+        out = run()
+    finally:
+        hook.remove()
+    return seen + [("(output)", out.dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_emulation_matches_cuda_autocast(dtype):
+    """The meta-device emulation gives every module the output dtype real CUDA autocast gives it
+    (fake CUDA tensors run autocast's own kernels in a forward pass, no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from distmem.estimate.autocast import AutocastMode
+    model = _Block()
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 16, device="cuda")
+        state = {k: torch.empty(v.shape, device="cuda").requires_grad_(v.requires_grad)
+                 for k, v in model.named_parameters()}
+        was = torch.is_autocast_enabled("cuda")
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        torch.autocast_increment_nesting()
+        try:
+            real = _dtypes(model, lambda: torch.func.functional_call(model, state, (x,)))
+        finally:
+            torch.autocast_decrement_nesting()
+            torch.set_autocast_enabled("cuda", was)
+            torch.clear_autocast_cache()
+    xm = torch.empty(2, 8, 16, device="meta")
+    meta_state = {k: torch.empty(v.shape, device="meta").requires_grad_(v.requires_grad)
+                  for k, v in model.named_parameters()}
+    with AutocastMode(dtype):
+        ours = _dtypes(model, lambda: torch.func.functional_call(model, meta_state, (xm,)))
+    assert ours == real
+    assert ("LayerNorm", torch.float32) in real and ("Linear", dtype) in real  # the test has teeth
+
+
+def test_autocast_keeps_fp32_norm_inputs_and_one_cast_per_weight():
+    """Under autocast a LayerNorm after a Linear keeps an fp32 copy of its input and the Linear's
+    weight is cast once per forward (autocast's cache), however often it is used."""
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64, bias=False)
+            self.ln = nn.LayerNorm(64)
+
+        def forward(self, x):
+            return self.ln(self.lin(self.lin(x)))
+
+    bf16 = estimate_torch(Twice(), input_shape=(64,), batch_size=32, device="cpu", precision="bf16", loss="sum")
+    fp32 = estimate_torch(Twice(), input_shape=(64,), batch_size=32, device="cpu", loss="sum")
+    row = {r.kind: r for r in bf16.layers}
+    # Linear keeps bf16 casts of the input (32x64), of its first output (32x64) and one of the weight (64x64)
+    assert row["Linear"].activation_bytes(32) == 2 * (32 * 64 + 32 * 64 + 64 * 64)
+    # LayerNorm runs in fp32: besides what it keeps in fp32 training (its output here, and per-row
+    # statistics) it keeps the fp32 copy of its bf16 input, made inside it
+    fp32_ln = {r.kind: r for r in fp32.layers}["LayerNorm"].activation_bytes(32)
+    assert row["LayerNorm"].activation_bytes(32) == fp32_ln + 32 * 64 * 4
