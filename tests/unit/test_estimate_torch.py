@@ -96,6 +96,11 @@ def test_errors_name_the_fix():
         estimate_torch(tiny(), input_shape=(5,), batch_size=2)
 
 
+class _NewGELU(nn.Module):
+    def forward(self, f):  # GPT-2's tanh GELU: torch.pow runs in fp32 under autocast, so the rest does too
+        return 0.5 * f * (1.0 + torch.tanh(0.79 * (f + 0.044715 * torch.pow(f, 3.0))))
+
+
 class _Block(nn.Module):
     """A transformer block's ops whose autocast dtypes differ: norms, matmuls, softmax, pow, GELU."""
 
@@ -104,7 +109,9 @@ class _Block(nn.Module):
         self.ln = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.fc = nn.Linear(d, 4 * d)
+        self.act = _NewGELU()
         self.out = nn.Linear(4 * d, d)
+        self.ln2 = nn.LayerNorm(d)
         self.gn = nn.GroupNorm(2, d)
 
     def forward(self, x):
@@ -112,10 +119,10 @@ class _Block(nn.Module):
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         a = torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
         x = x + a
-        f = self.fc(x)
-        f = 0.5 * f * (1.0 + torch.tanh(0.79 * (f + 0.044715 * torch.pow(f, 3.0))))
-        x = x + self.out(f)
-        return self.gn(x.transpose(1, 2)).transpose(1, 2).sum(dim=-1)
+        f = self.act(self.fc(x))
+        y = self.out(f)
+        x = x + self.ln2(y)  # a norm of a bf16 matmul output: fp32 under autocast
+        return self.gn(y.transpose(1, 2)).transpose(1, 2).sum(dim=-1)
 
 
 def _dtypes(model, run):
@@ -156,7 +163,9 @@ def test_autocast_emulation_matches_cuda_autocast(dtype):
     with AutocastMode(dtype):
         ours = _dtypes(model, lambda: torch.func.functional_call(model, meta_state, (xm,)))
     assert ours == real
-    assert ("LayerNorm", torch.float32) in real and ("Linear", dtype) in real  # the test has teeth
+    # the test has teeth: norms of bf16 inputs and the pow-based GELU come out in fp32
+    assert [d for k, d in real if k in ("LayerNorm", "GroupNorm", "_NewGELU")] == [torch.float32] * 4
+    assert ("Linear", dtype) in real
 
 
 def test_autocast_keeps_fp32_norm_inputs_and_one_cast_per_weight():
