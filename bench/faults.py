@@ -138,6 +138,7 @@ class Outcome:
                 "injected_at": (self.injected or {}).get("where"),
                 "survivors": {str(r): s for r, s in self.survivors.items()}, "thawed": self.thawed,
                 "reads": self.reads, "partial_reads": self.partial_reads, "stray_files": self.stray_files,
+                "partial_samples": self.partial_samples,
                 "launcher_rc": self.launcher_rc, "launcher_hung": self.launcher_hung, "problems": self.problems,
                 "stacks": {str(r): s for r, s in self.stacks.items()}}
 
@@ -390,49 +391,64 @@ def plan(launcher: str, seed: int, n: int, np_: int, counts: Dict[str, Dict[int,
     return out
 
 
-def tally(outcomes: List[Outcome], timeout: float) -> Dict[str, Any]:
+def _hang_where(s: Dict[str, Any]) -> str:
+    """'distmem' when a hung survivor was inside a distmem call, else 'outside' (framework setup)."""
+    where = s.get("where")
+    return "distmem" if isinstance(where, dict) and where.get("in_call") else "outside"
+
+
+def tally(records: List[Dict[str, Any]], timeout: float) -> Dict[str, Any]:
+    """Counts over injection records (Outcome.to_dict(), as in the --log file)."""
     per_phase: Dict[str, Dict[str, int]] = {}
     surv = {k: 0 for k in OUTCOMES}
     thawed = {k: 0 for k in OUTCOMES}
     types: Dict[str, int] = {}
+    hang_places = {"distmem": 0, "outside": 0}
+    hang_by_phase: Dict[str, int] = {}
     past, late, worst = 0.0, 0, None
     failures = []
-    for o in outcomes:
-        inj = o.injection
-        per_phase.setdefault(inj.phase, {"KILL": 0, "STOP": 0})[inj.signal] += 1
-        bad = list(o.problems)
-        for r, s in o.survivors.items():
+    for o in records:
+        per_phase.setdefault(o["phase"], {"KILL": 0, "STOP": 0})[o["signal"]] += 1
+        bad = list(o["problems"])
+        for r, s in o["survivors"].items():
             surv[s["outcome"]] += 1
             if s["outcome"] == "other_exception":
                 kind = (s.get("error") or "?").split(":")[0]
                 types[kind] = types.get(kind, 0) + 1
+            if s["outcome"] == "hang":
+                hang_places[_hang_where(s)] += 1
+                hang_by_phase[o["phase"]] = hang_by_phase.get(o["phase"], 0) + 1
             if s["outcome"] in ("other_exception", "hang", "killed"):
                 bad.append(f"rank {r}: {s['outcome']} ({s.get('error') or s.get('where')})")
             p = s.get("seconds_past_timeout", 0.0)
             if p > past:
-                past, worst = p, inj.index
+                past, worst = p, o["index"]
             if s.get("max_call_seconds", 0.0) > timeout + 5:
                 late += 1
                 bad.append(f"rank {r}: a call took {s['max_call_seconds']:.1f} s (> timeout + 5 s)")
-        if o.thawed:
-            thawed[o.thawed["outcome"]] += 1
-            if o.thawed["outcome"] in ("hang",):
-                bad.append(f"thawed rank {inj.victim}: {o.thawed['outcome']} ({o.thawed.get('where')})")
-        if o.partial_reads:
-            bad.append(f"partial reads: {o.partial_samples}")
-        if o.stray_files:
-            bad.append(f"stray files: {o.stray_files}")
+        if o.get("thawed"):
+            thawed[o["thawed"]["outcome"]] += 1
+            if o["thawed"]["outcome"] == "hang":
+                bad.append(f"thawed rank {o['victim']}: hang ({o['thawed'].get('where')})")
+        if o["partial_reads"]:
+            bad.append(f"partial reads: {o.get('partial_samples')}")
+        if o["stray_files"]:
+            bad.append(f"stray files: {o['stray_files']}")
         if bad:
-            failures.append({**o.to_dict(), "why": bad, "tail": o.tail[-1500:]})
-    n = len(outcomes)
+            slim = {k: v for k, v in o.items() if k not in ("tail", "stacks")}
+            failures.append({**slim, "why": bad, "tail": (o.get("tail") or "")[-1000:],
+                             "stacks": {r: st[-1200:] for r, st in (o.get("stacks") or {}).items()}})
+    n = len(records)
     return {"injections": n, "per_phase": per_phase, "survivors": surv, "other_exception_types": types,
-            "thawed_victims": thawed, "hangs": surv["hang"], "max_seconds_past_timeout": round(past, 3),
+            "thawed_victims": thawed, "hangs": surv["hang"], "hangs_inside_distmem_call": hang_places["distmem"],
+            "hangs_outside_distmem": hang_places["outside"], "hangs_by_phase": hang_by_phase,
+            "max_seconds_past_timeout": round(past, 3),
             "worst_injection": worst, "calls_over_timeout_plus_5s": late,
-            "report_reads": sum(o.reads for o in outcomes), "partial_reads": sum(o.partial_reads for o in outcomes),
-            "stray_temp_files": sum(len(o.stray_files) for o in outcomes),
-            "launcher_hangs": sum(o.launcher_hung for o in outcomes),
-            "seconds_per_injection": round(sum(o.seconds for o in outcomes) / n, 2) if n else None,
-            "failures": failures[:25], "failure_count": len(failures)}
+            "report_reads": sum(o["reads"] for o in records), "partial_reads": sum(o["partial_reads"] for o in records),
+            "stray_temp_files": sum(len(o["stray_files"]) for o in records),
+            "launcher_hangs": sum(bool(o["launcher_hung"]) for o in records),
+            "seconds_per_injection": round(sum(o["seconds"] for o in records) / n, 2) if n else None,
+            "failures": failures[:12], "failure_count": len(failures)}
 
 
 def _commit() -> str:
@@ -445,7 +461,8 @@ def _commit() -> str:
 
 def run_launcher(launcher: str, *, injections: int, bare: int, seed: int, np_: int, timeout: float,
                  slack: float, stop_share: float, log: Optional[str], work: str,
-                 deadline: Optional[float] = None, minutes: Optional[float] = None) -> Dict[str, Any]:
+                 deadline: Optional[float] = None, minutes: Optional[float] = None,
+                 offset: int = 0) -> Dict[str, Any]:
     startup = 240.0 if launcher in ("tf", "hvd-gloo", "hvd-mpi") else 120.0
     started = time.time()
     if minutes is not None:
@@ -461,7 +478,7 @@ def run_launcher(launcher: str, *, injections: int, bare: int, seed: int, np_: i
                         "timeout_s": timeout, "seed": seed, "injections": 0, "calibration_failed": str(exc)[-4000:],
                         "commit": _commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     assert cal is not None
-    faults = plan(launcher, seed, injections, np_, cal["counts"], stop_share)
+    faults = plan(launcher, seed, injections, np_, cal["counts"], stop_share, offset=offset)
     baseline = plan(launcher, seed, bare, np_, cal["counts"], stop_share, mode="bare")
     results: Dict[str, List[Outcome]] = {"distmem": [], "bare": []}
     stopped_early = None
@@ -477,24 +494,64 @@ def run_launcher(launcher: str, *, injections: int, bare: int, seed: int, np_: i
                 f.write(json.dumps({"launcher": launcher, "seed": seed, **o.to_dict(),
                                     "survivor_outcomes": {r: s["outcome"] for r, s in o.survivors.items()},
                                     "wall": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
-    main_tally = tally(results["distmem"], timeout)
-    bare_tally = tally(results["bare"], timeout)
-    hung_bare = bare_tally["survivors"]["hang"]
-    bare_n = sum(bare_tally["survivors"].values())
-    return {"bench": "faults", "launcher": launcher, "transport": TRANSPORT[launcher], "np": np_,
-            "timeout_s": timeout, "hang_after_s": timeout + 5 + slack, "seed": seed, "stop_share": stop_share,
-            "target_injections": injections, **main_tally,
-            "baseline": {"what": "the same faults against the transport's own all-gather, without distmem",
-                         "injections": bare_tally["injections"], "survivors": bare_tally["survivors"],
-                         "other_exception_types": bare_tally["other_exception_types"],
-                         "hangs": hung_bare, "failures": bare_tally["failures"][:5]},
-            "figure": {"survivor_outcomes_bounded": sum(main_tally["survivors"][k] for k in ("returned", "distmem_error")),
-                       "survivors": sum(main_tally["survivors"].values())},
-            "ratio": {"distmem_hang_share": round(main_tally["hangs"] / max(1, sum(main_tally["survivors"].values())), 4),
-                      "bare_hang_share": round(hung_bare / max(1, bare_n), 4) if bare_n else None},
+    meta = {"np": np_, "timeout_s": timeout, "hang_after_s": timeout + 5 + slack, "seed": seed,
+            "stop_share": stop_share, "target_injections": injections,
             "clean_launch_seconds": round(cal["seconds"], 2), "calibration_counts": cal["counts"],
             "stopped_early": stopped_early, "commit": _commit(),
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return summary_line(launcher, [{**o.to_dict(), "tail": o.tail} for o in results["distmem"]],
+                        [{**o.to_dict(), "tail": o.tail} for o in results["bare"]], meta)
+
+
+def summary_line(launcher: str, records: List[Dict[str, Any]], bare_records: List[Dict[str, Any]],
+                 meta: Dict[str, Any]) -> Dict[str, Any]:
+    """The launcher's JSON line: the counts over its distmem faults beside the bare-transport baseline."""
+    timeout = float(meta["timeout_s"])
+    main_tally = tally(records, timeout)
+    bare_tally = tally(bare_records, timeout)
+    hung_bare = bare_tally["survivors"]["hang"]
+    bare_n = sum(bare_tally["survivors"].values())
+    n_surv = sum(main_tally["survivors"].values())
+    return {"bench": "faults", "launcher": launcher, "transport": TRANSPORT[launcher], **meta, **main_tally,
+            "baseline": {"what": "the same faults against the transport's own all-gather, without distmem",
+                         "injections": bare_tally["injections"], "survivors": bare_tally["survivors"],
+                         "other_exception_types": bare_tally["other_exception_types"],
+                         "hangs": hung_bare, "failures": bare_tally["failures"][:3]},
+            "figure": {"what": "survivors that returned or raised a DistmemError within the bound",
+                       "bounded": sum(main_tally["survivors"][k] for k in ("returned", "distmem_error")),
+                       "survivors": n_surv},
+            "ratio": {"distmem_hang_share": round(main_tally["hangs"] / max(1, n_surv), 4),
+                      "bare_hang_share": round(hung_bare / bare_n, 4) if bare_n else None}}
+
+
+def retally(logs: List[str], out: str) -> List[Dict[str, Any]]:
+    """Rebuilds each launcher's line from --log files (keeping the run's metadata from ``out``)."""
+    old: Dict[str, Any] = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f)
+    by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
+    for path in logs:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    by.setdefault(rec["launcher"], {"distmem": [], "bare": []})[rec["mode"]].append(rec)
+    lines = []
+    for launcher, recs in by.items():
+        prev = old.get(launcher, {})
+        keep = ("np", "timeout_s", "hang_after_s", "seed", "stop_share", "target_injections", "clean_launch_seconds",
+                "calibration_counts", "stopped_early", "commit", "when")
+        meta = {k: prev[k] for k in keep if k in prev}
+        meta.setdefault("timeout_s", 5.0)
+        meta["retallied_from"] = [os.path.basename(p) for p in logs]
+        if recs["distmem"] and len(recs["distmem"]) >= int(meta.get("target_injections", 0) or 0):
+            meta["stopped_early"] = None
+        elif meta.get("stopped_early"):
+            meta["stopped_early"] = (f"{len(recs['distmem'])} of {meta.get('target_injections')} injections "
+                                     "within the runs' time budgets")
+        lines.append(summary_line(launcher, recs["distmem"], recs["bare"], meta))
+    return lines
 
 
 def _merge(path: str, line: Dict[str, Any]) -> None:
@@ -523,10 +580,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default=None, help="merge each launcher's line into this JSON file")
     p.add_argument("--log", default=None, help="append one JSON line per injection here")
     p.add_argument("--minutes", type=float, default=None, help="time budget per launcher: no injection starts after it")
+    p.add_argument("--offset", type=int, default=0,
+                   help="first injection index (continue an earlier run of the same seed; merge with --retally)")
+    p.add_argument("--retally", nargs="+", default=None, metavar="LOG",
+                   help="rebuild the launchers' lines from these --log files into --out (no launches)")
     p.add_argument("--inject", default=None, metavar="PHASE:SIGNAL:VICTIM:POINT",
                    help="run this one fault (e.g. init:STOP:1:438, from a results file) and print its record")
     p.add_argument("--until", default=None, help="UTC HH:MM: start no injection after it (honest partial count)")
     args = p.parse_args(argv)
+    if args.retally:
+        if not args.out:
+            p.error("--retally needs --out (the results file to update)")
+        for line in retally(args.retally, args.out):
+            print(json.dumps(line), flush=True)
+            _merge(args.out, line)
+        return 0
     chosen = LAUNCHERS if args.launcher == "all" else tuple(args.launcher.split(","))
     for name in chosen:
         if name not in LAUNCHERS:
@@ -549,7 +617,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in chosen:
             line = run_launcher(name, injections=args.injections, bare=args.bare, seed=args.seed, np_=args.np,
                                 timeout=args.timeout, slack=args.slack, stop_share=args.stop_share, log=args.log,
-                                work=work, deadline=deadline, minutes=args.minutes)
+                                work=work, deadline=deadline, minutes=args.minutes, offset=args.offset)
             print(json.dumps(line), flush=True)
             if args.out:
                 _merge(args.out, line)
