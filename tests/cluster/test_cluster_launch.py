@@ -112,8 +112,8 @@ def test_torchrun_two_hosts(cluster):
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("distribution,per_task", [("block", True), ("cyclic", True), ("cyclic", False)],
-                         ids=["block-one-gpu-per-task", "cyclic-one-gpu-per-task", "cyclic-all-gpus"])
+@pytest.mark.parametrize("distribution,per_task", [("block", True), ("cyclic", True)],
+                         ids=["block-one-gpu-per-task", "cyclic-one-gpu-per-task"])
 def test_srun_two_nodes(slurm, distribution, per_task):
     """`srun -N2 -n4 --ntasks-per-node=2 --distribution=block|cyclic`, every task seeing both GPUs or,
     through a wrapper exporting CUDA_VISIBLE_DEVICES=$SLURM_LOCALID, only its own (then alone on it:
