@@ -50,6 +50,12 @@ __all__ = ["fit", "solve_fit", "plan_auto", "FitResult", "Candidate", "StageFit"
 #: the smallest limit each bench workload ran under without an OOM.
 DEFAULT_FIT_HEADROOM = {"torch": 0.10, "tensorflow": 0.10}
 
+#: Not in the limit: a margin sized by the model's largest block. A capped caching allocator can
+#: strand blocks it split (vgg16 at micro-batch 64, 784 MiB activations, ran out of memory on the
+#: H200 under limits 8% and 15% above its true peak, with 2.5 GiB reserved but unallocated:
+#: bench/results/fit_h200_fragmentation.json); no margin short of ~40% covered it, so such models
+#: need the allocator's expandable segments rather than a larger limit (docs/fit.md).
+
 #: What ``precision="auto"`` tries; a single name (or alias) fixes it.
 PRECISION_CHOICES = ("float32", "mixed_bfloat16")
 
@@ -289,6 +295,7 @@ class _Evaluator:
         return self._blocks[key]
 
     def _planned(self, nbytes: int) -> int:
+        """The limit for an allocator peak of ``nbytes``: ``peak x (1 + headroom)`` in whole MiB."""
         return int(math.ceil(nbytes * (1.0 + self.headroom) / MiB)) * MiB
 
     def lower_bound(self, layout: Layout) -> int:

@@ -76,17 +76,24 @@ class OutsideModel:
         return asdict(self)
 
 
-#: torch 2.11 + CUDA 13 + NCCL 2.28 on an NVIDIA H200 (bench/results/outside_allocator_h200.json).
+#: torch 2.11 + CUDA 13.0 + NCCL 2.28.9, driver 580.159, on an NVIDIA H200: measured by
+#: ``python bench/fit.py outside`` (bench/results/outside_allocator_h200.json; NVML per-process used
+#: memory minus torch's reserved bytes, each case a fresh process, the larger of two repeats).
+#: A bare context 610 MiB; +66 MiB after the first matmul; +18 MiB after a convolution forward and
+#: backward (694 MiB in all, below the planners' 768 MiB default); +556 MiB for the first
+#: one-rank NCCL communicator and +390 MiB for each further one, the same at NCCL_BUFFSIZE=2 MiB
+#: as at the default 4 MiB (a one-rank communicator allocates no peer buffers).
 H200_TORCH = OutsideModel(
-    name="torch-cuda13-h200",
-    context_bytes=520 * MiB,
-    cublas_bytes=128 * MiB,
-    cudnn_bytes=94 * MiB,
+    name="torch-2.11-cuda13.0-nccl2.28.9-h200",
+    context_bytes=610 * MiB,
+    cublas_bytes=66 * MiB,
+    cudnn_bytes=18 * MiB,
     nccl_first_bytes=556 * MiB,
     nccl_next_bytes=390 * MiB,
     nccl_buffsize_slope=0.0,
-    source="issue 17's figures (742 MiB without NCCL, 1298 MiB with one communicator, +390 MiB each further); "
-           "replaced by bench/results/outside_allocator_h200.json when measured",
+    source="bench/results/outside_allocator_h200.json (H200, torch 2.11, CUDA 13.0, NCCL 2.28.9)",
+    measured={"without_nccl_bytes": 694 * MiB, "with_1_communicator_bytes": 1250 * MiB,
+              "with_3_communicators_bytes": 2030 * MiB, "nccl_buffsize_tested": [4194304, 2097152]},
 )
 
 _MODELS = {"torch": H200_TORCH}
