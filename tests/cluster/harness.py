@@ -512,8 +512,14 @@ class Cluster:
             return Result(cmd, proc.returncode, out, time.monotonic() - t0, False)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+            # Ranks in a session of their own (torchrun's workers) may still hold the output pipe: kill
+            # everything of the job on every host before reading what it printed.
             self.reap()
+            try:
+                out, _ = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out = "(output not readable: a process outside the hosts still holds it)"
             return Result(cmd, -9, out or "", time.monotonic() - t0, True)
 
     def reap(self) -> List[int]:
