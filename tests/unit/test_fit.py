@@ -119,6 +119,22 @@ def test_every_rank_of_a_fit_fits_and_every_rejected_has_a_rank_over():
     assert res.rejected[0].layout.step_units() <= res.chosen.layout.step_units()
 
 
+def test_a_layout_with_one_stage_over_its_gpu_is_rejected_and_that_stage_binds():
+    # the first block's activations dwarf the rest: under 1F1B stage 0 holds p micro-batches of them
+    rows = [LayerCost("big", 64 * MiB, 1536 * MiB, 8 * MiB)] + [LayerCost(f"l{i}", 64 * MiB, 8 * MiB, 8 * MiB)
+                                                                  for i in range(7)]
+    c = {"float32": LayerListCosts(rows, 1)}
+    ev = _Evaluator(c, gpus("4x16GiB"), headroom=0.1, reserve="256MiB", overhead=None, foreign=0,
+                    framework="torch", nccl="auto", nccl_buffsize=None)
+    cand = ev.evaluate(Layout(1, 4, 4, 4, "float32", False, 1, "1f1b"), 4)
+    assert not cand.stages[0].fits and all(s.fits for s in cand.stages[1:])
+    assert not cand.fits and cand.binding.stage == 0
+    res = solve_fit(c, global_batch_size=16, gpus=gpus("4x16GiB"), top=50, rejected=50)
+    for f in res.fits:
+        assert all(s.fits for s in f.stages), f.layout.describe()
+    assert any(r.layout.pipeline > 1 and r.binding.stage == 0 for r in res.rejected)
+
+
 def test_binding_breakdown_adds_up_to_limit_plus_outside():
     res = solve_fit(costs(24), global_batch_size=64, gpus=gpus("8x16GiB"), top=3, rejected=3)
     for cand in res.fits + res.rejected:
