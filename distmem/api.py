@@ -12,6 +12,7 @@ from .comm import get_comm, resolve_timeout, set_comm
 from .console import say
 from .discover import gpus as discover_gpus
 from .discover import identity
+from .discover.layout import exchange
 from .errors import ConfigError, DistmemError, DoesNotFitError
 from .observe.snapshot import Snapshot, take
 from .plan import Plan, make_plan
@@ -23,26 +24,35 @@ __all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset
 log = logging.getLogger("distmem")
 
 
-def _inventory(fleet: Optional[str]) -> discover_gpus.Inventory:
+def _inventory(fleet: Optional[str], host: str) -> discover_gpus.Inventory:
+    """This rank's GPUs: NVML's after ``CUDA_VISIBLE_DEVICES``; else the declared fleet of its host,
+    filtered by ``CUDA_VISIBLE_DEVICES`` the same way (so a dry run shows what the node would do)."""
     fleet = fleet or settings.fleet()
+    what = "fleet" if fleet and fleet != settings.fleet() else "DISTMEM_FLEET"
+    if fleet:
+        discover_gpus.parse_fleet(fleet, host, what)  # a bad fleet is an error on every machine
     inv = discover_gpus.inventory(quiet=True)
     if inv.gpus:
         return inv
     if fleet:
-        return discover_gpus.fleet_inventory(fleet)
+        return discover_gpus.fleet_inventory(fleet, host, os.environ.get("CUDA_VISIBLE_DEVICES"), what)
     return inv
 
 
 def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **options: Any) -> Plan:
     """Compute this job's plan from the launcher environment and NVML, without applying anything.
 
-    ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"``) declares GPUs for a dry run on a machine
-    without them; real GPUs found through NVML take precedence.
+    The plan follows the layout the job really has: every rank's host and local rank from its
+    launcher, its GPUs after ``CUDA_VISIBLE_DEVICES``, and what the other ranks of its host see,
+    learnt through a bounded node-local exchange (:mod:`distmem.discover.layout`).
+    ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"`` or ``"a=2x80GiB;b=2x16GiB"``) declares GPUs
+    for a dry run on a machine without them; real GPUs found through NVML take precedence.
     """
     topo = identity.detect()
-    inv = _inventory(fleet)
-    plan = make_plan(strategy, topo, inv, **options)
-    session.state.topology, session.state.inventory = topo, inv
+    inv = _inventory(fleet, topo.node)
+    host_layout = exchange(topo, inv)
+    plan = make_plan(strategy, topo, inv, layout=host_layout, **options)
+    session.state.topology, session.state.inventory, session.state.layout = topo, inv, host_layout
     return plan
 
 
@@ -125,6 +135,7 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
         applied = fw_adapter.apply(plan)
         applied["dry_run"] = not inv.real
     applied["prepared"] = prepared
+    plan.warnings.extend(applied.get("warnings") or [])
     session.state.plan, session.state.framework, session.state.applied = plan, fw, applied
     if verbose:
         mine = plan.mine
@@ -177,12 +188,25 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
 
 
 def check_plan(timeout: Optional[float] = None) -> List[str]:
-    """Collective: gather every rank's plan fingerprint; raise if they differ, listing each rank's."""
+    """Collective: gather every rank's plan fingerprint (the job-wide part) and its host's (the
+    allocations of the ranks it shares a host with); raise if ranks differ - across the job, or
+    between ranks of one host - listing each rank's. Returns the job-wide fingerprints by rank."""
     plan = session.current_plan()
     if plan is None:
         raise DistmemError("check_plan() needs distmem.init() first")
-    prints = get_comm().allgather(session.fingerprint(plan), resolve_timeout(timeout))
+    mine = (session.fingerprint(plan), plan.mine.node, plan.host_fingerprint())
+    rows = get_comm().allgather(mine, resolve_timeout(timeout))
+    prints = [r[0] for r in rows]
     if len(set(prints)) > 1:
         raise DoesNotFitError("ranks computed different plans: " + ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
                               + "; pass identical options (and DISTMEM_FLEET) on every rank")
+    by_host: Dict[str, Dict[str, List[int]]] = {}
+    for r, (_, host, hfp) in enumerate(rows):
+        by_host.setdefault(host, {}).setdefault(hfp, []).append(r)
+    split = {h: fps for h, fps in by_host.items() if len(fps) > 1}
+    if split:
+        raise DoesNotFitError(
+            "ranks of one host planned its GPUs differently: " + "; ".join(
+                f"{h}: " + ", ".join(f"ranks {rs} -> {fp}" for fp, rs in fps.items()) for h, fps in split.items())
+            + "; every rank of a host must see the same launcher variables and the same DISTMEM_* settings")
     return prints

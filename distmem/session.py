@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 if TYPE_CHECKING:  # types only: a leaf must not import the stages
     from .discover.gpus import Inventory
     from .discover.identity import Topology
+    from .discover.layout import Layout
     from .plan.types import Plan
 
-__all__ = ["Session", "state", "current_plan", "fingerprint", "clear"]
+__all__ = ["Session", "state", "current_plan", "fingerprint", "host_fingerprint", "clear"]
 
 
 @dataclass
@@ -26,9 +27,11 @@ class Session:
     applied: Optional[Dict[str, Any]] = None
     topology: Optional["Topology"] = None
     inventory: Optional["Inventory"] = None
+    layout: Optional["Layout"] = None
     options: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
     _fingerprint: Optional[str] = None
+    _host_fingerprint: Optional[str] = None
     _fingerprint_of: Any = None
 
 
@@ -40,12 +43,23 @@ def current_plan() -> Optional["Plan"]:
     return state.plan
 
 
-def fingerprint(plan: "Plan") -> str:
-    """The plan's fingerprint, hashed once per plan: a plan of many ranks makes a large JSON, and
-    every periodic snapshot carries it."""
+def _hash(plan: "Plan") -> None:
     if state._fingerprint_of is not plan:
-        state._fingerprint, state._fingerprint_of = plan.fingerprint(), plan
+        state._fingerprint, state._host_fingerprint = plan.fingerprint(), plan.host_fingerprint()
+        state._fingerprint_of = plan
+
+
+def fingerprint(plan: "Plan") -> str:
+    """The plan's job-wide fingerprint, hashed once per plan: a plan of many ranks makes a large
+    JSON, and every periodic snapshot carries it."""
+    _hash(plan)
     return state._fingerprint or ""
+
+
+def host_fingerprint(plan: "Plan") -> str:
+    """The fingerprint of the plan's allocations on this host (hashed once per plan)."""
+    _hash(plan)
+    return state._host_fingerprint or ""
 
 
 def clear() -> None:

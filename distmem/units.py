@@ -2,7 +2,9 @@
 
 Accepted forms: ``1234`` (bytes), ``"512MB"`` / ``"6GiB"`` / ``"1.5 TiB"`` (decimal SI and binary
 IEC units, case-insensitive, ``B`` optional), ``"45%"`` (of a given total), and floats in (0, 1] as
-fractions of a given total where the caller allows it.
+fractions of a given total where the caller allows it. A number written as text means the same
+number: ``"0.5"`` is the fraction 0.5 and ``"1234"`` 1234 bytes, in arguments, CLI flags and
+``DISTMEM_*`` variables alike.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
 }
+_NUMBER_RE = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
 
 
@@ -39,6 +42,10 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
     """
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a size such as 6GiB, 512MB or 45%, got {value!r}")
+    if isinstance(value, str) and _NUMBER_RE.match(value):
+        # A number as text means that number, wherever it comes from: "0.5" is 0.5, "1234" is 1234.
+        text = value.strip()
+        value = float(text) if any(c in text for c in ".eE") else int(text)
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{what}: a size cannot be negative, got {value}")

@@ -68,10 +68,34 @@ def prepare(plan: Any = None) -> List[str]:
     CPUs, not on AMD), so ``get_memory_info('CPU:0')`` would fail on half the machines. The BFC CPU
     allocator (``TF_CPU_ALLOCATOR_USE_BFC``, read when the CPU device is created) keeps them; a value
     the user set is left alone."""
-    if "TF_CPU_ALLOCATOR_USE_BFC" in os.environ:
-        return []
-    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    return ["TF_CPU_ALLOCATOR_USE_BFC=true (CPU allocator statistics)"]
+    done: List[str] = []
+    if "CUDA_DEVICE_ORDER" not in os.environ:
+        # CUDA's default order (fastest first) can differ from NVML's (PCI bus) on a node with mixed
+        # GPUs: TensorFlow's GPU:i would then be another card than the one planned.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        done.append("CUDA_DEVICE_ORDER=PCI_BUS_ID (TensorFlow's GPU order = NVML's)")
+    if "TF_CPU_ALLOCATOR_USE_BFC" not in os.environ:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        done.append("TF_CPU_ALLOCATOR_USE_BFC=true (CPU allocator statistics)")
+    return done
+
+
+def _check_same_gpu(cfg: Any, device: Any, slot: Any, rank: int) -> None:
+    """TensorFlow exposes no GPU UUID; compare the card's model name with NVML's for the planned GPU,
+    which catches TensorFlow and NVML numbering a mixed node differently. ConfigError when they differ."""
+    details = getattr(cfg.experimental, "get_device_details", None)
+    if details is None or not slot.name or slot.name == "declared":
+        return
+    try:
+        name = (details(device) or {}).get("device_name")
+    except (RuntimeError, ValueError):
+        return
+    if name and name.strip().lower() not in slot.name.strip().lower() and slot.name.strip().lower() not in name.lower():
+        raise ConfigError(
+            f"rank {rank}: TensorFlow's {device.name} is a {name} but the plan meant NVML GPU {slot.nvml_index} "
+            f"({slot.name}, {slot.uuid}): TensorFlow and NVML number the GPUs differently "
+            f"(CUDA_DEVICE_ORDER={os.environ.get('CUDA_DEVICE_ORDER', 'unset')}); export CUDA_DEVICE_ORDER=PCI_BUS_ID "
+            "for every rank before TensorFlow starts")
 
 
 def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
@@ -88,7 +112,13 @@ def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
     if not gpus or not slots:
         if cpu_split > 1:
             actions += _apply_cpu(cfg, cpu_split)
-        return {"framework": "tensorflow", "applied": actions, "gpus_seen": len(gpus)}
+        out: Dict[str, Any] = {"framework": "tensorflow", "applied": actions, "gpus_seen": len(gpus)}
+        if slots and not gpus and plan.source == "nvml":
+            out["warnings"] = [
+                f"TensorFlow sees no GPU but NVML lists {len(slots)} planned for rank {alloc.rank} "
+                f"({', '.join(s.name or '?' for s in slots)}): nothing was applied and TensorFlow runs on the CPU. "
+                "Is tensorflow-cpu installed, or CUDA missing? pip install tensorflow[and-cuda]"]
+        return out
     by_index: "OrderedDict[int, list]" = OrderedDict()
     for s in slots:
         by_index.setdefault(s.index, []).append(s)
@@ -108,6 +138,7 @@ def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
         actions.append("visible GPUs already as planned")
     for idx, group in by_index.items():
         device = gpus[idx]
+        _check_same_gpu(cfg, device, group[0], alloc.rank)
         if len(group) == 1 and not group[0].enforce:
             try:
                 cfg.experimental.set_memory_growth(device, True)

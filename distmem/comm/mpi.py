@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import GatherTimeoutError
 from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
@@ -55,6 +55,11 @@ class _Pending:
         return len(self.items)
 
 
+#: The private duplicate, once per process and world communicator: every MPIComm made later (after
+#: ``distmem.reset()``, a second transport) reuses it, so the duplicates of all ranks stay matched.
+_PRIVATE: Dict[int, Dict[str, Any]] = {}
+
+
 class MPIComm(Comm):
     """mpi4py on a private duplicate of COMM_WORLD (made without a blocking collective)."""
 
@@ -72,21 +77,31 @@ class MPIComm(Comm):
         self._tag_base = int(ub) - 2 * span + 1
         self._tag_span = span
         self._seq = 0
-        self._dup: Optional[Tuple[Any, Any]] = None
-        self.isolated: Optional[bool] = None  # True once on the private communicator, False if it failed
         self.pending = _Pending()
+        self._private = _PRIVATE.setdefault(int(self.world.py2f()), {"dup": None, "isolated": None})
+        if self._private["isolated"]:
+            self.comm = self._private["dup"][0]
+
+    @property
+    def isolated(self) -> Optional[bool]:
+        """True once on the private communicator, False if it could not be made in time, None before."""
+        return self._private["isolated"]
 
     def ensure_private(self, deadline: float) -> None:
-        if self.isolated is not None or self.size == 1:
+        state = self._private
+        if state["isolated"] is not None or self.size == 1:
+            if state["isolated"]:
+                self.comm = state["dup"][0]
             return
-        if self._dup is None:
-            self._dup = self.world.Idup()
-        newcomm, req = self._dup
+        if state["dup"] is None:
+            state["dup"] = self.world.Idup()
+        newcomm, req = state["dup"]
         if wait_until(req.Test, deadline):
-            self.comm, self.isolated = newcomm, True
+            self.comm = newcomm
+            state["isolated"] = True
         else:
             self.pending.keep(req, newcomm)
-            self.isolated = False
+            state["isolated"] = False
             log.warning("distmem: rank %d: MPI_Comm_idup did not complete in time; distmem stays on COMM_WORLD "
                         "with tags from %d upward (the job's ANY_TAG receives could see them)", self.rank,
                         self._tag_base)

@@ -17,7 +17,8 @@ from ..units import parse_bytes
 from .nvml import nvml_available, nvml_error, nvml_handle_module, nvml_query, text
 
 __all__ = ["GpuProcess", "Gpu", "Inventory", "nvml_query", "nvml_available", "inventory", "VISIBLE_ITEM",
-           "parse_visible_devices", "parse_fleet", "fleet_inventory", "process_usage", "pid_usage"]
+           "parse_visible_devices", "parse_fleet", "fleet_inventory", "fleet_uuid", "fleet_hosts", "process_usage",
+           "pid_usage", "FLEET_FORM"]
 
 log = logging.getLogger("distmem")
 
@@ -191,6 +192,12 @@ def inventory(env: Optional[Dict[str, str]] = None, quiet: bool = False) -> Inve
                     u = text(nvml_query("nvmlDeviceGetUUID", mh, default=""))
                     migs[u], mig_handles[u] = i, mh
     visible = parse_visible_devices(spec, uuids, migs)
+    if spec is None and migs:
+        # A GPU in MIG mode cannot be used whole: CUDA enumerates its MIG instances instead.
+        by_parent: Dict[int, List[str]] = {}
+        for u, parent in migs.items():
+            by_parent.setdefault(parent, []).append(u)
+        visible = [x for v in visible for x in (by_parent.get(int(v)) or [v])]
     gpus = [_gpu(o, mig_handles[v], migs[v], True) if isinstance(v, str) else _gpu(o, handles[v], v, False)
             for o, v in enumerate(visible)]
     driver = text(nvml_query("nvmlSystemGetDriverVersion", default="")) or None
@@ -200,31 +207,82 @@ def inventory(env: Optional[Dict[str, str]] = None, quiet: bool = False) -> Inve
     return Inventory(gpus, "nvml", driver=driver, visible_spec=spec, note=note)
 
 
-_FLEET = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?([0-9.]+\s*[A-Za-z]*)\s*$")
+_FLEET = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?([0-9.]+)\s*([A-Za-z%]*)\s*$")
+FLEET_FORM = "COUNTxSIZE such as 4x16GiB, mixed sizes as 2x80GiB,2x40GiB, per host as a=2x80GiB;b=4x16GiB (*= any host)"
 
 
-def parse_fleet(spec: str) -> List[int]:
-    """``"4x16GiB"`` -> four totals of 16 GiB; ``"2x80GiB,2x40GiB"`` mixes sizes (bytes each)."""
+def fleet_uuid(host: str, index: int) -> str:
+    """The stable UUID of declared GPU ``index`` of ``host``: the same on every rank and every run,
+    different between hosts, in the ``GPU-<uuid>`` form ``CUDA_VISIBLE_DEVICES`` accepts."""
+    import uuid
+
+    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, f"distmem-fleet://{host}/{index}"))
+
+
+def fleet_hosts(spec: str, what: str = "fleet") -> Dict[str, str]:
+    """Per-host parts of a fleet: ``"a=2x80GiB;b=2x16GiB"`` -> ``{"a": "2x80GiB", "b": "2x16GiB"}``;
+    a spec without ``=`` is every host's (key ``"*"``)."""
+    spec = (spec or "").strip()
+    if not spec:
+        raise ConfigError(f"{what}={spec!r} is empty; write {FLEET_FORM}")
+    if "=" not in spec:
+        return {"*": spec}
+    out: Dict[str, str] = {}
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        host, sep, gpus = part.partition("=")
+        if not sep or not host.strip() or not gpus.strip():
+            raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r}; write {FLEET_FORM}")
+        out[host.strip()] = gpus.strip()
+    return out
+
+
+def parse_fleet(spec: str, host: Optional[str] = None, what: str = "fleet") -> List[int]:
+    """Totals in bytes of the declared GPUs of ``host``: ``"4x16GiB"`` -> four of 16 GiB;
+    ``"2x80GiB,2x40GiB"`` mixes sizes; ``"a=2x80GiB;b=4x16GiB"`` differs per host (``*=`` for the rest)."""
+    parts = fleet_hosts(spec, what)
+    if host is not None and host in parts:
+        mine = parts[host]
+    elif "*" in parts:
+        mine = parts["*"]
+    elif host is None:
+        mine = next(iter(parts.values()))
+    else:
+        raise ConfigError(f"{what}={spec!r} declares GPUs for host(s) {', '.join(sorted(parts))} but not for this "
+                          f"host {host!r}; add {host}=COUNTxSIZE or a default *=COUNTxSIZE")
     totals: List[int] = []
-    for part in spec.split(","):
+    for part in mine.split(","):
         m = _FLEET.match(part)
         if not m:
-            raise ConfigError(f"fleet {spec!r}: cannot read {part!r}; write COUNTxSIZE such as 4x16GiB "
-                              "or 2x80GiB,2x40GiB")
+            raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r}; write {FLEET_FORM}")
+        if not m.group(3) or m.group(3).endswith("%"):
+            raise ConfigError(f"{what}={spec!r}: {part.strip()!r} gives no unit; GPU sizes need one, e.g. "
+                              f"{m.group(1) or 1}x{m.group(2)}GiB ({FLEET_FORM})")
         count = int(m.group(1) or 1)
         if count < 1:
-            raise ConfigError(f"fleet {spec!r}: a GPU count must be at least 1, got {count}")
-        totals += [parse_bytes(m.group(2), what=f"fleet {spec!r}")] * count
-    if any(t <= 0 for t in totals):
-        raise ConfigError(f"fleet {spec!r}: every GPU needs a positive size")
+            raise ConfigError(f"{what}={spec!r}: a GPU count must be at least 1, got {count} in {part.strip()!r}")
+        size = parse_bytes(m.group(2) + m.group(3), what=f"{what} {part.strip()!r}")
+        if size < 1024**3 // 4:
+            raise ConfigError(f"{what}={spec!r}: {part.strip()!r} declares GPUs of {size} bytes; a GPU has at least "
+                              f"256 MiB - did you mean {m.group(1) or 1}x{m.group(2)}GiB?")
+        totals += [size] * count
     return totals
 
 
-def fleet_inventory(spec: str) -> Inventory:
-    """An inventory of declared GPUs for dry runs; nothing is applied to hardware."""
-    gpus = [Gpu(index=i, nvml_index=None, uuid=f"fleet-{i}", name="declared", total_bytes=t, free_bytes=t)
-            for i, t in enumerate(parse_fleet(spec))]
-    return Inventory(gpus, f"fleet:{spec}", note="declared fleet (dry run): limits are planned, not applied")
+def fleet_inventory(spec: str, host: Optional[str] = None, visible: Optional[str] = None,
+                    what: str = "fleet") -> Inventory:
+    """An inventory of the declared GPUs of ``host`` for dry runs, filtered by ``visible`` (the
+    ``CUDA_VISIBLE_DEVICES`` text: indices, UUIDs or unique UUID prefixes) exactly as NVML's would
+    be; nothing is applied to hardware. GPU ``i`` of the host has the UUID :func:`fleet_uuid`."""
+    name = host if host is not None else "node0"
+    totals = parse_fleet(spec, host, what)
+    uuids = [fleet_uuid(name, i) for i in range(len(totals))]
+    chosen = parse_visible_devices(visible, uuids)
+    gpus = [Gpu(index=o, nvml_index=int(v), uuid=uuids[int(v)], name="declared", total_bytes=totals[int(v)],
+                free_bytes=totals[int(v)]) for o, v in enumerate(chosen)]
+    return Inventory(gpus, f"fleet:{spec}", visible_spec=visible,
+                     note="declared fleet (dry run): limits are planned, not applied")
 
 
 def process_usage(pid: Optional[int] = None) -> Dict[int, Optional[int]]:

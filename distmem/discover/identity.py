@@ -1,9 +1,12 @@
-"""Where this process stands in the job: rank, size, local rank, local size, node.
+"""Who this process is in the job: rank, size, its host, and its local rank as the launcher set it.
 
-Read from, in order: an initialised Horovod; horovodrun's environment (Gloo and MPI modes); Open
-MPI, MPICH / Intel MPI (PMI) and SLURM variables; torchrun's variables; TF_CONFIG; mpi4py (only
-when MPI is already initialised, so that importing distmem never starts MPI); else one process.
-Nothing here touches CUDA or TensorFlow's GPU.
+Read from the first source that answers, never more: an initialised Horovod; then the launcher's
+own variables, innermost launcher first - torchrun (also inside SLURM or under srun), horovodrun
+(Gloo), Open MPI (mpirun, horovodrun --mpi, also inside a SLURM allocation), MPICH / Intel MPI
+(PMI), SLURM (srun), TF_CONFIG; then mpi4py, only when MPI is already initialised and nothing else
+answered (its node split is a collective); else one process. The host is the launcher's node name
+(``SLURMD_NODENAME``, ``HOROVOD_HOSTNAME``) or the machine's host name. Nothing here touches CUDA or
+TensorFlow's GPU.
 """
 from __future__ import annotations
 
@@ -12,20 +15,22 @@ import os
 import socket
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..errors import ConfigError
 
-__all__ = ["Topology", "detect", "from_env", "launcher_of"]
+__all__ = ["Topology", "detect", "from_env", "launcher_of", "host_name", "job_key", "LAUNCHER_ORDER",
+           "slurm_tasks_on_node"]
+
+#: The launchers in the order their variables are trusted: an inner launcher wins over an outer one.
+LAUNCHER_ORDER = ("torchrun", "horovodrun-gloo", "openmpi", "mpich", "slurm", "tf-config")
 
 
 @dataclass(frozen=True)
 class Topology:
-    """One process's place in the job.
-
-    ``node_index`` counts nodes in rank order (node of rank 0 is 0) under the usual block
-    mapping (ranks of a node are consecutive); ``source`` names where the figures came from.
-    """
+    """One process's place in the job: its rank of ``size``, its host (``node``), and its local
+    rank of ``local_size`` on that host as the launcher set them. ``source`` names where the
+    figures came from, ``launcher`` which launcher started the process."""
 
     rank: int = 0
     size: int = 1
@@ -37,10 +42,13 @@ class Topology:
 
     @property
     def node_index(self) -> int:
+        """This rank's node under the block mapping (consecutive ranks per node); the real host is
+        ``node``, and the plan follows the observed layout, not this figure."""
         return self.rank // max(self.local_size, 1)
 
     @property
     def num_nodes(self) -> int:
+        """Nodes of ``local_size`` ranks the job would fill (a lower bound when hosts differ)."""
         return max(1, -(-self.size // max(self.local_size, 1)))
 
     @property
@@ -65,8 +73,38 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
+def host_name(env: Mapping[str, str] = os.environ) -> str:
+    """This process's host as the launcher names it (SLURM's node name, horovodrun's host), else
+    the machine's host name."""
+    for name in ("SLURMD_NODENAME", "HOROVOD_HOSTNAME"):
+        value = (env.get(name) or "").strip()
+        if value:
+            return value
+    return socket.gethostname()
+
+
+def job_key(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """A name for this launch that every rank of it shares and a later launch does not (None for a
+    single process): the launcher's own job ids and rendezvous address."""
+    parts: List[str] = []
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT",
+                 "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "OMPI_MCA_orte_hnp_uri",
+                 "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_ID_NAMESPACE", "SLURM_JOB_ID", "SLURM_STEP_ID",
+                 "TF_CONFIG"):
+        value = env.get(name)
+        if value:
+            parts.append(f"{name}={value}")
+    if not parts:
+        return None
+    import hashlib
+
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def launcher_of(env: Mapping[str, str] = os.environ) -> str:
-    """Name the launcher that started this process, from its environment."""
+    """Name the (innermost) launcher that started this process, from its environment."""
+    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_WORLD_SIZE" in env and "RANK" in env):
+        return "torchrun"
     if "HOROVOD_RANK" in env or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
         return "horovodrun-gloo"
     if "OMPI_COMM_WORLD_SIZE" in env:
@@ -77,11 +115,37 @@ def launcher_of(env: Mapping[str, str] = os.environ) -> str:
         return "mpich"
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return "slurm"
-    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_WORLD_SIZE" in env and "RANK" in env):
-        return "torchrun"
     if "TF_CONFIG" in env:
         return "tf-config"
     return "none"
+
+
+def slurm_tasks_on_node(env: Mapping[str, str]) -> Optional[int]:
+    """Tasks of this step on this node, from ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``
+    (``"2(x3),1"``: two tasks on each of the first three nodes, one on the fourth) and
+    ``SLURM_NODEID``; ``SLURM_NTASKS_PER_NODE`` when only that is set."""
+    name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+                 if env.get(n)), None)
+    raw = env.get(name) if name else None
+    node = _int(env, "SLURM_NODEID")
+    if raw:
+        counts: List[int] = []
+        for item in raw.split(","):
+            item = item.strip()
+            try:
+                if "(x" in item:
+                    n, rep = item.split("(x")
+                    counts += [int(n)] * int(rep.rstrip(")"))
+                elif item:
+                    counts.append(int(item))
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r}: cannot read {item!r}; SLURM writes e.g. '2(x3),1'") from None
+        if counts:
+            if node is None:
+                return counts[0] if len(set(counts)) == 1 else None
+            if 0 <= node < len(counts):
+                return counts[node]
+    return None
 
 
 def _from_tf_config(raw: str, node: str) -> Optional[Topology]:
@@ -114,17 +178,18 @@ def _from_tf_config(raw: str, node: str) -> Optional[Topology]:
 
 
 def from_env(env: Mapping[str, str] = os.environ, node: Optional[str] = None) -> Optional[Topology]:
-    """Topology from launcher variables alone, or None when no launcher variables are present."""
-    node = node or socket.gethostname()
+    """Topology from launcher variables alone (innermost launcher first, see :data:`LAUNCHER_ORDER`),
+    or None when no launcher variables are present."""
+    node = node or host_name(env)
     launcher = launcher_of(env)
     sets = [
+        ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
         ("horovodrun", ("HOROVOD_RANK",), ("HOROVOD_SIZE",), ("HOROVOD_LOCAL_RANK",), ("HOROVOD_LOCAL_SIZE",)),
         ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",),
          ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
         ("mpich/pmi", ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"),
          ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE")),
         ("slurm", ("SLURM_PROCID",), ("SLURM_NTASKS",), ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
-        ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
     ]
     for source, rank_v, size_v, lrank_v, lsize_v in sets:
         rank, size = _int(env, *rank_v), _int(env, *size_v)
@@ -135,12 +200,7 @@ def from_env(env: Mapping[str, str] = os.environ, node: Optional[str] = None) ->
         local_rank = _int(env, *lrank_v)
         local_size = None
         if source == "slurm":
-            # SLURM_NTASKS_PER_NODE can read "4" or "4(x2)"; SLURM_TASKS_PER_NODE likewise.
-            raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-            try:
-                local_size = int(raw.split("(")[0].split(",")[0]) if raw else None
-            except ValueError:
-                local_size = None
+            local_size = slurm_tasks_on_node(env)
         else:
             local_size = _int(env, *lsize_v)
         if local_rank is None:
@@ -156,7 +216,7 @@ def from_env(env: Mapping[str, str] = os.environ, node: Optional[str] = None) ->
     return None
 
 
-def _from_horovod() -> Optional[Topology]:
+def _from_horovod(env: Mapping[str, str]) -> Optional[Topology]:
     for name in ("horovod.tensorflow", "horovod.torch", "horovod.keras", "horovod.tensorflow.keras"):
         hvd = sys.modules.get(name)
         if hvd is None:
@@ -164,7 +224,7 @@ def _from_horovod() -> Optional[Topology]:
         try:
             if hvd.is_initialized():
                 return Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
-                                socket.gethostname(), "horovod", launcher_of())
+                                host_name(env), "horovod", launcher_of(env))
         except Exception:  # noqa: BLE001 - an uninitialised or broken Horovod is "not Horovod"
             continue
     return None
@@ -184,8 +244,10 @@ def _from_mpi4py() -> Optional[Topology]:
 
 
 def detect(env: Mapping[str, str] = os.environ) -> Topology:
-    """This process's topology. Never initialises CUDA, TensorFlow's GPU or MPI."""
-    for found in (_from_horovod(), from_env(env), _from_mpi4py()):
+    """This process's topology from the first source that answers. Never initialises CUDA,
+    TensorFlow's GPU or MPI, and runs MPI's node split only when no variable answered."""
+    for source in (_from_horovod, from_env, lambda e: _from_mpi4py()):
+        found = source(env)
         if found is not None:
             return found
-    return Topology(node=socket.gethostname())
+    return Topology(node=host_name(env))

@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..units import format_bytes
+
 __all__ = ["Snapshot", "take", "rss_bytes", "allocator_pool_bytes", "outside_allocator_bytes", "plan_usage",
            "usage_text", "nvml_on_planned"]
 
@@ -50,6 +52,7 @@ class Snapshot:
     step: Optional[int] = None
     time: float = field(default_factory=time.time)
     plan_fingerprint: str = ""
+    host_fingerprint: str = ""
     plan_source: str = ""
     overhead_bytes: Optional[int] = None
     native: Optional[Dict[str, Any]] = None
@@ -193,7 +196,7 @@ def take(step: Optional[int] = None) -> Snapshot:
             native_status = native.status()
         except Exception as exc:  # noqa: BLE001 - the report must not fail on the optional cap
             native_status = {"error": str(exc)}
-    return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=topo.local_rank, host=topo.node,
+    return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=mine.local_rank, host=mine.node or topo.node,
                     pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
                     allocation=mine.to_dict(),
                     limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
@@ -201,6 +204,7 @@ def take(step: Optional[int] = None) -> Snapshot:
                     current_bytes=st.get("current_bytes"),
                     peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
                     rss_bytes=rss_bytes(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs,
-                    stage=mine.stage, step=step, plan_fingerprint=session.fingerprint(plan), plan_source=plan.source,
+                    stage=mine.stage, step=step, plan_fingerprint=session.fingerprint(plan),
+                    host_fingerprint=session.host_fingerprint(plan), plan_source=plan.source,
                     overhead_bytes=plan.overhead_bytes, native=native_status,
                     extra={"framework_devices": st.get("devices", [])})

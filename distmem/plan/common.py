@@ -3,14 +3,18 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from dataclasses import dataclass
+
 from ..discover.gpus import Gpu, Inventory
+from ..discover.layout import Layout, RankView, assumed
 from .. import defaults
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_OVERHEAD_BYTES, DEFAULT_RESERVE, MEMORY_MODES
 
-__all__ = ["Options", "rank_layout", "ranks_per_device", "equal_share", "resolve_options", "floor_mib"]
+__all__ = ["Options", "Place", "places", "idle_gpus", "rank_layout", "ranks_per_device", "equal_share",
+           "resolve_options", "floor_mib"]
 
 
 class Options(dict):
@@ -22,12 +26,76 @@ def floor_mib(n: int) -> int:
     return (int(n) // MiB) * MiB
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where one rank runs, as the planners see it.
+
+    ``gpus``: the GPUs the rank can use, in its framework's order. ``position``: its place among the
+    ranks of its host that see the same GPUs (by local rank), of ``group_size``. ``gpu``: the one
+    GPU it takes by that position (``gpus[position % len(gpus)]``), None without GPUs.
+    ``shared_by``: ranks of its host on that physical GPU (by UUID), whatever they see.
+    """
+
+    rank: int
+    host: str
+    local_rank: int
+    gpus: Tuple[Gpu, ...]
+    position: int
+    group_size: int
+    gpu: Optional[Gpu]
+    shared_by: int
+
+
+def places(topo: Topology, inv: Inventory, layout: Optional[Layout] = None) -> List[Place]:
+    """Every known rank's place, from the observed ``layout`` (or, without one, the block mapping
+    :func:`distmem.discover.layout.assumed` gives). Pure: the same records give the same places on
+    every rank that reads them."""
+    if layout is None:
+        rank_layout(topo)  # the block mapping needs equal nodes: say so with the numbers
+        layout = assumed(topo, inv)
+    out: List[Place] = []
+    by_host: Dict[str, List[RankView]] = {}
+    for v in layout.views:
+        by_host.setdefault(v.host, []).append(v)
+    for host, views in by_host.items():
+        views = sorted(views, key=lambda v: (v.local_rank, v.rank))
+        groups: Dict[tuple, List[RankView]] = {}
+        for v in views:
+            groups.setdefault(v.gpu_set, []).append(v)
+        chosen: Dict[int, Optional[Gpu]] = {}
+        pos: Dict[int, Tuple[int, int]] = {}
+        for members in groups.values():
+            for i, v in enumerate(members):
+                pos[v.rank] = (i, len(members))
+                chosen[v.rank] = v.gpus[i % len(v.gpus)] if v.gpus else None
+        users: Dict[str, int] = {}
+        for g in chosen.values():
+            if g is not None:
+                users[g.uuid] = users.get(g.uuid, 0) + 1
+        for v in views:
+            if v.rank < 0:
+                continue  # a placeholder for a rank of this host whose records are unknown: counted, not planned
+            g = chosen[v.rank]
+            out.append(Place(v.rank, host, v.local_rank, tuple(v.gpus), pos[v.rank][0], pos[v.rank][1], g,
+                             users.get(g.uuid, 1) if g is not None else 0))
+    return sorted(out, key=lambda p: p.rank)
+
+
+def idle_gpus(all_places: List[Place], used: Dict[str, set]) -> Dict[str, int]:
+    """Per host, the GPUs its ranks can see that no rank uses (``used``: host -> UUIDs in use)."""
+    seen: Dict[str, set] = {}
+    for p in all_places:
+        seen.setdefault(p.host, set()).update(g.uuid for g in p.gpus)
+    return {h: len(u - used.get(h, set())) for h, u in seen.items() if u - used.get(h, set())}
+
+
 def rank_layout(topo: Topology) -> List[Tuple[int, int]]:
     """(node index, local rank) of every rank, under the launchers' default block mapping."""
     if topo.size % max(topo.local_size, 1):
         raise ConfigError(
-            f"{topo.size} ranks do not divide into nodes of {topo.local_size} ranks; distmem assumes every "
-            "node runs the same number of ranks (horovodrun -H host1:4,host2:4); launch an equal count per node")
+            f"{topo.size} ranks do not divide into nodes of {topo.local_size} ranks: a dry run of a whole job assumes "
+            "equal nodes (consecutive ranks per node); a real job plans from the layout it observes, so uneven "
+            "hosts (horovodrun -H a:4,b:2) are fine there - for a dry run, give ranks as a multiple of ranks per node")
     return [(r // topo.local_size, r % topo.local_size) for r in range(topo.size)]
 
 

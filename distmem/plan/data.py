@@ -1,42 +1,51 @@
-"""Data parallel: local ranks spread over the node's GPUs round robin, each GPU split equally."""
+"""Data parallel: each rank on one of the GPUs it can see, each GPU split equally among the ranks
+that really use it (observed layout: UUIDs after CUDA_VISIBLE_DEVICES)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Set
 
 from ..discover.gpus import Inventory
-from ..errors import DoesNotFitError
+from ..discover.layout import Layout
+from ..defaults import MIN_LIMIT_BYTES
+from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
 from ..units import SizeLike, format_bytes, parse_bytes
 from .types import Allocation, DeviceSlot, Plan
-from .common import Options, equal_share, floor_mib, rank_layout, ranks_per_device, resolve_options
+from .common import equal_share, floor_mib, idle_gpus, places, resolve_options
 
 __all__ = ["plan_data"]
 
 
 def plan_data(topo: Topology, inv: Inventory, *, memory: str = "auto", reserve: SizeLike = "256MiB",
               limit: Optional[SizeLike] = None, overhead: Optional[SizeLike] = None,
-              foreign: SizeLike = 0) -> Plan:
-    """Every rank's allocation under data parallelism.
+              foreign: SizeLike = 0, layout: Optional[Layout] = None) -> Plan:
+    """Every known rank's allocation under data parallelism.
 
-    A GPU used by ``k`` ranks gives each ``(total - reserve - foreign - k * overhead) / k``. Alone on
-    a GPU a rank grows on demand (``memory="auto"``) with that figure as its budget; shared, it gets
-    a hard limit. ``limit`` (bytes, ``"6GiB"``, ``"45%"`` or a fraction) sets every rank's limit
-    explicitly and is checked against what the GPU can give.
+    A rank takes one of the GPUs it can see by its position among the ranks of its host that see
+    the same ones; a GPU used by ``k`` ranks (counted by UUID, whatever each rank sees) gives each
+    ``(total - reserve - foreign - k * overhead) / k``. Alone on a GPU a rank grows on demand
+    (``memory="auto"``) with that figure as its budget; shared, it gets a hard limit. ``limit``
+    (bytes, ``"6GiB"``, ``"45%"`` or a fraction) sets every rank's limit explicitly and is checked
+    against what the GPU can give. ``layout``: the observed layout (default: the block mapping).
     """
-    gpus = inv.gpus
-    opts = resolve_options(gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign)
+    opts = resolve_options(inv.gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign)
     allocations: List[Allocation] = []
-    counts = ranks_per_device(topo.local_size, len(gpus)) if gpus else {}
-    for rank, (node_idx, local_rank) in enumerate(rank_layout(topo)):
-        node = f"node{node_idx}"
-        if not gpus:
-            allocations.append(Allocation(rank, local_rank, node, "data", "cpu", replica=rank))
+    all_places = places(topo, inv, layout)
+    used: Dict[str, Set[str]] = {}
+    for pl in all_places:
+        if pl.gpu is None:
+            allocations.append(Allocation(pl.rank, pl.local_rank, pl.host, "data", "cpu", replica=pl.rank))
             continue
-        gpu = gpus[local_rank % len(gpus)]
-        k = counts[gpu.index]
+        gpu, k = pl.gpu, pl.shared_by
+        used.setdefault(pl.host, set()).add(gpu.uuid)
         share = equal_share(gpu, k, opts)
         if limit is not None:
             wanted = floor_mib(parse_bytes(limit, total=gpu.total_bytes, what="limit", allow_fraction=True))
+            if wanted < MIN_LIMIT_BYTES:
+                raise ConfigError(
+                    f"limit={limit!r} plans {format_bytes(wanted)} per rank on GPU {gpu.index} "
+                    f"({format_bytes(gpu.total_bytes)}), under 1 MiB: nothing can run in it. An integer limit is "
+                    f"bytes; give a size such as '8GiB', a percentage such as '45%' or a fraction such as 0.5")
             if wanted > share:
                 raise DoesNotFitError(
                     f"limit {format_bytes(wanted)} per rank does not fit GPU {gpu.index} "
@@ -48,15 +57,16 @@ def plan_data(topo: Topology, inv: Inventory, *, memory: str = "auto", reserve: 
         else:
             enforce = memory == "limit" or (memory == "auto" and k > 1)
         slot = DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=share, enforce=enforce,
-                          growth=True, shared_by=k, nvml_index=gpu.nvml_index, name=gpu.name)
-        alloc = Allocation(rank, local_rank, node, "data", "limit" if enforce else "growth", [slot], replica=rank)
+                          growth=True, shared_by=k, nvml_index=gpu.nvml_index, uuid=gpu.uuid, name=gpu.name)
+        alloc = Allocation(pl.rank, pl.local_rank, pl.host, "data", "limit" if enforce else "growth", [slot],
+                           replica=pl.rank)
         if memory == "growth" and k > 1:
             alloc.notes.append(f"memory='growth' on a GPU shared by {k} ranks: nothing stops one rank from "
                                "taking a neighbour's share; use memory='auto' or 'limit'")
         allocations.append(alloc)
     plan = Plan("data", topo.size, topo.rank, allocations, inv.source, opts["overhead_bytes"],
                 opts["reserve_bytes"], options=dict(opts, limit=limit))
-    if gpus and topo.local_size < len(gpus):
-        plan.warnings.append(f"{len(gpus)} GPUs visible but only {topo.local_size} rank(s) per node: "
-                             f"{len(gpus) - topo.local_size} GPU(s) stay idle")
+    for host, n in sorted(idle_gpus(all_places, used).items()):
+        plan.warnings.append(f"{n} GPU(s) visible on {host} but no rank uses them: they stay idle (run more ranks "
+                             "there, or give each rank its GPUs through CUDA_VISIBLE_DEVICES)")
     return plan

@@ -15,14 +15,15 @@ creates (``plan.extras["cpu_logical_devices"]``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from ..discover.gpus import Inventory
+from ..discover.layout import Layout
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
 from ..units import SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
-from .common import equal_share, rank_layout, resolve_options
+from .common import equal_share, idle_gpus, places, resolve_options
 from .partition import Partition, layers_from_dicts, partition_model
 from .pipeline import layers_from_model, planned_bytes
 
@@ -57,7 +58,7 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
                optimizer: Optional[str] = None, input_shape: Optional[Sequence[int]] = None,
                input_bytes: SizeLike = 0, headroom: SizeLike = "5%", memory: str = "auto",
                reserve: SizeLike = DEFAULT_RESERVE, overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
-               framework: Optional[str] = None) -> Plan:
+               framework: Optional[str] = None, layout: Optional[Layout] = None) -> Plan:
     """Every rank's devices, per-device limits and the layer placement under model parallelism.
 
     layers: per-layer costs at the training batch (``LayerCost`` or dicts), or model: a model /
@@ -73,7 +74,10 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
     gpus = inv.gpus
     opts = resolve_options(gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign,
                            headroom=headroom)
-    g = _gpus_per_rank(gpus_per_rank, len(gpus), topo.local_size)
+    all_places = places(topo, inv, layout)
+    me = next((pl for pl in all_places if pl.rank == topo.rank), all_places[0])
+    # The GPUs this rank sees and the ranks of its host that see the same set decide the split.
+    g = _gpus_per_rank(gpus_per_rank, len(me.gpus), me.group_size)
     if model is not None:
         layers = layers_from_model(model, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape)
     part: Partition = partition_model(layers_from_dicts(list(layers or [])), g,
@@ -83,21 +87,29 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
     wants = [planned_bytes(d.total_bytes, ratio) for d in part.stages]
     allocations: List[Allocation] = []
     warnings: List[str] = []
-    for rank, (node_idx, local_rank) in enumerate(rank_layout(topo)):
+    used: Dict[str, Set[str]] = {}
+    for pl in all_places:
+        rank = pl.rank
         breakdown = {"state_bytes": sum(d.state_bytes for d in part.stages),
                      "activation_bytes": sum(d.activation_bytes for d in part.stages),
                      "boundary_bytes": sum(d.boundary_bytes for d in part.stages),
                      "planned_bytes": sum(wants)}
-        alloc = Allocation(rank, local_rank, f"node{node_idx}", "model", "cpu", replica=rank,
+        alloc = Allocation(rank, pl.local_rank, pl.host, "model", "cpu", replica=rank,
                            demand_bytes=sum(d.total_bytes for d in part.stages), breakdown=breakdown,
                            notes=[f"{g} device(s): " + "; ".join(
                                f"{device_name(kind, k)} layers {d.start}..{d.stop - 1} {format_bytes(d.total_bytes)}"
                                for k, d in enumerate(part.stages))])
-        if gpus:
+        if pl.gpus:
             enforce = memory != "growth"
             alloc.mode = "limit" if enforce else "growth"
+            if (pl.position + 1) * g > len(pl.gpus):
+                raise DoesNotFitError(
+                    f"rank {rank} on {pl.host} sees {len(pl.gpus)} GPU(s) shared with {pl.group_size - 1} other rank(s) "
+                    f"of its host, too few for {g} GPU(s) per rank; give every rank its own GPUs "
+                    "(CUDA_VISIBLE_DEVICES) or lower gpus_per_rank=")
             for k, d in enumerate(part.stages):
-                gpu = gpus[local_rank * g + k]
+                gpu = pl.gpus[pl.position * g + k]
+                used.setdefault(pl.host, set()).add(gpu.uuid)
                 share = equal_share(gpu, 1, opts)
                 if d.total_bytes > share:
                     raise DoesNotFitError(
@@ -117,12 +129,11 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
                                         f"{gpu.index}'s {format_bytes(share)}")
                 alloc.devices.append(DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=limit,
                                                 enforce=enforce, growth=True, shared_by=1, nvml_index=gpu.nvml_index,
-                                                name=gpu.name, label=f"group {k}"))
+                                                uuid=gpu.uuid, name=gpu.name, label=f"group {k}"))
             alloc.breakdown["planned_bytes"] = sum(s.planned_bytes for s in alloc.devices)
         allocations.append(alloc)
-    if gpus and topo.local_size * g < len(gpus):
-        warnings.append(f"{len(gpus)} GPUs visible but {topo.local_size} rank(s) x {g} GPU(s) per rank use "
-                        f"{topo.local_size * g}: {len(gpus) - topo.local_size * g} GPU(s) stay idle")
+    for host, n in sorted(idle_gpus(all_places, used).items()):
+        warnings.append(f"{n} GPU(s) visible on {host} but {g} GPU(s) per rank leave them unused: they stay idle")
     placement = {name: device_name(kind, k) for name, k in part.part_of().items()}
     extras: Dict[str, Any] = {"model": {
         "gpus_per_rank": g, "device_type": kind, "placement": placement,

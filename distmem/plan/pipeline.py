@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..costs import LayerCost
 from ..discover.gpus import Inventory
+from ..discover.layout import Layout
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
-from .common import Options, equal_share, rank_layout, ranks_per_device, resolve_options
+from .common import Options, equal_share, idle_gpus, places, resolve_options
 from .partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
 
 __all__ = ["plan_pipeline", "stage_of_rank", "planned_bytes", "layers_from_model", "RANK_ORDERS"]
@@ -134,8 +135,9 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
                   schedule: str = "1f1b", recompute: bool = False, input_bytes: SizeLike = 0,
                   rank_order: str = "pipeline", headroom: SizeLike = "5%", memory: str = "auto",
                   reserve: SizeLike = DEFAULT_RESERVE, overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
-                  optimizer: Optional[str] = None, input_shape: Optional[Sequence[int]] = None) -> Plan:
-    """Every rank's allocation under pipeline parallelism.
+                  optimizer: Optional[str] = None, input_shape: Optional[Sequence[int]] = None,
+                  layout: Optional[Layout] = None) -> Plan:
+    """Every known rank's allocation under pipeline parallelism (``layout``: the observed one).
 
     stages: explicit per-stage demand (bytes or ``"9GiB"``), one per stage; or
     layers: per-layer costs for ONE micro-batch (``LayerCost`` or dicts), or model: a model / spec
@@ -178,7 +180,6 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
         demands = partition.stages
     stage_of_rank(0, topo.size, p, rank_order)  # validates size % p and the order
     headroom_ratio = opts["headroom"]
-    counts = ranks_per_device(topo.local_size, len(gpus)) if gpus else {}
     allocations: List[Allocation] = []
     warnings: List[str] = []
     # Per stage and per (stage, GPU) figures are computed once: a plan of 10,000 ranks stays cheap.
@@ -188,17 +189,20 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
     notes = [("" if explicit else f": layers {d.start}..{d.stop - 1}, {schedule} holds {d.in_flight} "
                                   f"micro-batch(es){' (recompute)' if recompute else ''}") for d in demands]
     enforce = memory != "growth"
-    limits: Dict[Tuple[int, int], int] = {}
-    for rank, (node_idx, local_rank) in enumerate(rank_layout(topo)):
+    limits: Dict[Tuple[int, int, int], int] = {}
+    all_places = places(topo, inv, layout)
+    used: Dict[str, Set[str]] = {}
+    for pl in all_places:
+        rank = pl.rank
         stage, replica = stage_of_rank(rank, topo.size, p, rank_order)
         d = demands[stage]
-        alloc = Allocation(rank, local_rank, f"node{node_idx}", "pipeline", "cpu", stage=stage, replica=replica,
+        alloc = Allocation(rank, pl.local_rank, pl.host, "pipeline", "cpu", stage=stage, replica=replica,
                            demand_bytes=d.total_bytes, breakdown=dict(breakdowns[stage], planned_bytes=wants[stage]),
                            notes=[f"stage {stage} of {p}, replica {replica}{notes[stage]}"])
-        if gpus:
-            gpu = gpus[local_rank % len(gpus)]
-            k = counts[gpu.index]
-            key = (stage, gpu.index)
+        if pl.gpu is not None:
+            gpu, k = pl.gpu, pl.shared_by
+            used.setdefault(pl.host, set()).add(gpu.uuid)
+            key = (stage, gpu.total_bytes - gpu.reserved_bytes, k)
             if key not in limits:
                 share = equal_share(gpu, k, opts)
                 if d.total_bytes > share:
@@ -214,14 +218,13 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
             alloc.mode = "limit" if enforce else "growth"
             alloc.devices = [DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=limit,
                                         enforce=enforce, growth=True, shared_by=k, nvml_index=gpu.nvml_index,
-                                        name=gpu.name, label=f"stage {stage}")]
+                                        uuid=gpu.uuid, name=gpu.name, label=f"stage {stage}")]
             if memory == "growth" and k > 1:
                 alloc.notes.append(f"memory='growth' on a GPU shared by {k} ranks: nothing stops one stage from "
                                    "taking a neighbour's share; use memory='auto' or 'limit'")
         allocations.append(alloc)
-    if gpus and topo.local_size < len(gpus):
-        warnings.append(f"{len(gpus)} GPUs visible but only {topo.local_size} rank(s) per node: "
-                        f"{len(gpus) - topo.local_size} GPU(s) stay idle")
+    for host, n in sorted(idle_gpus(all_places, used).items()):
+        warnings.append(f"{n} GPU(s) visible on {host} but no rank uses them: they stay idle")
     extras: Dict[str, Any] = {"pipeline": {
         "num_stages": p, "replicas": topo.size // p, "rank_order": rank_order, "schedule": schedule,
         "num_micro_batches": m, "micro_batch_size": micro_batch_size, "recompute": bool(recompute),

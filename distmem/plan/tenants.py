@@ -28,11 +28,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..discover.gpus import Inventory
+from ..discover.layout import Layout
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
-from .common import floor_mib, rank_layout, ranks_per_device, resolve_options
+from .common import floor_mib, places, resolve_options
 
 __all__ = ["plan_tenants", "parse_tenants", "TenantsLike", "tenant_table", "DEFAULT_MAX_TENANTS", "MIN_TENANT_BYTES", "AUTO"]
 
@@ -107,7 +108,7 @@ def _size(name: str, size: Any, total: Optional[int]) -> int:
 def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLike] = None,
                  max_tenants: int = DEFAULT_MAX_TENANTS, memory: str = "auto",
                  reserve: SizeLike = DEFAULT_RESERVE, overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
-                 framework: Optional[str] = None) -> Plan:
+                 framework: Optional[str] = None, layout: Optional[Layout] = None) -> Plan:
     """Every rank's tenant slices on its GPU (or on logical CPU devices without one).
 
     tenants: ordered ``{name: size}`` (see :func:`parse_tenants`). max_tenants: refuse more than
@@ -132,15 +133,13 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
     opts = resolve_options(gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign)
     kind = "GPU" if gpus else "CPU"
     devices = {name: f"/{kind}:{k}" for k, (name, _) in enumerate(pairs)}
-    counts = ranks_per_device(topo.local_size, len(gpus)) if gpus else {}
     allocations: List[Allocation] = []
     summary: List[Dict[str, Any]] = []
     warnings: List[str] = []
-    for rank, (node_idx, local_rank) in enumerate(rank_layout(topo)):
-        node = f"node{node_idx}"
-        if gpus:
-            gpu = gpus[local_rank % len(gpus)]
-            k = counts[gpu.index]
+    for pl in places(topo, inv, layout):
+        rank, local_rank, node = pl.rank, pl.local_rank, pl.host
+        if pl.gpu is not None:
+            gpu, k = pl.gpu, pl.shared_by
             sized = {n: _size(n, s, gpu.total_bytes) for n, s in pairs if not _is_auto(s)}
             auto = [n for n, s in pairs if _is_auto(s)]
             usable = gpu.total_bytes - opts["reserve_bytes"] - opts["foreign_bytes"] - k * opts["overhead_bytes"]
@@ -163,7 +162,8 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
                 sizes = sized
             enforce = memory != "growth"
             slots = [DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=sizes[n], enforce=enforce,
-                                growth=True, shared_by=k, nvml_index=gpu.nvml_index, name=gpu.name, label=n)
+                                growth=True, shared_by=k, nvml_index=gpu.nvml_index, uuid=gpu.uuid, name=gpu.name,
+                                label=n)
                      for n, _ in pairs]
             how = "hard limit" if enforce else "memory growth, budget"
             notes = [f"tenant {n}: {devices[n]} on GPU {gpu.index}, {how} {format_bytes(sizes[n])}"
@@ -187,7 +187,7 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
         if rank == topo.rank:
             summary = [{"name": n, "device": devices[n], "limit_bytes": sizes.get(n),
                         "enforced": bool(gpus) and memory != "growth",
-                        "gpu": (gpus[local_rank % len(gpus)].index if gpus else None)} for n, _ in pairs]
+                        "gpu": pl.gpu.index if pl.gpu is not None else None} for n, _ in pairs]
     if not gpus:
         warnings.append(f"no GPU: the {len(pairs)} tenant(s) run on logical CPU devices "
                         f"{', '.join(devices.values())}; their limits are recorded, not enforced")

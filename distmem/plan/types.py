@@ -93,7 +93,10 @@ class Allocation:
 
 @dataclass
 class Plan:
-    """The whole job's plan. Every rank computes the same one; ``rank`` says which row is ours."""
+    """The job's plan as this rank knows it: ``allocations`` of the ranks of its host (every rank of
+    the job in a dry run or on one host), sorted by rank; ``rank`` says which row is ours. The
+    job-wide part (strategy, options, stages...) is identical on every rank - :meth:`fingerprint` -
+    and the allocations on every rank of a host - :meth:`host_fingerprint`."""
 
     strategy: str
     world_size: int
@@ -109,12 +112,21 @@ class Plan:
     @property
     def mine(self) -> Allocation:
         """This rank's allocation."""
-        return self.allocations[self.rank]
+        return self.for_rank(self.rank)
 
     def for_rank(self, rank: int) -> Allocation:
-        if not 0 <= rank < len(self.allocations):
-            raise ConfigError(f"rank {rank} is outside this plan of {len(self.allocations)} ranks")
-        return self.allocations[rank]
+        for a in self.allocations:
+            if a.rank == rank:
+                return a
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside this plan of {self.world_size} ranks")
+        raise ConfigError(f"rank {rank} runs on another host ({', '.join(sorted(self.hosts)) or 'none'} here): its "
+                          "allocation is planned there; distmem.report() gathers every rank's")
+
+    @property
+    def hosts(self) -> List[str]:
+        """The hosts of the ranks this plan lists."""
+        return sorted({a.node for a in self.allocations})
 
     def device(self, name: str) -> str:
         """The framework device string planned for a named tenant or layer group, e.g. ``"/GPU:1"``.
@@ -141,11 +153,24 @@ class Plan:
             "allocations": [a.to_dict() for a in self.allocations],
         }
 
+    #: ``extras`` entries that describe this rank only (its tenants' devices), not the job.
+    RANK_EXTRAS = ("tenants",)
+
     def fingerprint(self) -> str:
-        """Hash of everything but ``rank`` and warnings: equal on every rank of a consistent job."""
+        """Hash of the job-wide part (everything but ``rank``, warnings, the per-host allocations and
+        this rank's own extras): equal on every rank of a consistent job, whatever host it runs on."""
+        d = self.to_dict()
+        for key in ("rank", "warnings", "allocations"):
+            d.pop(key)
+        d["extras"] = {k: v for k, v in d["extras"].items() if k not in self.RANK_EXTRAS}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def host_fingerprint(self) -> str:
+        """Hash of the job-wide part and the allocations listed: equal on every rank of one host."""
         d = self.to_dict()
         d.pop("rank")
         d.pop("warnings")
+        d["extras"] = {k: v for k, v in d["extras"].items() if k not in self.RANK_EXTRAS}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def summary(self) -> str:

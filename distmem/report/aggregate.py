@@ -19,7 +19,7 @@ from . import findings as F
 from .findings import (GROUP_ABOVE, WARN_IMBALANCE, WARN_IMBALANCE_MIN_BYTES, WARN_NEAR_LIMIT, WARNING_KINDS,
                        Findings)
 
-__all__ = ["Report", "aggregate", "WARN_NEAR_LIMIT", "WARN_IMBALANCE", "WARN_IMBALANCE_MIN_BYTES", "WARNING_KINDS",
+__all__ = ["Report", "aggregate", "host_aggregates", "WARN_NEAR_LIMIT", "WARN_IMBALANCE", "WARN_IMBALANCE_MIN_BYTES", "WARNING_KINDS",
            "GROUP_ABOVE", "Snapshot"]
 
 
@@ -151,7 +151,8 @@ def _gpu_warnings(snaps: Sequence[Snapshot], out: Findings) -> None:
     order = lambda k: (k[0], label.get(k, -1), k[1])  # noqa: E731
     crowded = [k for k, on in seen.items() if any(r not in planned.get(k, ()) for r in on)]
     for k in sorted(crowded, key=order):
-        out.add(F.shared_gpu(k[0], k[1], label.get(k, "?"), sorted(planned.get(k, set())), seen[k]))
+        out.add(F.shared_gpu(k[0], k[1], label.get(k, "?"), sorted(planned.get(k, set())), seen[k],
+                             {s.rank: s.pid for s in snaps}))
     keys = sorted(foreign, key=order)
     for k in keys[:GROUP_ABOVE]:
         users = sorted(planned.get(k, set()) | set(seen.get(k, {})))
@@ -202,6 +203,24 @@ def _outside_warnings(snaps: Sequence[Snapshot], out: Findings) -> None:
                                 ranks=[x.rank for _, x, _ in over] if len(over) > 1 else None))
 
 
+def host_aggregates(snaps: Sequence[Snapshot]) -> Dict[str, Dict[str, Any]]:
+    """Per host: its ranks, GPUs in use, planned bytes, peak bytes (sums) and the largest peak."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for s in snaps:
+        h = out.setdefault(s.host or "?", {"ranks": [], "gpus": set(), "planned_bytes": 0, "peak_bytes": 0,
+                                           "max_peak_bytes": 0})
+        h["ranks"].append(s.rank)
+        h["gpus"].update(d.get("uuid") or s.gpu_uuids.get(d.get("index")) or f"#{d.get('index')}"
+                         for d in (s.allocation or {}).get("devices", []))
+        h["planned_bytes"] += s.limit_bytes or 0
+        peak = s.peak_or_current or 0
+        h["peak_bytes"] += peak
+        h["max_peak_bytes"] = max(h["max_peak_bytes"], peak)
+    for h in out.values():
+        h["gpus"] = len(h["gpus"])
+    return dict(sorted(out.items()))
+
+
 def aggregate(snaps: Sequence[Snapshot], world_size: int, missing: Sequence[int] = (),
               strategy: str = "?", detail: str = "full", *, near_limit: float = WARN_NEAR_LIMIT,
               imbalance: float = WARN_IMBALANCE, imbalance_min_bytes: int = WARN_IMBALANCE_MIN_BYTES) -> Report:
@@ -231,14 +250,20 @@ def aggregate(snaps: Sequence[Snapshot], world_size: int, missing: Sequence[int]
     nv = [s.nvml_total for s in snaps if s.nvml_total is not None]
     if nv:
         agg["total_nvml_bytes"] = sum(nv)
+    agg["hosts"] = host_aggregates(snaps)
     out = Findings()
     if missing:
         out.add(F.missing(list(missing)))
     prints = {s.plan_fingerprint for s in snaps if s.plan_fingerprint}
-    if len(prints) > 1:
+    host_prints: Dict[str, set] = {}
+    for s in snaps:
+        if s.host_fingerprint:
+            host_prints.setdefault(s.host, set()).add(s.host_fingerprint)
+    if len(prints) > 1 or any(len(v) > 1 for v in host_prints.values()):
         by: Dict[str, List[int]] = {}
         for s in snaps:
-            by.setdefault(s.plan_fingerprint, []).append(s.rank)
+            key = s.plan_fingerprint if len(prints) > 1 else f"{s.host}/{s.host_fingerprint}"
+            by.setdefault(key, []).append(s.rank)
         out.add(F.plan_mismatch(by))
     _limit_warnings(snaps, out, near_limit)
     _gpu_warnings(snaps, out)

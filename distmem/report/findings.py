@@ -44,7 +44,9 @@ WARNING_KINDS = ("missing", "plan_mismatch", "above_plan", "near_limit", "shared
                  "imbalance", "outside_allocator")
 
 PIN_REMEDY = ("pin each rank to its own device before its framework starts (call distmem.init() first, before "
-              "any GPU op; never hard-code cuda:0 or /GPU:0)")
+              "any GPU op; never hard-code cuda:0 or /GPU:0). Usual causes of a stray context: CUDA started before "
+              "init() - torch.load without map_location, a DataLoader pin_memory thread before the device was set, "
+              "JAX/XLA preallocating every visible GPU, TensorFlow touched before init()")
 FOREIGN_REMEDY = "they take memory the plan counted as free"
 SAME_OPTIONS = "pass the same options (and DISTMEM_FLEET) on every rank"
 
@@ -141,19 +143,24 @@ def near_limit(rank: int, used: float, limit: float, ratio: float, *, near: floa
                     limit_bytes=limit, ratio=ratio, count=count, worst_rank=rank, **values)
 
 
-def shared_gpu(host: str, gpu: str, label: Any, planned: Sequence[int], on_gpu: Dict[int, Optional[int]]) -> Finding:
-    """A GPU NVML shows ranks on that the plan did not put there (full report: every rank named)."""
+def shared_gpu(host: str, gpu: str, label: Any, planned: Sequence[int], on_gpu: Dict[int, Optional[int]],
+               pids: Optional[Dict[int, int]] = None) -> Finding:
+    """A GPU NVML shows ranks on that the plan did not put there (full report: every rank named, with
+    its pid and the bytes NVML gives it there)."""
     mine = set(planned)
     everyone = sorted(set(on_gpu) | mine)
     intruders = sorted(set(on_gpu) - mine)
-    sizes = ", ".join(f"rank {r}: {format_bytes(on_gpu.get(r))}" for r in everyone if r in on_gpu)
+    sizes = ", ".join(f"rank {r}" + (f" pid {pids[r]}" if pids and r in pids else "") + f": {format_bytes(on_gpu.get(r))}"
+                      for r in everyone if r in on_gpu)
     plan_text = (f"planned for rank {min(mine)} alone" if len(mine) == 1 else
                  f"planned for ranks {ranks_text(sorted(mine))}" if mine else "planned for no rank")
     return _finding("shared_gpu", everyone,
                     f"GPU {label} on {host} ({gpu}) was {plan_text}, but NVML shows ranks {ranks_text(everyone)} on "
                     f"it ({sizes}); ranks {ranks_text(intruders)} took a GPU the plan gave to another: {PIN_REMEDY}",
                     host=host, gpu=gpu, planned_ranks=sorted(mine), ranks_on_gpu=everyone,
-                    bytes_by_rank={str(r): on_gpu.get(r) for r in everyone if r in on_gpu})
+                    bytes_by_rank={str(r): on_gpu.get(r) for r in everyone if r in on_gpu},
+                    stray=[{"rank": r, "pid": (pids or {}).get(r), "host": host, "gpu": gpu, "bytes": on_gpu.get(r)}
+                           for r in intruders])
 
 
 def shared_gpu_summary(count: int, rank: int, device: int, used: Optional[float], owner: Optional[int] = None,

@@ -54,6 +54,11 @@ def _title(report: Report) -> str:
             + source_note(report))
 
 
+def _ranks(ranks: List[int]) -> str:
+    ranks = sorted(ranks)
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
 def _footer(report: Report) -> List[str]:
     out: List[str] = []
     for s in report.ranks:
@@ -72,6 +77,13 @@ def _footer(report: Report) -> List[str]:
                    + (f", imbalance max/mean {imb:.2f}" if imb else ""))
     if "min_headroom_bytes" in a:
         out.append(f"smallest headroom: {_b(a['min_headroom_bytes'])} on rank {a['min_headroom_rank']}")
+    hosts = a.get("hosts") or {}
+    if len(hosts) > 1:
+        for name, h in hosts.items():
+            ranks = h.get("ranks") or []
+            out.append(f"host {name}: {len(ranks)} rank(s) ({_ranks(ranks)}) on {h.get('gpus', 0)} GPU(s), planned "
+                       f"{_b(h.get('planned_bytes') or None)}, peak {_b(h.get('peak_bytes') or None)} (largest "
+                       f"{_b(h.get('max_peak_bytes') or None)})")
     if report.timeline:
         first, last = report.timeline[0], report.timeline[-1]
         out.append(f"timeline: {len(report.timeline)} point(s), steps {first.get('step')}..{last.get('step')}")
