@@ -324,3 +324,16 @@ def test_cli_table_json_and_exit_codes(tmp_path, capsys):
     assert "smallest fleet" in capsys.readouterr().out
     assert main(["--layers", str(path), "--global-batch-size", "7", "--gpus", "8x16GiB", "--pipelines", "1,2"]) == 1
     assert "global batch 7" in capsys.readouterr().err
+
+
+def test_plan_auto_from_a_torch_module():
+    torch = pytest.importorskip("torch")
+    from distmem.discover.gpus import fleet_inventory
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)], torch.nn.Linear(256, 10))
+    plan = plan_auto(_topo(0, 4, 4), fleet_inventory("4x2GiB"), model=model, input_shape=(256,),
+                     global_batch_size=64, precision="float32")
+    f = plan.extras["fit"]
+    assert f["precision"] == "float32"
+    assert f["data_parallel"] * f["accumulation"] * f["micro_batch"] == 64
+    assert [s["blocks"] for s in f["stages"]][0][0] == "0"
