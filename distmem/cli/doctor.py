@@ -221,6 +221,12 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
                                            for p in procs[:5]))
         d.facts["nvml"] = {"available": nvml_available(), "source": inv.source, "driver": inv.driver,
                            "note": inv.note, "gpus": gpus}
+        d.facts["stray_contexts"] = stray = stray_contexts(inv, topo.node)
+        for s in stray:
+            d.problems.append(
+                f"rank {s['rank']} (pid {s['pid']}) holds {format_bytes(s['bytes'])} on GPU {s['gpu_index']} "
+                f"({s['gpu']}), a GPU the plan did not give it (it planned {s['planned_gpu']}): a CUDA context started "
+                f"before distmem.init() - {STRAY_CAUSES}")
     # Frameworks, from package metadata only.
     versions = _versions()
     d.facts["packages"] = versions
@@ -269,6 +275,32 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
         except TypeError as exc:
             d.notes.append(f"plan for strategy {strategy!r} not checked: it needs options doctor does not have ({exc})")
     return d
+
+
+STRAY_CAUSES = ("usual causes: torch.load without map_location, a DataLoader pin_memory thread before the device "
+                "was set, JAX/XLA preallocating every visible GPU, TensorFlow touched before init()")
+
+
+def stray_contexts(inv: Any, host: str, directory: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Processes of a running distmem job on this host (known from the layout exchange) that NVML
+    shows on a GPU their plan did not give them: rank, pid, GPU, bytes, and the GPU planned."""
+    from ..discover.layout import live_layouts
+    from ..plan.common import places
+    from ..discover.identity import Topology
+
+    out: List[Dict[str, Any]] = []
+    for key, layout in live_layouts(host, directory).items():
+        topo = Topology(rank=layout.views[0].rank, size=max(layout.world_size, len(layout.views)),
+                        local_size=len(layout.views), node=host)
+        planned = {p.rank: p.gpu.uuid if p.gpu is not None else None for p in places(topo, inv, layout)}
+        pid_rank = {v.pid: v.rank for v in layout.views}
+        for g in inv.gpus:
+            for pid, used in g.holders().items():
+                rank = pid_rank.get(pid)
+                if rank is not None and planned.get(rank) not in (None, g.uuid):
+                    out.append({"job": key, "rank": rank, "pid": pid, "host": host, "gpu": g.uuid,
+                                "gpu_index": g.index, "bytes": used, "planned_gpu": planned.get(rank)})
+    return out
 
 
 def _has(module: str) -> bool:

@@ -32,7 +32,8 @@ from ..errors import GatherTimeoutError
 from .gpus import Gpu, Inventory
 from .identity import Topology, job_key
 
-__all__ = ["RankView", "Layout", "exchange", "assumed", "single", "LayoutTimeoutError", "STALE_GRACE_SECONDS"]
+__all__ = ["RankView", "Layout", "exchange", "assumed", "single", "live_layouts", "LayoutTimeoutError",
+           "STALE_GRACE_SECONDS"]
 
 #: A record of a dead process is still trusted if written at most this long before this process
 #: started: peers of one launch start within seconds of each other; a dead earlier job's are older.
@@ -213,3 +214,42 @@ def exchange(topo: Topology, inv: Inventory, *, timeout: Optional[float] = None,
                                  f"{sorted({r for r in ranks if ranks.count(r) > 1})} twice: two launches share the "
                                  "job key; set DISTMEM_LAYOUT_DIR to a folder of this launch's own")
     return Layout(topo.size, views, "exchange")
+
+
+def live_layouts(host: str, directory: Optional[str] = None) -> Dict[str, Layout]:
+    """The layouts of running jobs on ``host`` that exchanged through this machine's layout folder:
+    job key -> the views of its latest round whose processes are still alive (``distmem doctor``
+    uses it to name the job's ranks among NVML's processes)."""
+    root = os.path.join(directory or settings.layout_dir(), f"distmem-layout-{os.getuid()}")
+    out: Dict[str, Layout] = {}
+    try:
+        keys = os.listdir(root)
+    except OSError:
+        return out
+    for key in keys:
+        folder = os.path.join(root, key, host.replace(os.sep, "_"))
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        latest: Dict[int, Dict[str, Any]] = {}
+        for name in names:
+            if not name.endswith(".json") or name.count(".") != 2:
+                continue
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not _alive(rec):
+                continue
+            lr = int(rec.get("local_rank", -1))
+            if lr not in latest or int(rec.get("round", 0)) > int(latest[lr].get("round", 0)):
+                latest[lr] = rec
+        if latest:
+            views = sorted((RankView.from_dict(r) for r in latest.values()), key=lambda v: v.local_rank)
+            # Local ranks that left no live record keep their places (placeholders seeing the same GPUs).
+            views += [RankView(-1 - lr, views[0].host, lr, list(views[0].gpus))
+                      for lr in range(max(latest) + 1) if lr not in latest]
+            out[key] = Layout(max(v.rank for v in views) + 1, sorted(views, key=lambda v: v.local_rank), "exchange")
+    return out

@@ -217,3 +217,25 @@ def test_placement_among_ranks_that_see_the_same_set():
     shares = {a.rank: (a.devices[0].uuid, a.devices[0].shared_by) for a in plan.allocations}
     assert shares[0] == (fleet_uuid("h", 0), 1)
     assert shares[1] == (fleet_uuid("h", 1), 2) and shares[2] == (fleet_uuid("h", 1), 2)
+
+
+def test_doctor_names_a_rank_on_a_gpu_its_plan_did_not_give_it(tmp_path):
+    """A live rank of a job (known from its layout record) that NVML shows on another GPU."""
+    from distmem.cli.doctor import stray_contexts
+    from distmem.discover.gpus import GpuProcess
+    from distmem.discover.identity import job_key
+    from distmem.discover.layout import _start_time  # noqa: PLC2701 - the test writes a record by hand
+
+    inv = fleet_inventory("2x16GiB", "h")
+    folder = tmp_path / f"distmem-layout-{os.getuid()}" / job_key({"OMPI_MCA_ess_base_jobid": "j"}) / "h"
+    folder.mkdir(parents=True)
+    me = RankView(1, "h", 1, inv.gpus, pid=os.getpid()).to_dict()  # local rank 1: planned on GPU 1
+    (folder / "1.1.json").write_text(json.dumps(dict(me, start=_start_time(os.getpid()), time=0, round=1)))
+    inv.gpus[0].processes = [GpuProcess(os.getpid(), 300 * MiB)]  # ... but it holds memory on GPU 0
+    (found,) = stray_contexts(inv, "h", str(tmp_path))
+    assert (found["rank"], found["pid"], found["gpu"], found["bytes"]) == (1, os.getpid(), fleet_uuid("h", 0),
+                                                                          300 * MiB)
+    assert found["planned_gpu"] == fleet_uuid("h", 1)
+    inv.gpus[0].processes = []
+    inv.gpus[1].processes = [GpuProcess(os.getpid(), 300 * MiB)]
+    assert stray_contexts(inv, "h", str(tmp_path)) == []

@@ -4,28 +4,16 @@ the other ranks, so none is left waiting in a collective."""
 import os
 import sys
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from ranked_common import fail_fast, fresh_distmem  # noqa: E402,F401 - the autouse fixture
 
 import horovod.tensorflow as hvd  # noqa: E402
 
 hvd.init()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_distmem():
-    import distmem
-
-    distmem.reset()
-    yield
-    distmem.reset()
-
-
 def pytest_runtest_logreport(report):
-    if report.failed and hvd.size() > 1:
-        sys.stderr.write(f"\n[rank {hvd.rank()}] FAILED {report.nodeid}\n{report.longreprtext}\n")
-        sys.stderr.flush()
-        os._exit(1)
+    if hvd.size() > 1:
+        fail_fast(report, hvd.rank(), lambda: os._exit(1))

@@ -3,18 +3,9 @@ job, so no other rank is left waiting in a collective."""
 import os
 import sys
 
-import pytest
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_distmem():
-    import distmem
-
-    distmem.reset()
-    yield
-    distmem.reset()
+from ranked_common import fail_fast, fresh_distmem  # noqa: E402,F401 - the autouse fixture
 
 
 def pytest_runtest_logreport(report):
@@ -22,6 +13,4 @@ def pytest_runtest_logreport(report):
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_size() > 1:
-            sys.stderr.write(f"\n[rank {MPI.COMM_WORLD.Get_rank()}] FAILED {report.nodeid}\n{report.longreprtext}\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+            fail_fast(report, MPI.COMM_WORLD.Get_rank(), lambda: MPI.COMM_WORLD.Abort(1))
