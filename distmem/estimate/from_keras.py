@@ -398,8 +398,16 @@ class _Builder:
         self.layer_objs: List[Any] = []
         self.notes: List[str] = []
         self.per_row_temps: Dict[int, int] = {}
+        self.sizes: Dict[Tuple[str, int, int], Tuple[int, Tuple]] = {}
 
     def tensor_bytes(self, t) -> Tuple[int, Tuple]:
+        k = _key(t)
+        hit = self.sizes.get(k)
+        if hit is None:
+            hit = self.sizes[k] = self._tensor_bytes(t)
+        return hit
+
+    def _tensor_bytes(self, t) -> Tuple[int, Tuple]:
         shape = _shape(t)
         dims = shape[1:] if len(shape) else ()
         unknown = [i for i, d in enumerate(dims, 1) if d is None]
@@ -627,8 +635,8 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
 
     rows = b.rows
     # kept activations per row, from replays at batch 1 and 2 (fixed + per-sample), all counted
-    r1 = replay(g, 1, grads_held=held)
-    r2 = replay(g, 2, grads_held=held)
+    r1 = replay(g, 1, grads_held=held, saved_only=True)
+    r2 = replay(g, 2, grads_held=held, saved_only=True)
     for row, r in enumerate(rows):
         a1, a2 = r1.saved_by_row.get(row, 0), r2.saved_by_row.get(row, 0)
         r.activation_bytes_per_sample = a2 - a1

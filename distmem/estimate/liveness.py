@@ -269,13 +269,15 @@ class Replay:
 
 
 def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
-           allocator: Optional[ExactAllocator] = None, steps: int = 1) -> Replay:
+           allocator: Optional[ExactAllocator] = None, steps: int = 1, saved_only: bool = False) -> Replay:
     """Replay ``steps`` training steps at ``batch`` and return the largest peak.
 
     ``grads_held``: weight gradients stay alive until one optimizer step after the backward pass
     (torch, loss-scaled Keras); otherwise each is applied and freed as soon as it exists (a Keras
     graph, whose per-variable updates depend only on their own gradient). ``train=False``
     replays a forward pass only. ``allocator``: how bytes are counted (default: exactly).
+    ``saved_only``: return only what is kept for the backward pass (``saved``, ``saved_by_row``),
+    which needs no allocation (peak fields are 0).
     """
     g = graph
     root = g.root
@@ -312,6 +314,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
         if t not in held:
             saved_by_row[nodes[k].row] = saved_by_row.get(nodes[k].row, 0) + size[t]
     saved_total = sum(saved_by_row.values())
+    if saved_only:
+        return Replay(batch, 0, "forward", -1, saved_total, saved_by_row, 0)
 
     for i, nbytes in enumerate(g.persistent):
         a.alloc(("w", i), nbytes)
@@ -399,9 +403,11 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
             a.free(("g", i))
         if grads_held:
             for k, n in enumerate(nodes):
+                # one node's update temporaries are alive together, as when its gradients are not held
                 for j, nbytes in enumerate(n.update_temps):
                     a.alloc(("ut", k, j), nbytes)
-                    mark("update", k)
+                mark("update", k)
+                for j in range(len(n.update_temps)):
                     a.free(("ut", k, j))
             for key in pending:
                 a.free(key)
