@@ -48,6 +48,7 @@ def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **opti
     ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"`` or ``"a=2x80GiB;b=2x16GiB"``) declares GPUs
     for a dry run on a machine without them; real GPUs found through NVML take precedence.
     """
+    settings.validate()
     topo = identity.detect()
     inv = _inventory(fleet, topo.node)
     host_layout = exchange(topo, inv)
@@ -97,6 +98,7 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     """
     if enforce not in ("framework", "native"):
         raise ConfigError(f"enforce={enforce!r} is not 'framework' or 'native'")
+    settings.validate()
     # Per-rank settings from the environment (Kubernetes pods, launch wrappers); arguments win.
     if memory == "auto":
         memory = settings.memory() or memory
@@ -176,14 +178,21 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
     from .report.collect import collect  # the one gather path (it validates detail), shared with periodic reports
     from .report.sinks import print_report, write_json
 
+    path = path or settings.report_path()
+    if path and os.path.isdir(path):
+        raise ConfigError(f"report path {path!r} is a folder; give a file name such as "
+                          f"{os.path.join(path, 'report.json')!r} (checked on every rank, before the collective)")
     rep = collect(step=step, timeout=timeout, detail=detail)
     if rep is None:
         return None
     if print_table:
         print_report(rep)
-    path = path or settings.report_path()
     if path:
-        write_json(rep, path)
+        try:
+            write_json(rep, path)
+        except OSError as exc:
+            raise ConfigError(f"rank 0 could not write the report to {path!r}: {exc.strerror or exc}; give a "
+                              "writable file path (report(path=...) or DISTMEM_REPORT)") from None
     return rep
 
 

@@ -32,7 +32,7 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "MEMORY_MODES", "VARIABLES"]
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
@@ -141,6 +141,27 @@ def comm(env: Optional[Mapping[str, str]] = None) -> str:
     if text not in ("auto", "mpi", "framework"):
         raise ConfigError(f"DISTMEM_COMM={text!r} is not 'auto', 'mpi' or 'framework'; unset it for 'auto'")
     return text
+
+
+def validate(env: Optional[Mapping[str, str]] = None) -> None:
+    """Read and check every ``DISTMEM_*`` variable now (``init()`` does, before the inventory): a bad
+    value fails on a laptop as it would on a GPU node. Structured values (fleet, limit, overhead)
+    are checked by their readers with the variable's name."""
+    timeout(env)
+    layout_timeout(env)
+    launch_timeout(env)
+    memory(env)
+    comm(env)
+    for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE"):
+        flag(name, env)
+    from .units import check_size
+
+    text = limit(env)
+    if text is not None:
+        check_size(text, what="DISTMEM_LIMIT", allow_fraction=True)
+    text = overhead(env)
+    if text is not None and text not in ("auto", "measure"):
+        check_size(text, what="DISTMEM_OVERHEAD", allow_percent=False)
 
 
 def layout_dir(env: Optional[Mapping[str, str]] = None) -> str:

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 from .errors import ConfigError
 
-__all__ = ["parse_bytes", "format_bytes", "to_mib_floor", "KiB", "MiB", "GiB", "TiB", "SizeLike"]
+__all__ = ["parse_bytes", "check_size", "format_bytes", "to_mib_floor", "KiB", "MiB", "GiB", "TiB", "SizeLike"]
 
 KiB = 1024
 MiB = 1024**2
@@ -82,6 +82,19 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
         raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '6GiB', '512MB', "
                           "'1.5TiB', a number of bytes, or a percentage such as '45%'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def check_size(value: SizeLike, *, what: str = "size", allow_fraction: bool = False,
+               allow_percent: bool = True) -> None:
+    """Validate ``value``'s form and range without a device total (so a laptop rejects what a GPU node
+    would): ConfigError naming ``what``, the value and the accepted forms."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        if not allow_percent:
+            raise ConfigError(f"{what}={value!r}: a percentage is not accepted here; give bytes such as '6GiB'")
+        parse_bytes(value, total=100, what=what)
+        return
+    probe = 1 << 50  # any total: checks a fraction's range
+    parse_bytes(value, total=probe if allow_fraction else None, what=what, allow_fraction=allow_fraction)
 
 
 def format_bytes(n: Optional[float], precision: int = 1) -> str:

@@ -154,20 +154,39 @@ def _from_tf_config(raw: str, node: str) -> Optional[Topology]:
     except ValueError as exc:
         raise ConfigError(f"TF_CONFIG is not valid JSON ({exc}); it must look like "
                           '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}') from None
-    cluster = cfg.get("cluster") or {}
-    task = cfg.get("task") or {}
+    form = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"TF_CONFIG is JSON but a {type(cfg).__name__}, not an object; it must look like {form}")
+    cluster = cfg.get("cluster")
+    task = cfg.get("task")
+    cluster = {} if cluster is None else cluster
+    task = {} if task is None else task
+    if not isinstance(cluster, dict) or not isinstance(task, dict):
+        raise ConfigError(f"TF_CONFIG: 'cluster' and 'task' must be objects (got {type(cluster).__name__} and "
+                          f"{type(task).__name__}); it must look like {form}")
     ttype, tindex = task.get("type"), task.get("index")
     if ttype is None or tindex is None:
         return None
+    try:
+        index = int(tindex)
+    except (TypeError, ValueError):
+        raise ConfigError(f"TF_CONFIG: task index {tindex!r} is not a whole number; it must look like {form}") from None
     # Ranks are workers in order; a "chief" task counts as rank 0 ahead of the workers.
     order = []
     for kind in ("chief", "worker"):
-        order += [(kind, i, addr) for i, addr in enumerate(cluster.get(kind, []))]
+        addrs = cluster.get(kind, [])
+        if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+            raise ConfigError(f"TF_CONFIG: cluster[{kind!r}] must be a list of 'host:port' strings, got {addrs!r}; "
+                              f"it must look like {form}")
+        order += [(kind, i, addr) for i, addr in enumerate(addrs)]
     if not order:
         return None
     try:
-        pos = [(k, i) for k, i, _ in order].index((ttype, int(tindex)))
+        pos = [(k, i) for k, i, _ in order].index((ttype, index))
     except ValueError:
+        if ttype in ("chief", "worker"):
+            raise ConfigError(f"TF_CONFIG: task {ttype} {index} is not in the cluster's {len(cluster.get(ttype, []))} "
+                              f"{ttype} address(es); check the task index") from None
         return None  # an evaluator or parameter server takes no training rank
     host = lambda addr: addr.rsplit(":", 1)[0]  # noqa: E731
     my_host = host(order[pos][2])

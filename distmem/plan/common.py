@@ -10,11 +10,11 @@ from ..discover.layout import Layout, RankView, assumed
 from .. import defaults
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import MiB, SizeLike, format_bytes, parse_bytes
+from ..units import MiB, SizeLike, check_size, format_bytes, parse_bytes
 from .types import DEFAULT_OVERHEAD_BYTES, DEFAULT_RESERVE, MEMORY_MODES
 
 __all__ = ["Options", "Place", "places", "idle_gpus", "rank_layout", "ranks_per_device", "equal_share",
-           "resolve_options", "floor_mib"]
+           "resolve_options", "parse_headroom", "floor_mib"]
 
 
 class Options(dict):
@@ -107,24 +107,48 @@ def ranks_per_device(local_size: int, num_devices: int) -> Dict[int, int]:
     return counts
 
 
+def parse_headroom(headroom: SizeLike) -> float:
+    """Headroom added to a computed demand, as a ratio: ``"5%"`` or ``0.05`` (0 keeps the figure)."""
+    ratio: Optional[float] = None
+    if isinstance(headroom, str) and headroom.strip().endswith("%"):
+        try:
+            ratio = float(headroom.strip()[:-1]) / 100.0
+        except ValueError:
+            ratio = None
+    elif isinstance(headroom, str):
+        try:
+            ratio = float(headroom)
+        except ValueError:
+            ratio = None
+    elif isinstance(headroom, (int, float)) and not isinstance(headroom, bool):
+        ratio = float(headroom)
+    if ratio is None or not 0 <= ratio < 10 or ratio != ratio:
+        raise ConfigError(f"headroom={headroom!r}: give a percentage of the demand such as '5%' (0% to 999%) or a "
+                          "ratio like 0.05; 0 keeps the demand as it is")
+    return ratio
+
+
 def resolve_options(gpus: List[Gpu], *, memory: str = "auto", reserve: SizeLike = DEFAULT_RESERVE,
                     overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
                     headroom: SizeLike = defaults.HEADROOM) -> Options:
+    """The planners' common options in bytes. Every value is checked for its form and range first,
+    with or without GPUs, so a machine without GPUs rejects what a GPU node would; a percentage is
+    then resolved against the smallest GPU (0 where there is none)."""
     if memory not in MEMORY_MODES:
         raise ConfigError(f"memory={memory!r} is not one of {', '.join(MEMORY_MODES)}; use 'auto' "
                           "(growth alone on a GPU, hard limit when shared), 'growth' or 'limit'")
+    for value, what in ((reserve, "reserve"), (foreign, "foreign")):
+        check_size(value, what=what)
+    if overhead is not None:
+        check_size(overhead, what="overhead", allow_percent=False)
     total = min((g.total_bytes for g in gpus), default=None)
     opts = Options(memory=memory)
-    opts["reserve_bytes"] = parse_bytes(reserve, total=total, what="reserve")
+    resolve = lambda v, what: 0 if total is None and isinstance(v, str) and v.strip().endswith("%") \
+        else parse_bytes(v, total=total, what=what)  # noqa: E731
+    opts["reserve_bytes"] = resolve(reserve, "reserve")
     opts["overhead_bytes"] = DEFAULT_OVERHEAD_BYTES if overhead is None else parse_bytes(overhead, what="overhead")
-    opts["foreign_bytes"] = parse_bytes(foreign, total=total, what="foreign")
-    # Headroom is a fraction of a computed demand (pipeline / model), kept as a ratio.
-    if isinstance(headroom, str) and headroom.strip().endswith("%"):
-        opts["headroom"] = float(headroom.strip()[:-1]) / 100.0
-    elif isinstance(headroom, (int, float)) and not isinstance(headroom, bool) and 0 <= headroom < 10:
-        opts["headroom"] = float(headroom)
-    else:
-        raise ConfigError(f"headroom={headroom!r}: give a percentage of the demand such as '5%' or a ratio like 0.05")
+    opts["foreign_bytes"] = resolve(foreign, "foreign")
+    opts["headroom"] = parse_headroom(headroom)
     return opts
 
 

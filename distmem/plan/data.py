@@ -9,7 +9,7 @@ from ..discover.layout import Layout
 from ..defaults import MIN_LIMIT_BYTES
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import SizeLike, format_bytes, parse_bytes
+from ..units import SizeLike, check_size, format_bytes, parse_bytes
 from .types import Allocation, DeviceSlot, Plan
 from .common import equal_share, floor_mib, idle_gpus, places, resolve_options
 
@@ -29,6 +29,15 @@ def plan_data(topo: Topology, inv: Inventory, *, memory: str = "auto", reserve: 
     against what the GPU can give. ``layout``: the observed layout (default: the block mapping).
     """
     opts = resolve_options(inv.gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign)
+    if limit is not None:
+        check_size(limit, what="limit", allow_fraction=True)
+        if not (isinstance(limit, str) and limit.strip().endswith("%")) and \
+                not (isinstance(limit, float) or (isinstance(limit, str) and "." in limit)):
+            as_bytes = parse_bytes(limit, what="limit")
+            if as_bytes < MIN_LIMIT_BYTES:
+                raise ConfigError(f"limit={limit!r} is {as_bytes} bytes, under 1 MiB: nothing can run in it. An "
+                                  "integer limit is bytes; give a size such as '8GiB', a percentage such as '45%' or "
+                                  "a fraction such as 0.5")
     allocations: List[Allocation] = []
     all_places = places(topo, inv, layout)
     used: Dict[str, Set[str]] = {}
