@@ -21,12 +21,24 @@ from ..errors import ConfigError
 from ..units import format_bytes
 
 __all__ = ["LayerEstimate", "Estimate", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
-           "PROCESS_OVERHEAD_BYTES"]
+           "PROCESS_OVERHEAD_BYTES", "TORCH_ESTIMATE_MARGIN", "KERAS_ESTIMATE_MARGIN"]
 
 # One place for the defaults, shared with the planners: a plan and an estimate subtract the same overhead.
 PROCESS_OVERHEAD_BYTES = defaults.OVERHEAD_BYTES
 TORCH_CACHE_HEADROOM = defaults.TORCH_CACHE_HEADROOM
 TF_GPU_ALLOCATOR_HEADROOM = defaults.TF_GPU_ALLOCATOR_HEADROOM
+
+#: What a footprint adds for the estimator's own error: the worst under-estimate of the allocator
+#: peak measured on the whole torch benchmark (bench/estimate_zoo.py, 32 cases on an H200:
+#: bench/results/estimate_accuracy_torch_zoo.json), rounded up. Applied to estimates modelled for
+#: a GPU allocator (device "cuda"), before the allocator cache headroom.
+TORCH_ESTIMATE_MARGIN = 0.09
+
+#: The same for Keras estimates: the worst under-estimate measured on the Keras benchmark (TF 2.15
+#: and 2.21, TensorFlow's CPU allocator; bench/results/estimate_accuracy_keras_tf*.json), rounded
+#: up. Large because the CPU reference includes oneDNN's reorder copies and executor concurrency
+#: the analytic rules do not model; no GPU measurement of TensorFlow exists here to narrow it.
+KERAS_ESTIMATE_MARGIN = 0.40
 
 
 @dataclass
@@ -179,13 +191,28 @@ class Estimate:
                           output_bytes=r.output_bytes_per_sample * b, params=r.params, kind=r.kind)
                 for r in self.layers]
 
+    @property
+    def estimate_margin(self) -> float:
+        """The fraction a footprint adds for this estimator's measured worst under-estimate:
+        :data:`TORCH_ESTIMATE_MARGIN` or :data:`KERAS_ESTIMATE_MARGIN` for a peak modelled for a GPU
+        allocator, 0 for one modelled for the CPU allocator (which a GPU footprint should not use)."""
+        if str(self.device).lower() not in ("cuda", "gpu"):
+            return 0.0
+        return TORCH_ESTIMATE_MARGIN if self.framework == "torch" else KERAS_ESTIMATE_MARGIN
+
     def footprint_bytes(self, framework: Optional[str] = None, *, device: Optional[str] = None,
                         overhead_bytes: int = PROCESS_OVERHEAD_BYTES,
-                        headroom: Optional[float] = None, batch_size: Optional[int] = None) -> int:
-        """What a memory limit must allow for one training process on a GPU: the allocator peak,
-        scaled by the allocator's own cache and rounding (``headroom``; default
-        :data:`TORCH_CACHE_HEADROOM` for torch, :data:`TF_GPU_ALLOCATOR_HEADROOM` for TensorFlow),
-        plus ``overhead_bytes`` the process holds outside the allocator (CUDA context, cuBLAS/cuDNN
+                        headroom: Optional[float] = None, batch_size: Optional[int] = None,
+                        margin: Optional[float] = None) -> int:
+        """What a memory limit must allow for one training process on a GPU (bytes):
+
+        ``ceil(peak x (1 + margin) x (1 + headroom)) + overhead_bytes``
+
+        ``margin`` covers the estimator's own error (default :attr:`estimate_margin`: the worst
+        under-estimate measured on the benchmark, so a limit set from an estimate survives every
+        case measured); ``headroom`` the allocator's cache and rounding (default
+        :data:`TORCH_CACHE_HEADROOM` for torch, :data:`TF_GPU_ALLOCATOR_HEADROOM` for TensorFlow);
+        ``overhead_bytes`` what the process holds outside the allocator (CUDA context, cuBLAS/cuDNN
         handles and workspaces). ``device="cpu"`` returns the allocator peak alone."""
         fw = (framework or self.framework).lower()
         if fw not in ("torch", "pytorch", "tensorflow", "tf", "keras"):
@@ -201,7 +228,11 @@ class Estimate:
                 headroom = TF_GPU_ALLOCATOR_HEADROOM
         if headroom < 0:
             raise ConfigError(f"headroom must be >= 0, got {headroom}")
-        return int(math.ceil(peak * (1.0 + headroom))) + int(overhead_bytes)
+        if margin is None:
+            margin = self.estimate_margin
+        if margin < 0:
+            raise ConfigError(f"margin must be >= 0, got {margin}")
+        return int(math.ceil(peak * (1.0 + margin) * (1.0 + headroom))) + int(overhead_bytes)
 
     def breakdown(self, batch_size: Optional[int] = None) -> Dict[str, int]:
         """The training peak split into parts that sum to ``train_bytes`` (bytes): weights and

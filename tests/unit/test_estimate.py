@@ -1,4 +1,6 @@
 """The estimator's framework-free arithmetic: liveness replay, allocator models, table totals."""
+import math
+
 import pytest
 
 from distmem.costs import LayerCost
@@ -169,3 +171,35 @@ def test_footprint_adds_cache_and_context():
     assert est.footprint_bytes("tensorflow", overhead_bytes=0, headroom=0.0) == 16000
     with pytest.raises(ConfigError, match="unknown framework 'jax'"):
         est.footprint_bytes("jax")
+
+
+def test_footprint_adds_the_measured_margin_for_gpu_estimates():
+    from distmem.estimate.table import KERAS_ESTIMATE_MARGIN, TORCH_ESTIMATE_MARGIN
+    est = table()
+    est.device = "gpu"
+    assert est.estimate_margin == KERAS_ESTIMATE_MARGIN
+    assert est.footprint_bytes("tensorflow", overhead_bytes=0, headroom=0.0) == \
+        math.ceil(16000 * (1 + KERAS_ESTIMATE_MARGIN))
+    assert est.footprint_bytes("tensorflow", overhead_bytes=0, headroom=0.0, margin=0.0) == 16000
+    est.framework, est.device = "torch", "cuda"
+    assert est.footprint_bytes("torch", overhead_bytes=5) == \
+        math.ceil(16000 * (1 + TORCH_ESTIMATE_MARGIN) * (1 + TORCH_CACHE_HEADROOM)) + 5
+    with pytest.raises(ConfigError, match="margin must be >= 0"):
+        est.footprint_bytes("torch", margin=-0.1)
+
+
+def test_margins_cover_the_worst_measured_under_estimates():
+    """The margins are read off the committed benchmark results: each covers its worst case."""
+    import json
+    import pathlib
+    from distmem.estimate.table import KERAS_ESTIMATE_MARGIN, TORCH_ESTIMATE_MARGIN
+    results = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
+    for pattern, margin in (("estimate_accuracy_torch_zoo.json", TORCH_ESTIMATE_MARGIN),
+                            ("estimate_accuracy_keras_tf*.json", KERAS_ESTIMATE_MARGIN)):
+        files = sorted(results.glob(pattern))
+        if not files:
+            pytest.skip(f"no {pattern} under bench/results")
+        for f in files:
+            for row in json.loads(f.read_text())["rows"]:
+                if row.get("ours") and row.get("measured"):
+                    assert row["ours"] * (1 + margin) >= row["measured"], (f.name, row["id"])
