@@ -247,6 +247,7 @@ class _Evaluator:
         self._parts: Dict[Tuple[Any, ...], Any] = {}
         self._blocks: Dict[Tuple[str, int], List[LayerCost]] = {}
         self._stage_gpus: Dict[Tuple[int, int, int], List[List[Gpu]]] = {}
+        self._split: Dict[str, List[Dict[str, int]]] = {}
         self.evaluated = 0
 
     def outside(self, layout: Layout) -> Dict[str, Any]:
@@ -288,6 +289,12 @@ class _Evaluator:
             self._stage_gpus[key] = out
         return self._stage_gpus[key]
 
+    def split(self, precision: str) -> List[Dict[str, int]]:
+        """Per block weights / gradients / optimizer bytes, computed once per precision."""
+        if precision not in self._split:
+            self._split[precision] = self.costs[precision].block_state_split()
+        return self._split[precision]
+
     def blocks(self, precision: str, mb: int) -> List[LayerCost]:
         key = (precision, mb)
         if key not in self._blocks:
@@ -321,7 +328,7 @@ class _Evaluator:
             if self._planned(lb) > best:
                 return Candidate(layout, False, exact=False, outside=out, lower_bound_bytes=lb)
         self.evaluated += 1
-        split = c.block_state_split()
+        split = self.split(layout.precision)
         stages: List[StageFit] = []
         if layout.pipeline == 1:
             peak, parts = c.whole_peak(layout.micro_batch, layout.accumulation > 1)
@@ -551,9 +558,11 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     ev = _Evaluator(costs, gpus, headroom=h, reserve=reserve, overhead=overhead, foreign=foreign, framework=fw,
                     nccl=nccl, nccl_buffsize=nccl_buffsize)
 
+    grad_bytes = {p: costs[p].gradient_bytes for p in costs}
+
     def key(item: Tuple[Layout, int]) -> Tuple[Any, ...]:
         lay = item[0]
-        grads = costs[lay.precision].gradient_bytes
+        grads = grad_bytes[lay.precision]
         ar = 0 if lay.data_parallel == 1 else 2 * (lay.data_parallel - 1) / lay.data_parallel * grads / lay.pipeline
         return (round(lay.step_units(), 9), ar, lay.ranks_per_gpu, lay.recompute, lay.schedule != "1f1b",
                 lay.pipeline, lay.precision)
