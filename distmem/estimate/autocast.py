@@ -81,8 +81,15 @@ class _Methods:
     def clear(self) -> None:
         self.cache.clear()
 
-    def _cast(self, x: Any, dtype: Any) -> Any:
+    def _cast(self, x: Any, dtype: Any, seen: Any = None) -> Any:
         torch = self.torch
+        if seen is not None and torch.is_tensor(x):
+            # one tensor passed as several arguments (self-attention's query, key and value) is cast
+            # once, as autocast does per op: the callee's ``q is k`` checks then still hold
+            hit = seen.get(id(x))
+            if hit is None:
+                hit = seen[id(x)] = self._cast(x, dtype)
+            return hit
         if torch.is_tensor(x):
             if not x.is_floating_point() or x.dtype == dtype or x.dtype == torch.float64:
                 return x
@@ -95,7 +102,7 @@ class _Methods:
                 return hit[1]
             return x.to(dtype)
         if isinstance(x, (list, tuple)):
-            return type(x)(self._cast(y, dtype) for y in x)
+            return type(x)(self._cast(y, dtype, seen) for y in x)
         return x
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -104,13 +111,15 @@ class _Methods:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in LOWER:
-            args = self._cast(args, self.dtype)
-            kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}
+            seen: Dict[int, Any] = {}
+            args = self._cast(args, self.dtype, seen)
+            kwargs = {k: self._cast(v, self.dtype, seen) for k, v in kwargs.items()}
             return func(*args, **kwargs)
         if name in FP32:
             torch = self.torch
-            args = self._cast(args, torch.float32)
-            kwargs = {k: self._cast(v, torch.float32) for k, v in kwargs.items()}
+            seen = {}
+            args = self._cast(args, torch.float32, seen)
+            kwargs = {k: self._cast(v, torch.float32, seen) for k, v in kwargs.items()}
             return func(*args, **kwargs)
         if name in FP32_OUT and kwargs.get("dtype") is None:
             torch = self.torch
