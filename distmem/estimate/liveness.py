@@ -338,7 +338,7 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
             allocated.update(fresh)
             for t in fresh:
                 a.alloc(t, size[t])
-                if t in kept_until:
+                if t in kept_until and t in a.sizes:  # counted by the allocator (not below its floor)
                     kept_live[0] += size[t]
             mark("forward", k)
             forward_peak = max(forward_peak, a.in_use)
@@ -378,7 +378,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 a.alloc(key, nbytes)
             for j, nbytes in enumerate(n.grads):
                 a.alloc(("wg", k, j), nbytes)
-                weight_grads[0] += nbytes
+                if ("wg", k, j) in a.sizes:
+                    weight_grads[0] += nbytes
             mark("backward", k)
             if not grads_held:
                 for j, nbytes in enumerate(n.update_temps):
@@ -387,8 +388,9 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 for j in range(len(n.update_temps)):
                     a.free(("ut", k, j))
                 for j, nbytes in enumerate(n.grads):
+                    if ("wg", k, j) in a.sizes:
+                        weight_grads[0] -= nbytes
                     a.free(("wg", k, j))
-                    weight_grads[0] -= nbytes
             else:
                 pending.extend(("wg", k, j) for j in range(len(n.grads)))
             for key, _ in extra:
@@ -397,8 +399,9 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 if grad_of.pop(o, False):
                     a.free(("g", o))
             for t in freed_after.get(k, ()):
+                if t in a.sizes:
+                    kept_live[0] -= size[t]
                 a.free(t)
-                kept_live[0] -= size[t]
         for i in list(grad_of):
             a.free(("g", i))
         if grads_held:

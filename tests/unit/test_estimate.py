@@ -203,3 +203,20 @@ def test_margins_cover_the_worst_measured_under_estimates():
             for row in json.loads(f.read_text())["rows"]:
                 if row.get("ours") and row.get("measured"):
                     assert row["ours"] * (1 + margin) >= row["measured"], (f.name, row["id"])
+
+
+def test_breakdown_parts_are_what_the_allocator_counts():
+    """Tensors below a CPU allocator's floor are not in its statistics, so they are not in the
+    breakdown's activations or gradients either (the parts never exceed the peak)."""
+    from distmem.estimate.liveness import BFCAllocator, Graph, Node, replay
+    g = Graph()
+    x = g.add(100)
+    small = [g.add(10) for _ in range(20)]  # 10 bytes per sample: under the floor at batch 8
+    g.inputs = (x,)
+    prev = x
+    for k, t in enumerate(small):
+        g.nodes.append(Node(row=k, inputs=(prev,), outputs=(t,), saved=(t,), grads=(4,), trainable=True))
+        prev = t
+    r = replay(g, 8, grads_held=True, allocator=BFCAllocator(min_alloc=1024))
+    assert r.saved_at_peak == 0 and r.grads_at_peak == 0
+    assert r.saved_at_peak + r.grads_at_peak <= r.peak
