@@ -87,6 +87,14 @@ KERAS_CASES: List[Dict[str, Any]] = [
 ]
 
 
+#: rough cost rank of measuring a Keras case on CPU (``--fast-first``)
+_COST = {"GRU": 0, "Conv1D": 0, "MLP": 0, "Recommender": 0, "BiLSTM": 1, "LSTMText": 1, "TransformerEncoder": 1,
+         "MobileNet": 1, "MobileNetV2": 1, "MobileNetV3Small": 1, "MobileNetV3Large": 2, "RegNetX002": 2,
+         "RegNetY002": 2, "EfficientNetB0": 2, "EfficientNetV2B0": 2, "NASNetMobile": 3, "DenseNet121": 3,
+         "ResNet50": 4, "ResNet50V2": 4, "InceptionV3": 4, "Xception": 5, "VGG16": 5, "ConvNeXtTiny": 6,
+         "InceptionResNetV2": 7}
+
+
 def keras_ns():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # the CPU allocator keeps statistics (get_memory_info) only as oneDNN's BFC allocator, which TF
@@ -528,6 +536,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=600, help="seconds per measuring subprocess")
     p.add_argument("--jobs", type=int, default=1, help="measuring subprocesses at once (GPU: 4 is fine)")
+    p.add_argument("--fast-first", action="store_true", help="measure the quick cases first (a shared CPU)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--peer", dest="peer_worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -605,9 +614,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # each measurement is its own process; on a GPU several can share it (each process's
     # max_memory_allocated is its own), on a shared CPU one at a time
+    import threading
     from concurrent.futures import ThreadPoolExecutor
+    lock = threading.Lock()
+
+    def measure_and_save(row: Dict[str, Any]) -> None:
+        measure_row(row)
+        if args.out:  # a checkpoint after every case, so a run stopped early keeps what it measured
+            with lock, open(args.out + ".partial", "w", encoding="utf-8") as f:
+                json.dump({"rows": rows}, f)
+    order = sorted(rows, key=lambda r: _COST.get(r["model"], 5)) if args.fast_first else rows
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        list(pool.map(measure_row, rows))
+        list(pool.map(measure_and_save, order))
     for row in rows:
         if row.get("measured") and row.get("ours"):
             row["ours_err"] = round(row["ours"] / row["measured"] - 1, 4)
