@@ -39,6 +39,14 @@ CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: Python thread, the backward on autograd's device thread, so a training step holds two.
 CUBLAS_WORKSPACES = 2
 
+#: Steps after the first are replayed from its allocation trace (False: each is simulated again,
+#: slower; the tests compare the two).
+REPLAY_LATER_STEPS = True
+
+#: An op on meta tensors seen before with the same input shapes, strides and dtypes reuses the
+#: first answer (False: every op runs its meta kernel; the tests compare the two).
+MEMO_META_OPS = True
+
 #: The loss scale ``GradScaler`` multiplies the loss by under fp16 (its default ``init_scale``).
 LOSS_SCALE = 65536.0
 
@@ -235,7 +243,7 @@ def _dispatch_mode(tracker: _Tracker):
             # dtypes: a repeated layer reuses the first one's answer instead of rerunning torch's
             # Python meta kernel (a new-tensor op only; views and in-place ops always run)
             key = None
-            if fresh(func):
+            if MEMO_META_OPS and fresh(func):
                 try:
                     key = (func, freeze(args), freeze(kwargs))
                 except TypeError:
@@ -481,50 +489,52 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         autocast = AutocastMode(cdt) if prec.cast_weights else None
         try:
             with mode, _fused_sdpa(cuda, autocast), (_CudaDropout().mode if cuda else contextlib.nullcontext()):
-                alloc.reset_peak()
-                tracker.peak_phase = "forward"
-                tracker.phase = "forward"
-                tracker.trace = [] if steps > 1 and not forward_only else None
-                state = dict(meta_params)
-                state.update(meta_buffers)
-                # ``with autocast(): out = model(x); loss = crit(out, y)``, then backward outside it
-                if autocast is not None:
-                    autocast.__enter__()
-                try:
-                    out = torch.func.functional_call(model, state, args, kwargs)
-                    value = _loss(out, loss)
-                finally:
+                for step in range(1 if REPLAY_LATER_STEPS else steps):
+                    alloc.reset_peak()
+                    tracker.peak_phase = "forward"
+                    tracker.phase = "forward"
+                    tracker.trace = [] if REPLAY_LATER_STEPS and steps > 1 and not forward_only else None
+                    state = dict(meta_params)
+                    state.update(meta_buffers)
+                    # ``with autocast(): out = model(x); loss = crit(out, y)``, then backward outside it
                     if autocast is not None:
-                        autocast.__exit__(None, None, None)
-                        autocast.clear()
-                if prec.loss_scaling:
-                    value = value * LOSS_SCALE  # GradScaler.scale(loss)
-                if keep_table:
-                    for key, owner in list(tracker.owner.items()):
-                        row = tracker.rows.get(owner)
-                        if row is not None:
-                            kept[row] = kept.get(row, 0) + tracker.size.get(key, 0)
-                tracker.phase = "backward"
-                del state
-                if forward_only:
-                    peaks.append(alloc.peak)
-                    phases.append(tracker.peak_phase)
-                else:
-                    # the output and loss stay referenced through backward and the update, as in
-                    # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
-                    value.backward()
-                    tracker.phase = "update"
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    del out, value
-                    if tracker.blas and workspace and ("cublas", 0) not in alloc.sizes:
-                        # created on the first matmul and kept for the process: part of every later step
-                        for i in range(CUBLAS_WORKSPACES):
-                            alloc.alloc(("cublas", i), workspace)
-                    peaks.append(alloc.peak)
-                    phases.append(tracker.peak_phase)
-                    if tracker.trace is not None:
-                        _replay_steps(alloc, tracker, steps - 1, peaks, phases)
+                        autocast.__enter__()
+                    try:
+                        out = torch.func.functional_call(model, state, args, kwargs)
+                        value = _loss(out, loss)
+                    finally:
+                        if autocast is not None:
+                            autocast.__exit__(None, None, None)
+                            autocast.clear()
+                    if prec.loss_scaling:
+                        value = value * LOSS_SCALE  # GradScaler.scale(loss)
+                    if keep_table and step == 0:
+                        for key, owner in list(tracker.owner.items()):
+                            row = tracker.rows.get(owner)
+                            if row is not None:
+                                kept[row] = kept.get(row, 0) + tracker.size.get(key, 0)
+                    tracker.phase = "backward"
+                    del state
+                    if forward_only:
+                        peaks.append(alloc.peak)
+                        phases.append(tracker.peak_phase)
+                        break
+                    else:
+                        # the output and loss stay referenced through backward and the update, as in
+                        # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
+                        value.backward()
+                        tracker.phase = "update"
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        del out, value
+                        if tracker.blas and workspace and ("cublas", 0) not in alloc.sizes:
+                            # created on the first matmul and kept for the process: part of every later step
+                            for i in range(CUBLAS_WORKSPACES):
+                                alloc.alloc(("cublas", i), workspace)
+                        peaks.append(alloc.peak)
+                        phases.append(tracker.peak_phase)
+                        if tracker.trace is not None:
+                            _replay_steps(alloc, tracker, steps - 1, peaks, phases)
         except ConfigError:
             raise
         except Exception as exc:

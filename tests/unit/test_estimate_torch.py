@@ -189,3 +189,52 @@ def test_autocast_keeps_fp32_norm_inputs_and_one_cast_per_weight():
     # statistics) it keeps the fp32 copy of its bf16 input, made inside it
     fp32_ln = {r.kind: r for r in fp32.layers}["LayerNorm"].activation_bytes(32)
     assert row["LayerNorm"].activation_bytes(32) == fp32_ln + 32 * 64 * 4
+
+
+def _resnetish():
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *[Block(16) for _ in range(4)], nn.Flatten(),
+                         nn.Dropout(0.1), nn.Linear(16 * 16 * 16, 10))
+
+
+def _wide():  # weights dwarf activations: the peak is in the optimizer update
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+
+
+@pytest.mark.parametrize("build, shape", [(_resnetish, (3, 16, 16)), (_wide, (512,))])
+@pytest.mark.parametrize("opt", ["adam", "momentum", "adafactor"])
+def test_fast_paths_change_nothing(monkeypatch, opt, build, shape):
+    """Replaying later steps from the first one's trace and reusing meta-kernel answers give the
+    same peaks, step by step, as simulating every step and running every meta kernel."""
+    import distmem.estimate.from_torch as ft
+    fast = estimate_torch(build(), input_shape=shape, batch_size=8, optimizer=opt)
+    monkeypatch.setattr(ft, "REPLAY_LATER_STEPS", False)
+    monkeypatch.setattr(ft, "MEMO_META_OPS", False)
+    slow = estimate_torch(build(), input_shape=shape, batch_size=8, optimizer=opt)
+    assert fast.peak_detail()["steps"] == slow.peak_detail()["steps"]
+    assert [r.activation_bytes(8) for r in fast.layers] == [r.activation_bytes(8) for r in slow.layers]
+    if build is _wide and opt == "adam":
+        assert fast.peak_detail()["phase"] == "update"  # the case that would show state counted twice
+
+
+def test_item_on_meta_is_answered_with_a_warning():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h * 2 if bool((h > 0).all()) else h  # a data-dependent branch
+
+    with pytest.warns(UserWarning, match="read a tensor's value"):
+        est = estimate_torch(Gate(), input_shape=(4,), batch_size=2, device="cpu")
+    assert any("module '(model)'" in w or "module ''" in w or "Gate" in w or "read a tensor" in w
+               for w in est.warnings)
