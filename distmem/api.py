@@ -119,6 +119,19 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
         options["headroom"] = defaults.headroom_for(fw)
     if strategy == "model" or strategy == "tenants":
         options.setdefault("framework", fw)
+    asked = dict(strategy=strategy, framework=framework, memory=memory, reserve=reserve, limit=limit,
+                 overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, **strategy_options)
+    earlier = session.state.options
+    if session.state.plan is not None and earlier is not None:
+        changed = {k: (earlier.get(k), asked.get(k)) for k in sorted(set(earlier) | set(asked))
+                   if repr(earlier.get(k)) != repr(asked.get(k))}
+        if not changed:
+            return session.state.plan  # the same call again: the plan stands
+        raise ConfigError(
+            "distmem.init() was already called in this process with other options: "
+            + "; ".join(f"{k}={old!r} then {new!r}" for k, (old, new) in changed.items())
+            + ". A process applies one plan (the framework keeps the first configuration); call init() once, "
+            "first, with the options you want (distmem.reset() exists for tests only)")
     if options.get("overhead") in ("measure", "auto"):
         options["overhead"] = _measured_overhead(fw, options["overhead"])
     plan = plan_from_env(strategy, fleet=fleet, **options)
@@ -139,8 +152,13 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     applied["prepared"] = prepared
     plan.warnings.extend(applied.get("warnings") or [])
     session.state.plan, session.state.framework, session.state.applied = plan, fw, applied
+    session.state.options = asked
     if verbose:
         mine = plan.mine
+        topo = session.state.topology
+        if topo is not None and topo.source == "single" and identity.launcher_of() == "none":
+            say("[distmem] no launcher detected: 1 rank (start with horovodrun, mpirun, srun or torchrun for "
+                "more)")
         done = applied.get("applied") or []
         where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not inv.real
                                                           else f"{fw}: nothing to apply")

@@ -25,8 +25,10 @@ SUBCOMMANDS = {
 
 
 def _parser(argv: List[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distmem", description="Planned, enforced and observed GPU memory "
-                                     "for distributed training.")
+    parser = argparse.ArgumentParser(
+        prog="distmem", description="Planned, enforced and observed GPU memory for distributed training.",
+        epilog="Also: distmem-exec [options] -- COMMAND runs COMMAND under distmem's native hard cap "
+               "(distmem-exec --help). Python API: distmem.init(), distmem.report().")
     from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"distmem {__version__}")
@@ -60,4 +62,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except DistmemError as exc:
         print(f"distmem {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # `distmem report --json | head`: the reader left; say nothing more (and not again at exit).
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 

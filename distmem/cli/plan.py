@@ -5,25 +5,44 @@ import argparse
 import json
 from typing import Any, Dict
 
+from .. import settings
 from ..discover.gpus import fleet_inventory, inventory
 from ..plan import make_plan
 from ..discover.identity import Topology
 from ..units import format_bytes
 from .strategy_args import STRATEGY_ARGUMENTS
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "EXAMPLES"]
 
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+EXAMPLES = """examples:
+  distmem plan --gpus 4x80GiB --ranks 8                       # 8 ranks on 4 GPUs: two per GPU, hard limits
+  DISTMEM_FLEET=2x16GiB distmem plan --ranks 4                 # the declared fleet, as init() reads it
+  distmem plan --gpus 4x16GiB --strategy pipeline --stages 9GiB,7GiB,7GiB,5GiB
+  distmem plan --gpus 1x16GiB --strategy tenants --tenants bert=6GiB,resnet=8GiB
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="data", choices=["data", "pipeline", "model", "tenants"])
-    p.add_argument("--gpus", help="declared GPUs per node, e.g. 4x80GiB or 2x80GiB,2x40GiB (default: this node's, "
-                                  "from NVML)")
+    p.epilog = EXAMPLES
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--strategy", default="data", choices=["data", "pipeline", "model", "tenants"],
+                   help="data: equal split of each GPU among the ranks on it; pipeline: per-stage limits; model: "
+                        "per-layer groups over each rank's GPUs; tenants: named slices of one GPU (default data)")
+    p.add_argument("--gpus", "--fleet", dest="gpus", metavar="FLEET",
+                   help="declared GPUs per node, e.g. 4x80GiB, 2x80GiB,2x40GiB or a=2x80GiB;b=2x16GiB (default: "
+                        "DISTMEM_FLEET, else this node's GPUs from NVML)")
     p.add_argument("--ranks", type=int, default=None, help="total ranks (default: one per GPU)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks on each node (default: --ranks)")
-    p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"])
+    p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"],
+                   help="auto: growth alone on a GPU, a hard limit when shared; growth: never limit; limit: always")
     p.add_argument("--reserve", default="256MiB", help="kept free on every GPU (bytes, 256MiB, 5%%)")
-    p.add_argument("--limit", default=None, help="explicit per-rank limit for --strategy data (6GiB, 45%%, 0.4)")
+    p.add_argument("--limit", default=None, help="explicit per-rank limit for --strategy data: a size (6GiB), a "
+                                                  "percentage (45%%) or a fraction of the GPU (0.4); an integer is bytes")
     p.add_argument("--overhead", default=None, help="per-process memory outside the allocator (default 768MiB)")
     p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -46,7 +65,9 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    inv = fleet_inventory(args.gpus) if args.gpus else inventory()
+    fleet = args.gpus or settings.fleet()
+    what = "--gpus" if args.gpus else "DISTMEM_FLEET"
+    inv = fleet_inventory(fleet, what=what) if fleet else inventory()
     per_node = args.ranks_per_node or args.ranks or max(len(inv.gpus), 1)
     ranks = args.ranks or per_node
     topo = Topology(rank=0, size=ranks, local_rank=0, local_size=per_node, node="node0", source="cli")
@@ -59,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1, default=str))
         return 0
-    print(f"plan: strategy {plan.strategy}, {plan.world_size} rank(s), {per_node} per node, devices from "
+    pipelines = (plan.extras.get("pipeline") or {}).get("replicas")
+    if pipelines and pipelines > 1:
+        print(f"{pipelines} pipelines of {plan.extras['pipeline']['num_stages']} stages side by side "
+              f"({plan.world_size} ranks); give --ranks {plan.extras['pipeline']['num_stages']} for one")
+    print(f"plan: strategy {plan.strategy}, {_n(plan.world_size, 'rank')}, {per_node} per node, devices from "
           f"{plan.source}; per-process overhead {format_bytes(plan.overhead_bytes)}, reserve "
           f"{format_bytes(plan.reserve_bytes)} per GPU")
     for a in plan.allocations[:256]:

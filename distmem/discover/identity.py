@@ -89,11 +89,17 @@ def job_key(env: Mapping[str, str] = os.environ) -> Optional[str]:
     parts: List[str] = []
     for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT",
                  "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "OMPI_MCA_orte_hnp_uri",
-                 "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_ID_NAMESPACE", "SLURM_JOB_ID", "SLURM_STEP_ID",
-                 "TF_CONFIG"):
+                 "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_ID_NAMESPACE", "SLURM_JOB_ID", "SLURM_STEP_ID"):
         value = env.get(name)
         if value:
             parts.append(f"{name}={value}")
+    if env.get("TF_CONFIG"):
+        # Every worker's TF_CONFIG names the same cluster but its own task: the cluster is the job.
+        try:
+            cluster = json.loads(env["TF_CONFIG"]).get("cluster")
+        except (ValueError, AttributeError):
+            cluster = env["TF_CONFIG"]
+        parts.append("TF_CONFIG=" + json.dumps(cluster, sort_keys=True))
     if not parts:
         return None
     import hashlib

@@ -200,7 +200,8 @@ def take(step: Optional[int] = None) -> Snapshot:
                     pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
                     allocation=mine.to_dict(),
                     limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
-                    enforced=any(d.enforce for d in mine.devices),
+                    enforced=bool(state.applied and not state.applied.get("dry_run"))
+                    and any(d.enforce for d in mine.devices),
                     current_bytes=st.get("current_bytes"),
                     peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
                     rss_bytes=rss_bytes(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs,

@@ -8,14 +8,14 @@ Each strategy is a planner ``plan_<name>(topo, inv, **options) -> Plan`` registe
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Optional
 
 from ..discover.gpus import Inventory
 from ..discover.identity import Topology
 from ..errors import ConfigError
 from .types import STRATEGIES, Allocation, DeviceSlot, Plan
 
-__all__ = ["make_plan", "register", "planner", "PLANNERS", "Plan", "Allocation", "DeviceSlot", "STRATEGIES"]
+__all__ = ["make_plan", "register", "planner", "options_of", "PLANNERS", "INIT_ARGUMENTS", "Plan", "Allocation", "DeviceSlot", "STRATEGIES"]
 
 Planner = Callable[..., Plan]
 
@@ -67,9 +67,31 @@ def planner(strategy: str) -> Planner:
 def make_plan(strategy: str, topo: Topology, inv: Inventory, **options: Any) -> Plan:
     """Dispatch to the strategy's planner. Pure: the same inputs give the same plan on every rank."""
     fn = planner(strategy)
-    try:
-        return fn(topo, inv, **options)
-    except TypeError as exc:
-        if "unexpected keyword argument" in str(exc):
-            raise ConfigError(f"strategy {strategy!r} does not take that option: {exc}") from None
-        raise
+    valid = options_of(strategy)
+    unknown = [k for k in options if k not in valid] if valid is not None else []
+    if unknown:
+        import difflib
+
+        name = unknown[0]
+        everything = sorted(set(valid) | set(INIT_ARGUMENTS))
+        close = difflib.get_close_matches(name, everything, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown argument {name!r}{hint} for strategy={strategy!r}; it takes "
+                          f"{', '.join(sorted(v for v in valid if v != 'layout'))} besides init()'s "
+                          f"{', '.join(INIT_ARGUMENTS)}")
+    return fn(topo, inv, **options)
+
+
+#: init()'s own arguments, named in the unknown-argument message beside the strategy's.
+INIT_ARGUMENTS = ("strategy", "framework", "memory", "reserve", "limit", "overhead", "foreign", "fleet", "enforce",
+                  "verbose")
+
+
+def options_of(strategy: str) -> Optional[List[str]]:
+    """The keyword options the strategy's planner takes (None when it takes any: ``**options``)."""
+    import inspect
+
+    params = list(inspect.signature(planner(strategy)).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]

@@ -163,7 +163,7 @@ def test_slurm_script_header_and_srun_call(tmp_path):
            "SLURM_JOB_ID": "77"}
     res = run(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "python", "train.py", "--steps", "3"], 120, env)
     res.check()
-    assert "plan: strategy data, 4 rank(s), 2 per node" in res.out  # the plan ran before the ranks
+    assert "plan: strategy data, 4 ranks, 2 per node" in res.out  # the plan ran before the ranks
     args = log.read_text().splitlines()
     assert args[:3] == ["--kill-on-bad-exit=1", "--cpu-bind=none", "--mpi=pmix"]
     assert "--ntasks=4" in args and "--ntasks-per-node=2" in args
