@@ -285,7 +285,11 @@ def run_injection(launcher: str, inj: Injection, *, np_: int, timeout: float, sl
                 if thaw_at is None:
                     break
                 res = _load(os.path.join(folder, f"result-{inj.victim}.json"))
-                if res is not None or not _alive(victim_pid) or time.time() - thaw_at > limit_in_call:
+                # A thawed rank may go on through the phases left: it hangs only when one call (or the
+                # gap since it was thawed or last moved) outlasts the bound.
+                vprog = _load(os.path.join(folder, f"progress-{inj.victim}.json"))
+                moved = max(thaw_at, vprog["wall"] if vprog else 0.0)
+                if res is not None or not _alive(victim_pid) or time.time() - moved > limit_in_call:
                     out.thawed = _summarise(res, timeout) if res else {
                         "outcome": "hang" if _alive(victim_pid) else "killed",
                         "where": _load(os.path.join(folder, f"progress-{inj.victim}.json"))}
