@@ -20,6 +20,7 @@ import gpuprobe  # noqa: E402
 import launch  # noqa: E402
 
 from distmem.apply import torch as tadapter  # noqa: E402
+from distmem.apply import torch_probe as probe  # noqa: E402
 from distmem.plan.types import DEFAULT_OVERHEAD_BYTES  # noqa: E402
 
 MiB = launch.MiB
@@ -32,7 +33,7 @@ def _measure(device):
         import fakecuda
 
         return fakecuda.measure_context(device)
-    return tadapter.measure_context(device, timeout=150)
+    return probe.measure_context(device, timeout=150)
 
 
 def measured():
@@ -84,11 +85,11 @@ def test_fresh_process_overhead_matches_the_plan():
 def test_measure_context_overhead_rounds_up_what_it_measures(monkeypatch):
     raw = measured()[1]["overhead_bytes"]
     if gpuprobe.FAKE:
-        monkeypatch.setattr(tadapter, "measure_context", lambda d, timeout=120.0: _measure(d))
-    got = tadapter.measure_context_overhead(1, timeout=150)
+        monkeypatch.setattr(probe, "measure_context", lambda d, timeout=120.0: _measure(d))
+    got = probe.measure_context_overhead(1, timeout=150)
     launch.evidence("overhead-rounded", {"raw": raw, "rounded": got})
-    assert got % tadapter.OVERHEAD_ROUNDING == 0
-    assert raw - 4 * MiB <= got < raw + tadapter.OVERHEAD_ROUNDING + 4 * MiB, (raw, got)
+    assert got % probe.OVERHEAD_ROUNDING == 0
+    assert raw - 4 * MiB <= got < raw + probe.OVERHEAD_ROUNDING + 4 * MiB, (raw, got)
 
 
 def test_ranks_of_a_job_stay_within_the_planned_overhead():
