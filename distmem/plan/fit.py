@@ -647,7 +647,7 @@ def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = 
     return out
 
 
-def fit(model: Any = None, *, global_batch_size: int, gpus: Any = "8x80GiB", hosts: int = 1,
+def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: int = 1,
         framework: Optional[str] = None, precision: Any = "auto", optimizer: Any = "adam",
         input_shape: Any = None, layers: Optional[Sequence[Any]] = None, layers_batch_size: Optional[int] = None,
         costs: Optional[Dict[str, Costs]] = None, estimate_batch_size: Optional[int] = None,
