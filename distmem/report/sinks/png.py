@@ -26,9 +26,12 @@ _OK, _WARN, _BAD, _CUR, _LIM, _NV = "#4C9BE8", "#F2A541", "#D64545", "#1F4E79", 
 
 def _legend_above(ax: Any) -> None:
     handles, labels = ax.get_legend_handles_labels()
+    if len(handles) > 9:  # many ranks: a compact legend inside the axes, clear of the title
+        ax.legend(handles, labels, loc="upper left", fontsize=7, ncol=min(len(handles), 9), framealpha=0.85)
+        return
     if handles:
-        ax.legend(handles, labels, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles),
-                  frameon=False, borderaxespad=0.2)
+        ax.legend(handles, labels, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+                  ncol=min(len(handles), 9), frameon=False, borderaxespad=0.2)
 
 
 def _bars(ax: Any, report: Report, unit: float, uname: str, off_scale: bool) -> None:
@@ -69,8 +72,8 @@ def _bars(ax: Any, report: Report, unit: float, uname: str, off_scale: bool) -> 
                     label="NVML (process)" if first else None)
         shown = [v for v in (peak, cur, nv, res) + ((lim,) if not off_scale else ()) if v is not None]
         top = max([top] + [v / unit for v in shown])
-        if many or peak is None:
-            continue
+        if many or peak is None or (len(ranks) > 32 and color == _OK):
+            continue  # with many ranks only the ranks that need a look carry a figure
         label = format_bytes(peak)
         if lim and used is not None:
             label += f"\n{used / lim:.0%}" + (f" of {format_bytes(lim)}" if off_scale and not small else "")
@@ -79,8 +82,20 @@ def _bars(ax: Any, report: Report, unit: float, uname: str, off_scale: bool) -> 
                     color=color if color != _OK else "#333333", fontweight="bold" if color != _OK else None)
     ticks = xs if not many else xs[:: max(1, len(xs) // 32)]
     ax.set_xticks(ticks)
-    ax.set_xticklabels([str(ranks[i]) for i in ticks])
-    ax.set_xlabel("rank")
+    ax.set_xticklabels([_rank_label(by.get(ranks[i]), ranks[i], len(ranks)) for i in ticks],
+                       fontsize=8 if len(ranks) <= 16 else 6)
+    # Hosts side by side: a separator and the host's name over its ranks.
+    hosts = [by[r].host if r in by else None for r in ranks]
+    if len({h for h in hosts if h}) > 1:
+        start = 0
+        for i in range(1, len(hosts) + 1):
+            if i == len(hosts) or hosts[i] != hosts[start]:
+                if i < len(hosts):
+                    ax.axvline(i - 0.5, color="#999999", linewidth=0.8, linestyle="-", zorder=1)
+                ax.text((start + i - 1) / 2, 0.985, hosts[start] or "?", transform=ax.get_xaxis_transform(),
+                        ha="center", va="top", fontsize=8, color="#555555")
+                start = i
+    ax.set_xlabel("rank" + ("  (GPU below)" if len(ranks) <= 16 else ""))
     ax.set_ylabel(uname)
     ax.set_ylim(0, top * 1.25 if top else 1)
     ax.set_xlim(-0.6, len(ranks) - 0.4)
@@ -95,6 +110,14 @@ def _bars(ax: Any, report: Report, unit: float, uname: str, off_scale: bool) -> 
         lims = sorted({s.limit_bytes for s in report.ranks if s.limit_bytes})
         title += f"; planned {', '.join(format_bytes(v) for v in lims[:3])} per rank, off this scale"
     ax.set_title(title, fontsize=10, loc="left", pad=18)
+
+
+def _rank_label(s: Any, rank: int, n: int) -> str:
+    """The tick under a bar: the rank, and with few ranks the GPU it used (and host when not shown above)."""
+    if s is None or n > 16:
+        return str(rank)
+    gpus = ",".join(str(d) for d in s.devices) if s.devices else "cpu"
+    return f"{rank}\nGPU {gpus}" if s.devices else f"{rank}\ncpu"
 
 
 def _summary_bars(ax: Any, report: Report, unit: float, uname: str) -> None:
@@ -126,6 +149,11 @@ def _timeline(ax: Any, points: Sequence[Dict[str, Any]], unit: float, uname: str
         ranks = sorted({r for p in points for r in p.get("ranks", [])})
         cmap = matplotlib.colormaps["tab10" if len(ranks) <= 10 else "tab20"]
         if len(ranks) <= 16:
+            # Ranks with equal figures would draw on top of each other: shift each rank's lines by a
+            # sliver of the axis (said in the title) so that every rank stays visible.
+            hi = max([v for p in points for key in ("current_bytes", "peak_bytes") for v in p.get(key, []) or []
+                      if v is not None] or [0]) / unit
+            shift = hi * 0.006
             for i, r in enumerate(ranks):
                 xs, cur, pk = [], [], []
                 for st, p in zip(steps, points):
@@ -135,9 +163,10 @@ def _timeline(ax: Any, points: Sequence[Dict[str, Any]], unit: float, uname: str
                         cur.append(_get(p, "current_bytes", j) / unit)
                         pk.append(_get(p, "peak_bytes", j) / unit)
                 c = cmap(i % cmap.N)
-                ax.plot(xs, cur, "-", color=c, linewidth=1.6, marker="o" if len(xs) < 30 else None, markersize=3,
-                        label=f"rank {r}")
-                ax.plot(xs, pk, ":", color=c, linewidth=1.2)
+                off = (i - (len(ranks) - 1) / 2) * shift
+                ax.plot(xs, [v + off for v in cur], "-", color=c, linewidth=1.6,
+                        marker="o" if len(xs) < 30 else None, markersize=3, label=f"rank {r}")
+                ax.plot(xs, [v + off for v in pk], ":", color=c, linewidth=1.2)
         else:
             for key, style, name in (("current_bytes", "-", "current"), ("peak_bytes", ":", "peak")):
                 lo, mid, hi = [], [], []
@@ -156,13 +185,20 @@ def _timeline(ax: Any, points: Sequence[Dict[str, Any]], unit: float, uname: str
         missing = [st for st, p in zip(steps, points) if p.get("missing")]
         for k, st in enumerate(missing):
             ax.axvline(st, color=_BAD, alpha=0.4, linewidth=1, label="rank(s) missing" if k == 0 else None)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel(uname)
     ax.grid(alpha=0.3)
-    ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * 1.08)
+    ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * (1.08 if len(ax.get_legend_handles_labels()[0]) <= 9
+                                                                else 1.3))
     _legend_above(ax)
-    ax.set_title("over time: current (solid) and peak (dotted)" + (" per rank" if "summary" not in (points or [{}])[0]
-                                                                   else ""), fontsize=10, loc="left", pad=18)
+    per_rank = "summary" not in (points or [{}])[0]
+    nr = len({r for p in points for r in p.get("ranks", [])}) if per_rank else 0
+    ax.set_title("over time: current (solid) and peak (dotted)" + (
+        " per rank (lines offset slightly so equal ranks stay visible)" if per_rank and nr <= 16 else
+        f" of {nr} ranks" if per_rank else ""), fontsize=10, loc="left", pad=18)
 
 
 def _get(p: Dict[str, Any], key: str, j: int) -> float:
@@ -233,7 +269,7 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
         _timeline(axes[1], points, unit, uname, off_scale)
     a = report.aggregates
     hosts = sorted({s.host for s in report.ranks})
-    sub = [f"{report.world_size} rank(s)", f"strategy {report.strategy}"]
+    sub = [f"{report.world_size} rank" + ("" if report.world_size == 1 else "s"), f"strategy {report.strategy}"]
     if hosts:
         sub.append(f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts[:3])}" + (" ..." if len(hosts) > 3 else ""))
     if report.missing:
