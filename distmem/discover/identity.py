@@ -35,8 +35,11 @@ class Topology:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    """The launcher's own local rank (``OMPI_COMM_WORLD_LOCAL_RANK``, ``SLURM_LOCALID``...), never
+    ``rank % local_size``: cyclic placements make the two differ."""
     local_size: int = 1
     node: str = ""
+    """The host, as the launcher names it (see :func:`host_name`)."""
     source: str = "single"
     launcher: str = "none"
 

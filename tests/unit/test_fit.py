@@ -1,9 +1,7 @@
 """distmem fit: the layout search, its verdicts, the outside-allocator model and strategy='auto'."""
 from __future__ import annotations
 
-import itertools
 import json
-import math
 
 import pytest
 
