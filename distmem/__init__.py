@@ -17,6 +17,7 @@ from .errors import ConfigError, DistmemError, DoesNotFitError, GatherTimeoutErr
 from .guard import find_batch_size
 from .observe.snapshot import Snapshot
 from .plan import Allocation, DeviceSlot, Plan
+from .plan.fit import fit
 from .report.aggregate import Report
 from .report.periodic import ReportEvery
 from .api import report  # after the report package is imported: the name is the function, not the package
@@ -26,7 +27,7 @@ from .api import report  # after the report package is imported: the name is the
 # (Python falls back to sys.modules under the attribute's ``__name__``).
 report.__name__ = "distmem.report"
 
-__all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "plan_from_env", "current_plan", "check_plan", "reset",
+__all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "fit", "plan_from_env", "current_plan", "check_plan", "reset",
            "Plan", "Allocation", "DeviceSlot", "Snapshot", "Report",
            "ReportEvery", "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]
 

@@ -84,7 +84,9 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
 
     Call it first, before the framework touches a GPU (before or after ``hvd.init()``).
 
-    strategy: ``"data"`` (equal split), ``"pipeline"``, ``"model"`` or ``"tenants"``.
+    strategy: ``"data"`` (equal split), ``"pipeline"``, ``"model"``, ``"tenants"``, or ``"auto"``
+    (``model=``, ``global_batch_size=``: the best layout that fits, see :func:`distmem.fit`; the
+    training loop reads ``plan.extras["fit"]``: micro-batch, accumulation, stage map).
     framework: ``"tensorflow"``, ``"torch"`` or ``"none"``; detected when omitted.
     memory: ``"auto"`` (growth alone on a GPU, a hard limit when shared), ``"growth"`` or ``"limit"``.
     reserve: kept free on every GPU (bytes, ``"256MiB"`` or ``"5%"``).
@@ -117,7 +119,7 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     if strategy in ("pipeline", "model") and "headroom" not in options:
         # Limits come from allocator peaks; the allocator's own cache sits on top of them.
         options["headroom"] = defaults.headroom_for(fw)
-    if strategy == "model" or strategy == "tenants":
+    if strategy in ("model", "tenants", "auto"):
         options.setdefault("framework", fw)
     asked = dict(strategy=strategy, framework=framework, memory=memory, reserve=reserve, limit=limit,
                  overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, **strategy_options)

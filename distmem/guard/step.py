@@ -26,7 +26,7 @@ from .flags import FlagReducer, Status
 from .grads import Reducer, gradient_reducer
 from .protocol import Agreement, attempt, free_memory, say, summarise
 
-__all__ = ["StepGuard", "Fallback", "step", "split_sizes", "shrink_micro_batch"]
+__all__ = ["StepGuard", "Fallback", "step", "split_sizes", "shrink_micro_batch", "planned_micro_batch"]
 
 
 def split_sizes(n: int, micro: int) -> List[int]:
@@ -145,13 +145,15 @@ class StepGuard:
     ``__call__`` returns the step's loss (sample-weighted mean over micro-batches, this rank's), or None.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, micro_batch_size: int, global_batch_size: Optional[int] = None,
+    def __init__(self, fn: Callable[..., Any], *, micro_batch_size: Optional[int] = None,
+                 global_batch_size: Optional[int] = None,
                  apply: Optional[Callable[[List[Any]], Any]] = None, params: Optional[Sequence[Any]] = None,
                  min_micro_batch_size: int = 1, shrink: int = 2,
                  reduce_gradients: Union[str, Reducer, None] = "auto", comm: Optional[Comm] = None,
                  timeout: Optional[float] = None, no_sync: Optional[Callable[[], Any]] = None,
                  on_oom: Optional[Callable[[], None]] = None, flags: Optional[FlagReducer] = None,
                  log_rank: int = 0):
+        micro_batch_size = planned_micro_batch() if micro_batch_size is None else micro_batch_size
         for name, v in (("micro_batch_size", micro_batch_size), ("min_micro_batch_size", min_micro_batch_size)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
@@ -345,13 +347,27 @@ class StepGuard:
                            f"{self.accumulation_steps}){glob}")
 
 
-def step(fn: Callable[..., Any], *, micro_batch_size: int, global_batch_size: Optional[int] = None,
+def planned_micro_batch() -> int:
+    """The micro-batch ``init(strategy="auto")`` chose (``plan.extras["fit"]["guard_start_batch"]``)."""
+    from .. import session
+
+    plan = session.current_plan()
+    fit = (plan.extras.get("fit") or {}) if plan is not None else {}
+    if not fit.get("guard_start_batch"):
+        raise ConfigError("micro_batch_size= is needed: give the samples per forward/backward to start with, or "
+                          "plan with distmem.init(strategy='auto', model=..., global_batch_size=...), whose chosen "
+                          "micro-batch the guard then starts from")
+    return int(fit["guard_start_batch"])
+
+
+def step(fn: Callable[..., Any], *, micro_batch_size: Optional[int] = None, global_batch_size: Optional[int] = None,
          apply: Optional[Callable[[List[Any]], Any]] = None, params: Optional[Sequence[Any]] = None,
          **options: Any) -> StepGuard:
     """A guarded training step; see :class:`StepGuard`. Every rank builds it with the same arguments.
 
     micro_batch_size: samples per forward/backward to start with; halved (``shrink=2``) on every
-        out-of-memory verdict, never below ``min_micro_batch_size`` (default 1).
+        out-of-memory verdict, never below ``min_micro_batch_size`` (default 1). Omitted after
+        ``init(strategy="auto")``: the micro-batch the plan chose.
     global_batch_size: samples per step over all ranks; each rank's batch must hold
         ``global_batch_size / world size`` of them. Omitted: whatever each call gets.
     apply: called with the rank-averaged gradients after a clean verdict (``opt.apply_gradients`` /

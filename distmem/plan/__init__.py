@@ -44,9 +44,15 @@ def _tenants() -> Planner:
     return plan_tenants
 
 
+def _auto() -> Planner:
+    from .fit import plan_auto
+
+    return plan_auto
+
+
 #: strategy -> loader of its planner (imported on first use, so ``distmem plan`` stays fast).
 PLANNERS: Dict[str, Callable[[], Planner]] = {"data": _data, "pipeline": _pipeline, "model": _model,
-                                              "tenants": _tenants}
+                                              "tenants": _tenants, "auto": _auto}
 
 
 def register(strategy: str, loader: Callable[[], Planner]) -> None:

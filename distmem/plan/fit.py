@@ -37,7 +37,7 @@ from ..discover.identity import Topology
 from ..units import MiB, SizeLike, format_bytes, parse_bytes
 from .types import DEFAULT_RESERVE, Plan
 from .common import equal_share, resolve_options
-from .fit_space import Costs, EstimateCosts, LayerListCosts, Layout, divisors
+from .fit_space import PROXY_TEXT, Costs, EstimateCosts, LayerListCosts, Layout, divisors
 from .outside import outside_allocator_breakdown
 from .partition import SCHEDULES, lower_bound, partition_pipeline
 
@@ -198,9 +198,6 @@ class FitResult:
         return render_fit(self)
 
 
-PROXY_TEXT = ("step time per GPU in sample-passes of the model (lower is faster): ranks/GPU x (m + p - 1) x "
-              "(micro-batch + 2) / p, x 4/3 with recompute, / 2 in mixed precision; m = micro-batches "
-              "(accumulation) per step, p = pipeline stages")
 
 
 def _precisions(precision: Any) -> List[str]:
@@ -706,6 +703,7 @@ def plan_auto(topo: Topology, inv: Inventory, *, model: Any = None, global_batch
     best rejected layout and what would fit, when none does."""
     from .pipeline import plan_pipeline
 
+    observed = options.pop("layout", None)  # the job's observed layout: the chosen stages are placed on it
     if not inv.gpus:
         raise ConfigError("strategy='auto' holds layouts against GPUs, and this node shows none; declare the fleet "
                           "(DISTMEM_FLEET=8x80GiB) for a dry run, or use strategy='data' on CPU")
@@ -729,7 +727,8 @@ def plan_auto(topo: Topology, inv: Inventory, *, model: Any = None, global_batch
     demands = [s.allocator_bytes for s in chosen.stages]
     plan = plan_pipeline(topo, inv, stages=demands, num_stages=lay.pipeline, num_micro_batches=lay.accumulation,
                          schedule=lay.schedule or "1f1b", recompute=lay.recompute, headroom=result.headroom,
-                         memory=memory, reserve=reserve, overhead=int(chosen.outside["total_bytes"]), foreign=foreign)
+                         memory=memory, reserve=reserve, overhead=int(chosen.outside["total_bytes"]), foreign=foreign,
+                         layout=observed)
     plan.strategy = "auto"
     for a in plan.allocations:
         a.strategy = "auto"

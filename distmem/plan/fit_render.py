@@ -87,6 +87,6 @@ def render_fit(res: Any) -> str:
 
 
 def _proxy_line() -> str:
-    from .fit import PROXY_TEXT
+    from .fit_space import PROXY_TEXT
 
     return PROXY_TEXT

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..costs import LayerCost
 from ..errors import ConfigError
 
-__all__ = ["Layout", "Costs", "EstimateCosts", "LayerListCosts", "group_blocks", "divisors",
+__all__ = ["PROXY_TEXT", "Layout", "Costs", "EstimateCosts", "LayerListCosts", "group_blocks", "divisors",
            "TRANSIENT_OUTPUTS", "MICRO_STEP_OVERHEAD_SAMPLES", "MIXED_PRECISION_SPEEDUP", "RECOMPUTE_COST"]
 
 #: A stage's backward holds, beyond what its layers keep, the gradient arriving for its output
@@ -296,3 +296,7 @@ class LayerListCosts(Costs):
         parts = {"state": state, "activations": act, "transient": trans, "input": inp,
                  "persistent": self.persistent_bytes}
         return state + act + trans + inp + self.persistent_bytes, parts
+
+PROXY_TEXT = ("step time per GPU in sample-passes of the model (lower is faster): ranks/GPU x (m + p - 1) x "
+              "(micro-batch + 2) / p, x 4/3 with recompute, / 2 in mixed precision; m = micro-batches "
+              "(accumulation) per step, p = pipeline stages")

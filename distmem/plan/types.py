@@ -17,7 +17,7 @@ __all__ = ["DeviceSlot", "Allocation", "Plan", "DEFAULT_OVERHEAD_BYTES", "DEFAUL
 DEFAULT_OVERHEAD_BYTES = defaults.OVERHEAD_BYTES
 DEFAULT_RESERVE = defaults.RESERVE
 
-STRATEGIES = ("data", "pipeline", "model", "tenants")
+STRATEGIES = ("data", "pipeline", "model", "tenants", "auto")
 MEMORY_MODES = settings.MEMORY_MODES
 
 
