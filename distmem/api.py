@@ -57,24 +57,49 @@ def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **opti
     return plan
 
 
+def _nccl_communicators() -> int:
+    """NCCL communicators this process holds now: 1 when torch.distributed runs the NCCL backend
+    (its default group; more groups are the user's), else 0."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return 1
+    except Exception:  # noqa: BLE001 - a half-initialised group is "no NCCL yet"
+        return 0
+    return 0
+
+
 def _measured_overhead(fw: str, how: str) -> Any:
-    """overhead="measure": this machine's per-process overhead; "auto": measured on a GPU with torch,
-    else the default."""
+    """overhead="measure": this machine's per-process overhead (a short PyTorch probe on its GPU);
+    "auto": that measurement where it can run, else the model of memory outside the allocator
+    (distmem.plan.outside: CUDA context, cuBLAS/cuDNN workspaces), plus NCCL's buffers when the job
+    runs NCCL."""
+    from .plan.outside import nccl_env, outside_allocator_bytes
+
+    nccl = _nccl_communicators()
+    buffsize = nccl_env(os.environ)["buffsize"]
+    modelled = outside_allocator_bytes(fw if fw in ("torch", "tensorflow") else "torch", nccl_communicators=nccl,
+                                       nccl_buffsize=buffsize)
     inv = discover_gpus.inventory(quiet=True)
     if not (inv.real and inv.gpus and fw == "torch"):
         if how == "measure":
             raise ConfigError("overhead='measure' needs a GPU seen by NVML and framework='torch' (it runs a short "
-                              "PyTorch probe); pass overhead='768MiB' or your own figure")
-        return None
+                              "PyTorch probe); pass overhead='768MiB', your own figure, or overhead='auto'")
+        return modelled
     from .apply.torch_probe import measure_context_overhead
 
     topo = identity.detect()
     try:
-        return measure_context_overhead(topo.local_rank % len(inv.gpus))
+        measured = measure_context_overhead(topo.local_rank % len(inv.gpus))
     except ConfigError:  # no transport yet to agree over (torchrun/horovodrun before their init)
         if how == "measure":
             raise
-        return None
+        return modelled
+    if nccl:  # the probe runs without NCCL: add what its communicators hold
+        measured += modelled - outside_allocator_bytes("torch", nccl_communicators=0)
+    return measured
 
 
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
@@ -92,7 +117,9 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     reserve: kept free on every GPU (bytes, ``"256MiB"`` or ``"5%"``).
     limit: an explicit per-rank limit (bytes, ``"6GiB"``, ``"45%"`` or a fraction of the GPU).
     overhead: per-process memory outside the framework allocator (default 768 MiB, see DESIGN);
-    ``"measure"`` probes it with PyTorch on this GPU, ``"auto"`` measures where that is possible.
+    ``"measure"`` probes it with PyTorch on this GPU, ``"auto"`` measures where that is possible and
+    otherwise uses the measured model (distmem.plan.outside), NCCL's buffers included when the job
+    runs NCCL.
     foreign: memory other jobs hold on each GPU that the plan must leave alone.
     fleet: ``"4x16GiB"`` to plan against declared GPUs where none are present (dry run).
     enforce: ``"framework"`` (the framework's own limit) or ``"native"`` (also require distmem's

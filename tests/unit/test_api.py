@@ -79,3 +79,20 @@ def test_tensorflow_cpu_stats_are_real():
     assert snap.peak_bytes is not None and snap.peak_bytes >= 2 * 512 * 512 * 4
     assert snap.current_bytes is not None and snap.current_bytes >= 512 * 512 * 4
     del y
+
+
+def test_overhead_auto_uses_the_outside_model_and_counts_nccl(monkeypatch):
+    """Without a GPU to measure on, overhead='auto' is the measured model of memory outside the
+    allocator (context + cuBLAS + cuDNN); a job on NCCL adds its communicator's buffers."""
+    from distmem import api
+    from distmem.plan.outside import outside_allocator_bytes
+
+    monkeypatch.setenv("DISTMEM_QUIET", "1")
+    distmem.reset()
+    plain = distmem.init(framework="torch", overhead="auto", fleet="1x16GiB").overhead_bytes
+    assert plain == outside_allocator_bytes("torch") and plain != 768 * 1024**2
+    distmem.reset()
+    monkeypatch.setattr(api, "_nccl_communicators", lambda: 1)
+    nccl = distmem.init(framework="torch", overhead="auto", fleet="1x16GiB").overhead_bytes
+    assert nccl == outside_allocator_bytes("torch", nccl_communicators=1) > plain + 256 * 1024**2
+    distmem.reset()
