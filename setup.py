@@ -116,7 +116,8 @@ setup(
     package_data={"distmem": ["_native/*.so"]},
     distclass=CapDistribution,
     cmdclass=CMDCLASS,
-    install_requires=["psutil>=5"],
+    # numpy: distmem.plan.partition (imported by `import distmem`) computes with it.
+    install_requires=["psutil>=5", "numpy>=1.21"],
     extras_require={
         "tensorflow": ["tensorflow>=2.12"],
         "horovod": ["horovod==0.28.1", "tensorflow>=2.12,<2.16"],

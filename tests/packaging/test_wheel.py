@@ -1,12 +1,14 @@
 """The wheel a user gets from ``pip wheel .``: built from a clean copy of the tree (the files git
 knows, nothing built), installed into a fresh virtual environment that sees none of the development
-environment, and used from there: ``distmem-exec --cap`` preloads the wheel's own
+environment (only the wheel's declared requirements are made importable there), and used from there: ``distmem-exec --cap`` preloads the wheel's own
 ``libdistmem_cap.so`` against the fake CUDA driver of tests/native and denies past the cap, and
 ``distmem doctor`` runs. Every subprocess has a timeout."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +58,38 @@ def copy_clean_tree(dest: str) -> None:
     assert not os.path.exists(os.path.join(dest, LIB_IN_WHEEL)), "the clean copy must not carry a built cap"
 
 
+def declared_requirements(wheel: str) -> List[str]:
+    """The distribution names the wheel requires without extras (Requires-Dist lines of METADATA)."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    names = []
+    for line in meta.splitlines():
+        if line.startswith("Requires-Dist:") and "extra ==" not in line:
+            names.append(re.match(r"[A-Za-z0-9_.\-]+", line.split(":", 1)[1].strip()).group(0))
+    return names
+
+
+def provide(names: List[str], folder: str, site: str) -> None:
+    """Makes exactly these distributions of this environment importable in the fresh venv (links in a
+    folder named by a .pth file): what the wheel declares, and nothing else, is there."""
+    os.makedirs(folder)
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"the wheel requires {name}, which this test environment lacks; install it here")
+        tops = {str(f).split("/")[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            src = os.path.join(str(dist.locate_file("")), top)
+            if top.endswith((".dist-info", ".egg-info")) or top == "__pycache__" or not os.path.exists(src):
+                continue
+            dest = os.path.join(folder, top)
+            if not os.path.exists(dest):
+                os.symlink(src, dest)
+    with open(os.path.join(site, "_distmem_test_requirements.pth"), "w") as f:
+        f.write(folder + "\n")
+
+
 @dataclass
 class Installed:
     wheel: str
@@ -89,6 +123,9 @@ def installed(tmp_path_factory) -> Installed:
           "--no-index", wheel], timeout=300, env=_clean_env())
     site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"], timeout=60,
                 env=_clean_env()).stdout.strip()
+    # No index here: the declared requirements come from this environment (exactly those), so an
+    # import of anything undeclared fails as it would for a user.
+    provide(declared_requirements(wheel), str(base / "requirements"), site)
 
     # The fake driver and the allocation driver program, as tests/native builds them.
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
