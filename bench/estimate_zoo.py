@@ -193,7 +193,7 @@ def keras_build(c: Dict[str, Any]) -> Tuple[Any, Callable[[int], Tuple[Any, Any]
         h = L.Dense(1024, activation="relu")(h)
         model = K.Model(inp, L.Dense(10, dtype="float32")(h), name="mlp")
         return model, lambda b: (rng.random((b, size), dtype=np.float32), rng.integers(0, 10, b))
-    raise SystemExit(f"unknown Keras zoo model {name!r}")
+    raise KeyError(f"Keras zoo model {name!r} is not in this Keras's applications")
 
 
 def _keras_loss(model):
@@ -537,6 +537,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--timeout", type=int, default=600, help="seconds per measuring subprocess")
     p.add_argument("--jobs", type=int, default=1, help="measuring subprocesses at once (GPU: 4 is fine)")
     p.add_argument("--fast-first", action="store_true", help="measure the quick cases first (a shared CPU)")
+    p.add_argument("--no-estimate", action="store_true", help="measure only (estimate later with --reuse)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--peer", dest="peer_worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -575,6 +576,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for c in cases:  # estimates first, one after another in this process (their speed is reported)
         cid = case_id(c)
         row: Dict[str, Any] = {"id": cid, **c}
+        if args.no_estimate:
+            rows.append(row)
+            continue
         try:
             row.update(estimate_fn(c))
         except Exception as exc:  # an estimate that cannot run is a result, reported as such
@@ -588,7 +592,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         old = reused.get(row["id"])
         if old and old.get("measured"):
             for k in ("measured", "measured_steps", "measured_spread", "peer", "peer_steps", "peer_error",
-                      "peer_seconds", "step_seconds", "max_reserved"):
+                      "peer_seconds", "step_seconds", "max_reserved", "measured_source"):
                 if k in old:
                     row[k] = old[k]
             row["measured_reused_from"] = os.path.basename(args.reuse)

@@ -373,6 +373,12 @@ def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
         return sub
     elif kind == "MultiHeadAttention":
         _mha_rule(r, layer, node, cb)
+    elif kind == "LayerScale":
+        # x * gamma (ConvNeXt): gamma's gradient reads x, x's gradient reads only gamma
+        r.keep_in.add(0)
+    elif kind == "CustomScaleLayer":
+        # inputs[0] + inputs[1] * scale with a constant scale (Inception-ResNet): reads nothing back
+        pass
     elif kind in ("TFOpLambda", "SlicingOpLambda"):
         _tfop_rule(r, layer, node)
     elif kind == "InputLayer":

@@ -149,3 +149,22 @@ def test_bad_inputs_name_the_fix():
         estimate_keras(K.Sequential([K.Input((2,)), K.layers.Dense(1)]), optimizer="adamz")
     with pytest.raises(ConfigError, match="unknown size in dimension"):
         estimate_keras(K.Sequential([K.Input((None, 4)), K.layers.Dense(1)]))
+
+
+def test_layer_scale_families_have_rules():
+    """ConvNeXt's LayerScale keeps its input only (x * gamma); Inception-ResNet's CustomScaleLayer
+    (x + y * constant) keeps nothing: no fallback, no warning, no inputs-and-outputs guess."""
+    apps = K.applications
+    convnext = getattr(apps, "ConvNeXtTiny", None)
+    if convnext is None:
+        pytest.skip("this Keras has no ConvNeXt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = estimate_keras(convnext(weights=None, input_shape=(32, 32, 3)), batch_size=2, optimizer="sgd")
+    assert not [w for w in caught if "no sizing rule" in str(w.message)]
+    scales = [r for r in est.layers if r.kind == "LayerScale"]
+    assert scales and all(not r.note for r in scales)
+    irn = apps.InceptionResNetV2(weights=None, input_shape=(75, 75, 3))
+    est = estimate_keras(irn, batch_size=2, optimizer="sgd")
+    custom = [r for r in est.layers if r.kind == "CustomScaleLayer"]
+    assert custom and all(r.activation_bytes(2) == 0 and not r.note for r in custom)
