@@ -35,11 +35,13 @@ TF_GPU_ALLOCATOR_HEADROOM = defaults.TF_GPU_ALLOCATOR_HEADROOM
 #: "cuda"), before the allocator cache headroom.
 TORCH_ESTIMATE_MARGIN = 0.10
 
-#: The same for Keras estimates: the worst under-estimate measured on the Keras benchmark (TF 2.15
-#: and 2.21, TensorFlow's CPU allocator; bench/results/estimate_accuracy_keras_tf*.json), rounded
-#: up. Large because the CPU reference includes oneDNN's reorder copies and executor concurrency
-#: the analytic rules do not model; no GPU measurement of TensorFlow exists here to narrow it.
-KERAS_ESTIMATE_MARGIN = 0.40
+#: The same for Keras estimates, against TensorFlow's CPU allocator (the only TensorFlow reference
+#: here: the GPU machine has no TensorFlow) on the Keras benchmark, TF 2.15 and 2.21
+#: (bench/results/estimate_accuracy_keras_tf*.json): worst -55% (an LSTM text model, whose
+#: while-loop gradient and parallel iterations the rules do not model), which needs 124%, rounded
+#: up. Large because the reference includes what the analytic rules miss on CPU (recurrent loops,
+#: oneDNN, the optimizers' update temporaries beyond Adam's); see docs/estimate.md.
+KERAS_ESTIMATE_MARGIN = 1.25
 
 
 @dataclass
