@@ -83,3 +83,17 @@ def test_user_factory_torch(tmp_path, monkeypatch, capsys):
     code, _, err = run(["--model", "my_torch_est:build", "--batch-size", "3"], capsys)
     assert code == 2 and "input_shape" in err  # a torch module needs to be told its input
     sys.modules.pop("my_torch_est", None)
+
+
+def test_hf_spec_without_transformers_names_the_install(monkeypatch):
+    """Where transformers is missing, hf: says what to install (the main environment has none)."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ImportError("No module named 'transformers'")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(ConfigError, match=r"hf:gpt2 needs torch and transformers; install them"):
+        load_model("hf:gpt2")
