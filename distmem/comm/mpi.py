@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import GatherTimeoutError
 from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
 
-__all__ = ["MPIComm", "MPIFlags", "TAG_RANGE"]
+__all__ = ["MPIComm", "MPIFlags", "TAG_RANGE", "bounded_mpi_init"]
 
 log = logging.getLogger("distmem")
 
@@ -60,13 +60,67 @@ class _Pending:
 _PRIVATE: Dict[int, Dict[str, Any]] = {}
 
 
+def bounded_mpi_init(timeout: float) -> None:
+    """Start MPI (``MPI_Init_thread``, thread-multiple) within ``timeout`` seconds, unless mpi4py or
+    another library (Horovod) already did. ``MPI_Init`` waits for every rank of the job; a rank lost
+    before it would block the others there forever, and mpi4py holds the GIL inside it, so the call
+    goes through ctypes (which releases the GIL) on a daemon thread that can be abandoned.
+    GatherTimeoutError when it does not return in time; ImportError without mpi4py."""
+    import sys
+
+    import mpi4py
+
+    if "mpi4py.MPI" in sys.modules:
+        return
+    import ctypes
+    import ctypes.util
+    import threading
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("mpi") or "libmpi.so.40", mode=ctypes.RTLD_GLOBAL)
+        flag = ctypes.c_int(0)
+        lib.MPI_Initialized(ctypes.byref(flag))
+    except (OSError, AttributeError):
+        return  # no C library to call directly: mpi4py initialises as usual
+    if flag.value:
+        mpi4py.rc.initialize = False
+        return
+    provided = ctypes.c_int(-1)
+    done = threading.Event()
+
+    def start() -> None:
+        lib.MPI_Init_thread(None, None, 3, ctypes.byref(provided))  # MPI_THREAD_MULTIPLE
+        done.set()
+
+    threading.Thread(target=start, name="distmem-mpi-init", daemon=True).start()
+    if not done.wait(timeout):
+        raise GatherTimeoutError(
+            f"MPI_Init did not complete within {timeout:.1f} s: at least one rank of the job never started MPI "
+            "(it was lost before distmem's first collective, or took another code path); every rank that waits "
+            "raises this instead of hanging. Check the other ranks' logs, or raise DISTMEM_TIMEOUT")
+    mpi4py.rc.initialize = False
+    import atexit
+
+    def finalize() -> None:
+        # distmem started MPI, so it ends it at exit as mpi4py would have: a process that leaves
+        # without MPI_Finalize is an abnormal termination to mpirun.
+        done_flag = ctypes.c_int(0)
+        lib.MPI_Finalized(ctypes.byref(done_flag))
+        if not done_flag.value:
+            lib.MPI_Finalize()
+
+    atexit.register(finalize)
+
+
 class MPIComm(Comm):
     """mpi4py on a private duplicate of COMM_WORLD (made without a blocking collective)."""
 
     name = "mpi"
 
-    def __init__(self, comm: Any = None):
-        from mpi4py import MPI  # initialises MPI if the launcher has not; only called under a launcher
+    def __init__(self, comm: Any = None, timeout: Optional[float] = None):
+        if comm is None:
+            bounded_mpi_init(resolve_timeout(timeout))
+        from mpi4py import MPI  # attaches to the MPI started above (or by the launcher's library)
 
         self.MPI = MPI
         self.world = comm or MPI.COMM_WORLD
