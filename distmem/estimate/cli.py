@@ -71,7 +71,8 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
         (f"activations kept (batch {b})", format_bytes(est.activation_bytes())),
         ("training peak (allocator)", format_bytes(est.peak_bytes)),
     ] + [(f"  of which {k}", format_bytes(v)) for k, v in parts.items() if k not in ("weights", "optimizer")] + [
-        (f"GPU footprint ({fw}: cache + context)", format_bytes(est.footprint_bytes(fw))),
+        (f"GPU footprint ({fw}: +{100 * est.estimate_margin:.0f}% estimate margin, cache, context)",
+         format_bytes(est.footprint_bytes(fw))),
         ("inference peak (allocator)", format_bytes(est.inference_bytes())),
     ]
     w = max(len(k) for k, _ in totals)
