@@ -238,3 +238,15 @@ def test_item_on_meta_is_answered_with_a_warning():
         est = estimate_torch(Gate(), input_shape=(4,), batch_size=2, device="cpu")
     assert any("module '(model)'" in w or "module ''" in w or "Gate" in w or "read a tensor" in w
                for w in est.warnings)
+
+
+def test_cuda_dropout_keeps_a_one_byte_mask():
+    """On CUDA, dropout is the fused kernel keeping a bool mask; the meta/CPU decomposition keeps a
+    mask in the input's dtype. A CUDA estimate must model the former."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.1), nn.Linear(256, 256))
+    cuda = estimate_torch(model, input_shape=(256,), batch_size=64, device="cuda", loss="sum")
+    cpu = estimate_torch(model, input_shape=(256,), batch_size=64, device="cpu", loss="sum")
+    drop_cuda = {r.kind: r for r in cuda.layers}["Dropout"].activation_bytes_per_sample
+    drop_cpu = {r.kind: r for r in cpu.layers}["Dropout"].activation_bytes_per_sample
+    assert drop_cuda == 256 * 1 + 256 * 4  # the mask (1 byte) and the dropped output, read by the Linear
+    assert drop_cpu == 256 * 4 + 256 * 4
