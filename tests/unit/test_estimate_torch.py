@@ -250,3 +250,22 @@ def test_cuda_dropout_keeps_a_one_byte_mask():
     drop_cpu = {r.kind: r for r in cpu.layers}["Dropout"].activation_bytes_per_sample
     assert drop_cuda == 256 * 1 + 256 * 4  # the mask (1 byte) and the dropped output, read by the Linear
     assert drop_cpu == 256 * 4 + 256 * 4
+
+
+def test_attention_with_a_learned_bias_keeps_the_score_matrix_on_cuda():
+    """A bias that needs its gradient leaves CUDA only the math kernel (T5's relative positions),
+    which keeps the score matrix; a fixed bias goes to the fused kernel, which does not."""
+    class Biased(nn.Module):
+        def __init__(self, learned):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.bias = nn.Parameter(torch.zeros(1, 2, 128, 128), requires_grad=learned)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).sum(dim=(1, 3))
+
+    learned = estimate_torch(Biased(True), input_shape=(128, 16), batch_size=2, device="cuda", loss="sum")
+    fixed = estimate_torch(Biased(False), input_shape=(128, 16), batch_size=2, device="cuda", loss="sum")
+    scores = 2 * 2 * 128 * 128 * 4  # batch x heads x seq x seq, fp32: the softmax output the math kernel keeps
+    assert learned.activation_bytes() >= scores > 2 * fixed.activation_bytes()
