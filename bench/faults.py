@@ -545,7 +545,7 @@ def retally(logs: List[str], out: str) -> List[Dict[str, Any]]:
     for launcher, recs in by.items():
         prev = old.get(launcher, {})
         keep = ("np", "timeout_s", "hang_after_s", "seed", "stop_share", "target_injections", "clean_launch_seconds",
-                "calibration_counts", "stopped_early", "commit", "when", "hang_cause",
+                "calibration_counts", "stopped_early", "commit", "when", "hang_cause", "other_exception_cause",
                 "calibration_counts_offset_run")
         meta = {k: prev[k] for k in keep if k in prev}
         meta.setdefault("timeout_s", 5.0)
