@@ -53,6 +53,8 @@ def log(msg: str) -> None:
 def tf_model(name: str):
     """(model, make_batch(batch) -> (x, y)) for a zoo name; all weights=None, classes as noted."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # CPU:0 keeps statistics only under oneDNN's BFC allocator, on by default only on AVX512/AMX CPUs
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     import numpy as np
     import tensorflow as tf
     K = tf.keras
@@ -363,6 +365,7 @@ def _measure_in_subprocess(framework: str, name: str, batch: int, steps: int, ti
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
