@@ -127,7 +127,7 @@ setup(
         "report": ["rich>=12", "matplotlib>=3.5", "pyyaml>=6", "tensorboard>=2.12"],
         "test": ["pytest>=7", "pytest-timeout>=2", "pyyaml>=6"],
     },
-    entry_points={"console_scripts": ["distmem=distmem.cli:main", "distmem-exec=distmem.native:exec_main"]},
+    entry_points={"console_scripts": ["distmem=distmem.cli:main", "distmem-exec=distmem.cli.exec:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Operating System :: POSIX :: Linux",

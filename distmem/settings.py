@@ -18,7 +18,7 @@ variable                               meaning
 ``DISTMEM_PLAIN``                      ``1``: plain tables, never rich
 ``DISTMEM_COMM``                       ``auto`` | ``mpi``: which transport gathers (MPI when launched by it)
 ``DISTMEM_LAYOUT_DIR``                 folder of the node-local layout exchange (default /dev/shm or tmp)
-``DISTMEM_LAYOUT_TIMEOUT``             seconds a rank waits for its host's other ranks (default 30)
+``DISTMEM_LAYOUT_TIMEOUT``             seconds a rank waits for its host's other ranks (default DISTMEM_TIMEOUT, else 30)
 ``DISTMEM_LAUNCH_TIMEOUT``             seconds ``distmem launch-tf`` lets a job run (default 3600)
 ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``  ``1`` / ``0``: torch's expandable segments on / off
 ``DISTMEM_CAP_*``                      the native cap's settings, written by ``distmem-exec``
@@ -87,8 +87,9 @@ def timeout(env: Optional[Mapping[str, str]] = None) -> float:
 
 
 def layout_timeout(env: Optional[Mapping[str, str]] = None) -> float:
-    """``DISTMEM_LAYOUT_TIMEOUT``: seconds a rank waits for its host's other ranks at init (default 30)."""
-    return _seconds("DISTMEM_LAYOUT_TIMEOUT", 30.0, env)
+    """``DISTMEM_LAYOUT_TIMEOUT``: seconds a rank waits for its host's other ranks at init (default:
+    ``DISTMEM_TIMEOUT`` when that is set, else 30)."""
+    return _seconds("DISTMEM_LAYOUT_TIMEOUT", timeout(env) if raw("DISTMEM_TIMEOUT", env) else 30.0, env)
 
 
 def launch_timeout(env: Optional[Mapping[str, str]] = None) -> float:

@@ -5,7 +5,7 @@ The library (``native/``, built by ``scripts/build_native.sh``) is loaded with `
 caps every CUDA allocation of the process, whoever makes it (framework allocator, cuBLAS/cuDNN
 workspaces, NCCL buffers), at ``DISTMEM_CAP_BYTES``. It must be in the process from its start, so
 Python cannot switch it on; it can only check (``status``, ``require_active``) and launch
-(``launch_env``, ``exec_main``). See docs/native.md.
+(``launch_env``; the ``distmem-exec`` command is :mod:`distmem.cli.exec`). See docs/native.md.
 """
 from __future__ import annotations
 

@@ -106,14 +106,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="distmem fit", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ConfigError as exc:
-        print(f"distmem fit: error: {exc}", file=sys.stderr)
-        return 1
+    """``python -m distmem.cli.fit``: the same as ``distmem fit``."""
+    from . import main as distmem_main
+
+    return distmem_main(["fit", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

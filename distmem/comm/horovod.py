@@ -23,6 +23,12 @@ log = logging.getLogger("distmem")
 FLAG_NAME = "distmem.guard.flag"  # one fixed name: Horovod's response cache then serves every step
 
 
+def _lost(what: str, rank: int, size: int, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return (f"Horovod {what} failed on rank {rank} of {size} ({type(exc).__name__}: {first}): a peer rank is gone "
+            "(crashed, killed or out of memory) and Horovod shut down; check the other ranks' logs")
+
+
 class HorovodComm(Comm):
     """Horovod collectives (Gloo or MPI controller), each bounded by the timeout."""
 
@@ -47,6 +53,8 @@ class HorovodComm(Comm):
                 f"Horovod allgather did not complete within {timeout:.1f} s on rank {self.rank} of {self.size}: at "
                 "least one rank never entered it; Horovod's stall warnings in the log name the missing ranks "
                 "(HOROVOD_STALL_CHECK_TIME_SECONDS)") from None
+        except Exception as exc:  # noqa: BLE001 - "Horovod has been shut down" when a peer left
+            raise GatherTimeoutError(_lost("allgather", self.rank, self.size, exc)) from None
 
     def gather(self, obj, root=0, timeout=None):
         try:
@@ -87,11 +95,16 @@ class HorovodTorchFlags(FlagReducer):
         import torch
 
         t = torch.tensor(vec, dtype=torch.float64)
-        handle = self.hvd.allreduce_async_(t, op=self.hvd.Sum, name=FLAG_NAME)
-        if not wait_until(lambda: self.hvd.poll(handle), time.monotonic() + timeout):
-            self._abandoned.append((handle, t))
-            raise flag_timeout_error("the guard's flag all-reduce (horovod.torch)", timeout, self.rank, self.size)
-        return self.hvd.synchronize(handle).tolist()
+        try:
+            handle = self.hvd.allreduce_async_(t, op=self.hvd.Sum, name=FLAG_NAME)
+            if not wait_until(lambda: self.hvd.poll(handle), time.monotonic() + timeout):
+                self._abandoned.append((handle, t))
+                raise flag_timeout_error("the guard's flag all-reduce (horovod.torch)", timeout, self.rank, self.size)
+            return self.hvd.synchronize(handle).tolist()
+        except GatherTimeoutError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Horovod shut down under a lost peer
+            raise GatherTimeoutError(_lost("the guard's flag all-reduce", self.rank, self.size, exc)) from None
 
 
 class HorovodTFFlags(FlagReducer):
@@ -116,3 +129,5 @@ class HorovodTFFlags(FlagReducer):
         except Stuck:
             raise flag_timeout_error("the guard's flag all-reduce (horovod.tensorflow)", timeout, self.rank,
                                      self.size) from None
+        except Exception as exc:  # noqa: BLE001 - Horovod shut down under a lost peer
+            raise GatherTimeoutError(_lost("the guard's flag all-reduce", self.rank, self.size, exc)) from None

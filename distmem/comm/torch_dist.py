@@ -16,7 +16,14 @@ from ..bounded import Stuck, call_with_timeout
 from ..errors import GatherTimeoutError
 from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
 
-__all__ = ["TorchDistComm", "TorchDistFlags", "rank_device"]
+__all__ = ["TorchDistComm", "TorchDistFlags", "rank_device", "peer_lost"]
+
+
+def peer_lost(what: str, rank: int, size: int, exc: BaseException) -> str:
+    """The message when the transport itself reports a peer gone (Gloo's "connection closed")."""
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return (f"torch.distributed {what} failed on rank {rank} of {size}: {first}; a peer rank is gone (crashed, "
+            "killed or out of memory) - check the other ranks' logs")
 
 
 def rank_device(dist: Any) -> Optional[int]:
@@ -66,9 +73,16 @@ class TorchDistComm(Comm):
                 f"torch.distributed all_gather_object did not complete within {timeout:.1f} s on rank {self.rank} of "
                 f"{self.size}: at least one rank never entered it (crashed, hung, or took another code path); check "
                 "the other ranks' logs, or raise timeout= / DISTMEM_TIMEOUT") from None
+        except RuntimeError as exc:  # Gloo/NCCL: "Connection closed by peer" when a rank is gone
+            raise GatherTimeoutError(peer_lost("all_gather_object", self.rank, self.size, exc)) from None
 
     def gather(self, obj, root=0, timeout=None):
-        rows = self.allgather(obj, timeout)
+        try:
+            rows = self.allgather(obj, timeout)
+        except GatherTimeoutError:
+            if self.rank != root:
+                return None, []
+            return [obj if r == root else None for r in range(self.size)], [r for r in range(self.size) if r != root]
         return (rows, []) if self.rank == root else (None, [])
 
     def allreduce(self, values, op="sum", timeout=None):
@@ -79,14 +93,17 @@ class TorchDistComm(Comm):
         device = "cpu" if self.device is None else f"cuda:{self.device}"
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
         red = {"sum": self.dist.ReduceOp.SUM, "min": self.dist.ReduceOp.MIN, "max": self.dist.ReduceOp.MAX}[op]
-        work = self.dist.all_reduce(t, op=red, async_op=True)
-        if not wait_until(work.is_completed, time.monotonic() + timeout):
-            self._abandoned.append((work, t))
-            raise GatherTimeoutError(
-                f"torch.distributed all-reduce of {len(t)} value(s) did not complete within {timeout:.1f} s on rank "
-                f"{self.rank} of {self.size}: at least one rank never entered it; check the other ranks' logs, or "
-                "raise timeout= / DISTMEM_TIMEOUT")
-        work.wait()
+        try:
+            work = self.dist.all_reduce(t, op=red, async_op=True)
+            if not wait_until(work.is_completed, time.monotonic() + timeout):
+                self._abandoned.append((work, t))
+                raise GatherTimeoutError(
+                    f"torch.distributed all-reduce of {len(t)} value(s) did not complete within {timeout:.1f} s on "
+                    f"rank {self.rank} of {self.size}: at least one rank never entered it; check the other ranks' "
+                    "logs, or raise timeout= / DISTMEM_TIMEOUT")
+            work.wait()
+        except RuntimeError as exc:
+            raise GatherTimeoutError(peer_lost("all-reduce", self.rank, self.size, exc)) from None
         return t.cpu().tolist()
 
     def flag_reducer(self) -> FlagReducer:
@@ -109,9 +126,13 @@ class TorchDistFlags(FlagReducer):
 
         device = "cpu" if self.device is None else f"cuda:{self.device}"
         t = torch.tensor(vec, dtype=torch.float64, device=device)
-        work = self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, async_op=True)
-        if not wait_until(work.is_completed, time.monotonic() + timeout):
-            self._abandoned.append((work, t))
-            raise flag_timeout_error("the guard's flag all-reduce (torch.distributed)", timeout, self.rank, self.size)
-        work.wait()
+        try:
+            work = self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, async_op=True)
+            if not wait_until(work.is_completed, time.monotonic() + timeout):
+                self._abandoned.append((work, t))
+                raise flag_timeout_error("the guard's flag all-reduce (torch.distributed)", timeout, self.rank,
+                                         self.size)
+            work.wait()
+        except RuntimeError as exc:
+            raise GatherTimeoutError(peer_lost("the guard's flag all-reduce", self.rank, self.size, exc)) from None
         return t.cpu().tolist()

@@ -621,6 +621,19 @@ def _inference_peak(model, params, buffers, args, kwargs, cuda, prec) -> int:
     return alloc.peak
 
 
+
+def _count_parameter(row: LayerEstimate, p: Any, info: Any) -> None:
+    """Add one parameter to a table row: its elements and bytes, and if it trains, its gradient
+    and optimizer slots."""
+    n = p.numel()
+    wb = dtype_bytes(p.dtype)
+    row.params += n
+    row.param_bytes += n * wb
+    if p.requires_grad:
+        row.trainable_params += n
+        row.grad_bytes += n * wb
+        row.optimizer_bytes += info.slot_elements(tuple(p.shape)) * wb
+
 def _rows(first, second, params, info, prec: Precision, batch: int) -> List[LayerEstimate]:
     """Table rows in execution order from two simulations (``batch`` and ``batch + 1``)."""
     rows: List[LayerEstimate] = []
@@ -631,14 +644,7 @@ def _rows(first, second, params, info, prec: Precision, batch: int) -> List[Laye
             if id(p) in counted:
                 continue
             counted.add(id(p))
-            n = p.numel()
-            wb = dtype_bytes(p.dtype)
-            r.params += n
-            r.param_bytes += n * wb
-            if p.requires_grad:
-                r.trainable_params += n
-                r.grad_bytes += n * wb
-                r.optimizer_bytes += info.slot_elements(tuple(p.shape)) * wb
+            _count_parameter(r, p, info)
         a1 = first["kept"].get(idx, 0)
         a2 = second["kept"].get(idx, 0)
         r.activation_bytes_per_sample = max(a2 - a1, 0)
@@ -656,14 +662,7 @@ def _rows(first, second, params, info, prec: Precision, batch: int) -> List[Laye
     if leftovers:
         r = LayerEstimate(name="(unused parameters)", kind="Parameter")
         for _, p in leftovers:
-            n = p.numel()
-            wb = dtype_bytes(p.dtype)
-            r.params += n
-            r.param_bytes += n * wb
-            if p.requires_grad:
-                r.trainable_params += n
-                r.grad_bytes += n * wb
-                r.optimizer_bytes += info.slot_elements(tuple(p.shape)) * wb
+            _count_parameter(r, p, info)
         rows.append(r)
     return [r for r in rows if r.params or r.activation_bytes_per_sample or r.activation_fixed_bytes
             or not r.name.endswith(_ROW_OWN)]

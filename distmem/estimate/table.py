@@ -117,21 +117,13 @@ class Estimate:
     _cache: Dict[Any, Dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------ totals
-    @property
-    def params(self) -> int:
-        return sum(r.params for r in self.layers)
+    def _sum(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.layers)
 
-    @property
-    def param_bytes(self) -> int:
-        return sum(r.param_bytes for r in self.layers)
-
-    @property
-    def grad_bytes(self) -> int:
-        return sum(r.grad_bytes for r in self.layers)
-
-    @property
-    def optimizer_bytes(self) -> int:
-        return sum(r.optimizer_bytes for r in self.layers)
+    params = property(lambda self: self._sum("params"), doc="Weight elements over all layers.")
+    param_bytes = property(lambda self: self._sum("param_bytes"), doc="Bytes of stored weights.")
+    grad_bytes = property(lambda self: self._sum("grad_bytes"), doc="Bytes of gradients.")
+    optimizer_bytes = property(lambda self: self._sum("optimizer_bytes"), doc="Bytes of optimizer state.")
 
     @property
     def state_bytes(self) -> int:
