@@ -302,10 +302,15 @@ def run_injection(launcher: str, inj: Injection, *, np_: int, timeout: float, sl
         # A hung rank never leaves: no point waiting for the launcher then (it is killed below).
         hung = any(s.get("outcome") == "hang" for s in out.survivors.values()) or \
             (out.thawed or {}).get("outcome") == "hang"
+        # mpirun with orte_abort_on_non_zero_status=0 (set here so that survivors live on) never exits
+        # when a rank was killed before MPI_Init and the others left without starting MPI: Open MPI's
+        # own wait, not distmem's (reproduced without distmem); the survivors' outcomes are what counts.
+        never_started = launcher in ("mpirun", "hvd-mpi") and inj.phase == "init" and inj.signal == "KILL" and \
+            all(s.get("outcome") in ("returned", "distmem_error") for s in out.survivors.values())
         try:
-            out.launcher_rc = proc.wait(timeout=5 if hung else 60)
+            out.launcher_rc = proc.wait(timeout=5 if hung or never_started else 60)
         except subprocess.TimeoutExpired:
-            if not hung:
+            if not hung and not never_started:
                 out.launcher_hung = True
                 out.problems.append("the launcher did not exit within 60 s after the run was over")
     finally:

@@ -57,6 +57,9 @@ if [ ! -f "$env/.complete" ]; then
     main)
       log "step 1/3: TensorFlow 2.15.1, torch 2.14.1 + torchvision 0.29.1 and tools"
       "${pip[@]}" install -r "$here/requirements/main.txt" >&2
+      # torch's wheel brings triton (GPU kernel compiler, unused on CPU); its LLVM crashes the process
+      # beside TensorFlow's once both are loaded (seen as a segfault in the test suite), so it goes.
+      "${pip[@]}" uninstall -y triton >&2
       log "step 2/3: mpi4py against the system MPI"
       "${pip[@]}" install --no-binary mpi4py -r "$here/requirements/mpi4py.txt" >&2
       log "step 3/3: Horovod 0.28.1 from source with TensorFlow, Gloo and MPI (about 3 minutes)"

@@ -27,9 +27,10 @@ SLACK = 10.0  # beyond timeout + 5 s before a rank without an outcome counts as 
 
 # launcher, phase, signal, victim, point: every phase and both signals; victims 0 and 1 (rank 0
 # writes the report, so its death mid-write is what the reader must never see). Found by the full
-# run (bench/results/faults.json) and failing here until fixed: mpirun-init (the survivor blocks in
-# MPI_Init, which distmem starts inside its first collective, with no bound) and torchrun-report
-# (Gloo's "Connection reset by peer" RuntimeError comes out of distmem.report, not a DistmemError).
+# run (bench/results/faults.json) and failing here until they were fixed: mpirun-init (the survivor
+# blocked in MPI_Init, which distmem started inside its first collective, with no bound: now bounded)
+# and torchrun-report (Gloo's "Connection reset by peer" RuntimeError came out of distmem.report:
+# now a GatherTimeoutError).
 CASES = [
     ("mpirun", "init", "KILL", 1, 400),
     ("hvd-gloo", "report", "STOP", 1, 200),
