@@ -18,41 +18,26 @@ from distmem.plan import make_plan  # noqa: E402
 from distmem.plan.types import DeviceSlot  # noqa: E402
 from distmem.discover.identity import Topology  # noqa: E402
 from distmem.units import GiB, MiB  # noqa: E402
+from fake_torch_cuda import FakeCudaBase  # noqa: E402
 
 # What CUDA reports on an H200 (139.8 GiB) beside NVML's 143771 MiB total.
 H200_CUDA_TOTAL = 143155 * MiB
 
 
-class FakeCuda:
+class FakeCuda(FakeCudaBase):
     """Stands in for ``torch.cuda``. Mirrors CUDA 12+: set_device, mem_get_info and setting a fraction
     create a context on the device they touch; nothing else does."""
 
     version = "2.11.0+cu130"
 
     def __init__(self, n=2, total=H200_CUDA_TOTAL, initialised=False, contexts=(), reserved=None, uuids=None):
-        self.n, self.total, self.initialised = n, total, initialised
-        self.ctx = set(contexts)
-        self.current = 0
+        super().__init__(n, initialised, contexts)
+        self.n, self.total = n, total
         self.calls = []
         self.fractions = {}
         self.reserved = dict(reserved or {})
         self.uuids = uuids or {i: f"0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(n)}
         self.settings = []
-
-    def available(self):
-        return True
-
-    def device_count(self):
-        return self.n
-
-    def is_initialized(self):
-        return self.initialised
-
-    def contexts(self):
-        return sorted(self.ctx)
-
-    def current_device(self):
-        return self.current
 
     def _touch(self, i):
         assert 0 <= i < self.n, f"touched device {i} of {self.n}"

@@ -1,8 +1,12 @@
 """Fake CUDA for CPU dry runs of the GPU harness: distmem's torch backend and gpuprobe's operations
 over fakegpu.state. One instance per process (``BACKEND``), shared by distmem and the probe."""
 import os
+import sys
 
-import state
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+
+import state  # noqa: E402
+from fake_torch_cuda import FakeCudaBase  # noqa: E402 - tests/, shared with the unit tests
 
 MiB = state.MiB
 
@@ -13,34 +17,20 @@ def _oom(msg):
     return torch.cuda.OutOfMemoryError(f"CUDA out of memory. {msg} (fake GPU)")
 
 
-class Backend:
+class Backend(FakeCudaBase):
     version = "2.11.0+fake"
 
     def __init__(self):
-        self.initialised = False
-        self.ctx = set()
+        super().__init__(state.COUNT)
         self.stepped = set()
-        self.current = 0
         self.limit = {}
         self.alloc = {}
         self.peak = {}
         self.settings = []
 
-    # distmem.frameworks.torch backend protocol
-    def available(self):
-        return True
-
+    # distmem.apply.torch backend protocol (the shared part in tests/fake_torch_cuda.py)
     def device_count(self):
         return state.COUNT
-
-    def is_initialized(self):
-        return self.initialised
-
-    def contexts(self):
-        return sorted(self.ctx)
-
-    def current_device(self):
-        return self.current
 
     def _context(self, i, extra=0):
         if not 0 <= i < state.COUNT:
