@@ -232,6 +232,10 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
     rep = collect(step=step, timeout=timeout, detail=detail)
     if rep is None:
         return None
+    if not rep.timeline and session.state.extra.get("timeline"):
+        # The job's periodic reports (ReportEvery, the Keras callback) collected a timeline: the final
+        # report carries it, so `distmem report FILE --plot` draws it.
+        rep.timeline = list(session.state.extra["timeline"])
     if print_table:
         print_report(rep)
     if path:

@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
+from .. import session
 from ..errors import ConfigError
 from .aggregate import Report
 from .collect import DETAILS, collect
@@ -124,6 +125,8 @@ class ReportEvery:
             self.points.append(point(rep, step))
             if len(self.points) > self.max_points:
                 self.points = self.points[:-1:2] + [self.points[-1]]
+            # The process's latest timeline, for a later distmem.report() to carry (rank 0 only has one).
+            session.state.extra["timeline"] = self.points
             write_all(self.sinks, self.report() or rep, step)
         self.seconds += time.perf_counter() - t0
         return rep

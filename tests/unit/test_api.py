@@ -96,3 +96,20 @@ def test_overhead_auto_uses_the_outside_model_and_counts_nccl(monkeypatch):
     nccl = distmem.init(framework="torch", overhead="auto", fleet="1x16GiB").overhead_bytes
     assert nccl == outside_allocator_bytes("torch", nccl_communicators=1) > plain + 256 * 1024**2
     distmem.reset()
+
+
+def test_the_final_report_carries_the_timeline_the_job_collected(tmp_path, monkeypatch):
+    """ReportEvery without path= collects points; a later distmem.report(path=...) writes them."""
+    import json
+
+    monkeypatch.setenv("DISTMEM_QUIET", "1")
+    distmem.reset()
+    distmem.init(framework="none", verbose=False)
+    every = distmem.ReportEvery(2)
+    for _ in range(6):
+        every.step()
+    out = tmp_path / "report.json"
+    rep = distmem.report(path=str(out), print_table=False)
+    assert [p["step"] for p in rep.timeline] == [2, 4, 6]
+    assert [p["step"] for p in json.loads(out.read_text())["timeline"]] == [2, 4, 6]
+    distmem.reset()
