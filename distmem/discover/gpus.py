@@ -65,7 +65,7 @@ class Gpu:
 def pid_usage(gpus: Sequence[Gpu], pid: int) -> Dict[int, Optional[int]]:
     """Bytes ``pid`` holds on each of ``gpus`` where NVML lists it, by ordinal: the one
     which-process-holds-what lookup (reports, foreign-memory warnings, ``process_usage``)."""
-    return {g.index: g.holders()[pid] for g in gpus if pid in g.holders()}
+    return {g.index: p.used_bytes for g in gpus for p in g.processes if p.pid == pid}
 
 
 @dataclass
