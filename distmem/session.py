@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # types only: a leaf must not import the stages
     from .discover.layout import Layout
     from .plan.types import Plan
 
-__all__ = ["Session", "state", "current_plan", "fingerprint", "host_fingerprint", "clear"]
+__all__ = ["Session", "state", "current_plan", "fingerprint", "host_fingerprint", "allocation_dict", "clear"]
 
 
 @dataclass
@@ -31,11 +31,18 @@ class Session:
     options: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
     _fingerprint: Optional[str] = None
+    _allocation: Optional[Dict[str, Any]] = None
     _host_fingerprint: Optional[str] = None
     _fingerprint_of: Any = None
 
 
 state = Session()
+
+#: Set by :func:`clear` (``distmem.reset()``, tests only) and never unset: the framework may have
+#: started under an earlier plan of this process, which cannot be undone, so a later ``init()`` in
+#: a dry run no longer treats a started framework as "too late" (real GPUs are still checked by the
+#: framework itself). Tests of that check run in a fresh process.
+was_reset = False
 
 
 def current_plan() -> Optional["Plan"]:
@@ -46,7 +53,14 @@ def current_plan() -> Optional["Plan"]:
 def _hash(plan: "Plan") -> None:
     if state._fingerprint_of is not plan:
         state._fingerprint, state._host_fingerprint = plan.fingerprint(), plan.host_fingerprint()
+        state._allocation = plan.mine.to_dict()
         state._fingerprint_of = plan
+
+
+def allocation_dict(plan: "Plan") -> Dict[str, Any]:
+    """This rank's allocation as plain data, made once per plan (every snapshot carries it)."""
+    _hash(plan)
+    return state._allocation or {}
 
 
 def fingerprint(plan: "Plan") -> str:
@@ -64,4 +78,6 @@ def host_fingerprint(plan: "Plan") -> str:
 
 def clear() -> None:
     """Forget everything (tests; a process cannot un-apply a framework)."""
+    global was_reset
     state.__dict__.update(Session().__dict__)
+    was_reset = True

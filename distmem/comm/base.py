@@ -16,9 +16,10 @@ from .. import settings
 from ..errors import ConfigError, GatherTimeoutError
 
 __all__ = ["Comm", "SingleComm", "FlagReducer", "SingleFlags", "CommFlags", "REDUCE_OPS", "check_op",
-           "reduce_rows", "resolve_timeout", "mpi_launched", "wait_until", "flag_timeout_error"]
+           "reduce_rows", "resolve_timeout", "mpi_launched", "wait_until", "SPIN_SECONDS", "flag_timeout_error"]
 
 REDUCE_OPS = ("sum", "min", "max")
+_NEG_INF = float("-inf")
 
 
 def resolve_timeout(timeout: Optional[float]) -> float:
@@ -45,19 +46,32 @@ def reduce_rows(rows: Sequence[Sequence[float]], op: str) -> List[float]:
     return [float(fn(col)) for col in zip(*rows)]
 
 
+#: How long :func:`wait_until` polls without sleeping before it backs off (seconds).
+SPIN_SECONDS = 0.002
+
+
 def wait_until(test: Callable[[], bool], deadline: float) -> bool:
-    """Poll ``test`` until it is true or ``time.monotonic()`` passes ``deadline``: a few immediate
-    retries (ranks usually arrive together), then sleeps of 20 us doubling to 250 us, so a late rank
-    costs at most ~250 us of added latency and no core spins."""
-    for _ in range(20):
+    """Poll ``test`` until it is true or ``time.monotonic()`` passes ``deadline``.
+
+    First ``SPIN_SECONDS`` (2 ms) of polling that yields the core between tests
+    (``os.sched_yield``) - ranks of one collective usually arrive within that, and a sleep of even
+    20 us costs 60-100 us of wake-up latency on Linux, more than a whole small gather - then sleeps
+    of 50 us doubling to 1 ms, so a rank that waits long for a late one does not hold a core."""
+    if test():
+        return True
+    spin_until = time.perf_counter() + SPIN_SECONDS
+    yield_ = getattr(os, "sched_yield", None)
+    while time.perf_counter() < spin_until:
         if test():
             return True
-    delay = 0.00002
+        if yield_ is not None:
+            yield_()
+    delay = 0.00005
     while not test():
         if time.monotonic() > deadline:
             return False
         time.sleep(delay)
-        delay = min(0.00025, delay * 2)
+        delay = min(0.001, delay * 2)
     return True
 
 
@@ -109,6 +123,24 @@ class Comm:
 
     def allgather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
         raise NotImplementedError
+
+    def allreduce_sum_maxloc(self, sums: Sequence[float], maxima: Sequence[float], timeout: Optional[float] = None
+                             ) -> Tuple[List[float], List[float], List[Optional[int]]]:
+        """The summary report's reduction: element-wise sum of ``sums``; element-wise max of
+        ``maxima`` and, for each, the lowest rank whose own value equals it (None where every rank
+        gave -inf). Bounded by ``timeout`` in total. Default: three all-reduces (sum, max, then the
+        max of ``-rank`` over the holders); transports with a max-with-location override it."""
+        timeout = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        left = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
+        rs = self.allreduce(sums, "sum", left())
+        rm = self.allreduce(maxima, "max", left())
+        return rs, rm, self._lowest_holders(maxima, rm, left())
+
+    def _lowest_holders(self, maxima: Sequence[float], reduced: Sequence[float], timeout: float
+                        ) -> List[Optional[int]]:
+        mine = [-float(self.rank) if (v != _NEG_INF and v == m) else _NEG_INF for v, m in zip(maxima, reduced)]
+        return [None if v == _NEG_INF else int(-v) for v in self.allreduce(mine, "max", timeout)]
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         self.allreduce([0.0], "sum", timeout)

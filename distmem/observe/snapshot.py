@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
+from .. import session, settings
+from ..apply import adapter
+from ..discover import gpus as discover_gpus
+from ..discover.identity import detect
+from ..errors import DistmemError
 from ..units import format_bytes
 
 __all__ = ["Snapshot", "take", "rss_bytes", "allocator_pool_bytes", "outside_allocator_bytes", "plan_usage",
@@ -70,17 +75,25 @@ class Snapshot:
         return self.peak_bytes if self.peak_bytes is not None else self.current_bytes
 
     def to_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
+        """Plain data (JSON- and pickle-ready). Field by field, not ``dataclasses.asdict``: asdict
+        deep-copies every nested value and was most of a report's cost on the sending ranks. The
+        nested values are copied one level (they are plain dicts and lists of plain values)."""
+        d = {name: getattr(self, name) for name in _FIELD_NAMES}
+        d["devices"] = list(self.devices)
+        d["allocation"] = dict(self.allocation)
+        d["extra"] = dict(self.extra)
+        d["native"] = dict(self.native) if self.native is not None else None
+        d["gpu_pids"] = {str(k): list(v) for k, v in self.gpu_pids.items()}
         d["nvml_bytes"] = {str(k): v for k, v in self.nvml_bytes.items()}
-        d["gpu_pids"] = {str(k): v for k, v in self.gpu_pids.items()}
         d["gpu_uuids"] = {str(k): v for k, v in self.gpu_uuids.items()}
         d["gpu_process_bytes"] = {str(k): {str(p): b for p, b in v.items()} for k, v in self.gpu_process_bytes.items()}
         return d
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Snapshot":
-        known = _SNAPSHOT_FIELDS
-        kw = {k: v for k, v in d.items() if k in known}
+        # The usual row has exactly the known fields (a C-level key check); older or newer files
+        # may have fewer or more.
+        kw = dict(d) if d.keys() <= _SNAPSHOT_FIELDS else {k: v for k, v in d.items() if k in _SNAPSHOT_FIELDS}
         for key in ("nvml_bytes", "gpu_pids", "gpu_uuids"):
             m = kw.get(key)
             kw[key] = {int(k): v for k, v in m.items()} if m else {}
@@ -89,7 +102,8 @@ class Snapshot:
         return cls(**kw)
 
 
-_SNAPSHOT_FIELDS = frozenset(Snapshot.__dataclass_fields__)
+_FIELD_NAMES = tuple(Snapshot.__dataclass_fields__)
+_SNAPSHOT_FIELDS = frozenset(_FIELD_NAMES)
 
 
 def allocator_pool_bytes(s: Snapshot) -> Optional[int]:
@@ -141,27 +155,50 @@ def outside_allocator_bytes(s: Snapshot) -> Optional[int]:
 
 
 def rss_bytes() -> Optional[int]:
-    """This process's resident host memory (``ps``'s RSS) in bytes; None where it cannot be read."""
+    """This process's resident host memory (``ps``'s RSS) in bytes; None where it cannot be read.
+
+    Linux: ``/proc/self/statm``, kept open and re-read from its start (what psutil reads, without
+    building a Process object and opening the file on every snapshot); reopened after a fork.
+    Elsewhere psutil."""
+    global _STATM
+    pid = _pid()
+    try:
+        if _STATM is None or _STATM[0] != pid:
+            _STATM = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError, AttributeError):
+        _STATM = None
     try:
         import psutil
 
         return int(psutil.Process().memory_info().rss)
-    except Exception:  # noqa: BLE001 - psutil missing: fall back to /proc
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
-            return None
+    except Exception:  # noqa: BLE001 - neither /proc nor psutil: no figure
+        return None
+
+
+_PID: List[int] = []
+
+
+def _pid() -> int:
+    """``os.getpid()``, asked once per process (a system call costs microseconds on some VMs, and a
+    snapshot is taken on every report); forgotten in a forked child."""
+    if not _PID:
+        _PID.append(os.getpid())
+    return _PID[0]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_PID.clear)
+
+_STATM: Optional[Tuple[int, int]] = None  # (pid, fd of /proc/<pid>/statm)
+try:
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):  # not POSIX
+    _PAGE = 4096
 
 
 def take(step: Optional[int] = None) -> Snapshot:
     """This rank's memory now: allocator, NVML per-process and RSS figures beside its applied plan."""
-    from .. import session
-    from ..apply import adapter
-    from ..discover import gpus as discover_gpus
-    from ..discover.identity import detect
-    from ..errors import DistmemError
-
     state = session.state
     plan = state.plan
     if plan is None:
@@ -170,7 +207,7 @@ def take(step: Optional[int] = None) -> Snapshot:
     fw = state.framework or "none"
     st = adapter(fw).stats(plan)
     topo = state.topology or detect()
-    pid = os.getpid()
+    pid = _pid()
     nvml: Dict[int, Optional[int]] = {}
     gpu_pids: Dict[int, List[int]] = {}
     uuids: Dict[int, str] = {}
@@ -187,8 +224,6 @@ def take(step: Optional[int] = None) -> Snapshot:
                 procs[g.index] = g.holders()
                 gpu_pids[g.index] = list(procs[g.index])
     native_status = None
-    from .. import settings
-
     if settings.raw("DISTMEM_CAP_BYTES"):
         try:
             from ..apply import native
@@ -198,7 +233,7 @@ def take(step: Optional[int] = None) -> Snapshot:
             native_status = {"error": str(exc)}
     return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=mine.local_rank, host=mine.node or topo.node,
                     pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
-                    allocation=mine.to_dict(),
+                    allocation=session.allocation_dict(plan),
                     limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
                     enforced=bool(state.applied and not state.applied.get("dry_run"))
                     and any(d.enforce for d in mine.devices),

@@ -120,6 +120,8 @@ def _gpu_keys(snaps: Sequence[Snapshot]):
 
 
 def _gpu_warnings(snaps: Sequence[Snapshot], out: Findings) -> None:
+    if not any(s.nvml_bytes or s.gpu_pids for s in snaps):
+        return  # no rank has NVML figures (CPU, declared fleet): nothing can be crowded or foreign
     key = _gpu_keys(snaps)
     job_pids: Dict[Tuple[str, int], int] = {(s.host, s.pid): s.rank for s in snaps}
     planned: Dict[GpuKey, set] = {}

@@ -9,10 +9,14 @@ aggregates equal those of ``aggregate()`` over the same snapshots, key for key.
 Rounds (every rank enters all of them, in this order; the number of rounds depends only on reduced
 values, so it is the same on every rank):
 
-1. ``sum`` of counts and totals, then ``max`` of maxima (minima as negated maxima);
-2. ``max`` of ``-rank`` for the holders of each extreme, i.e. the lowest holder;
-3. only when a warning needs them: ``sum`` of the figures the unique lowest holders contribute
+1. ``sum`` of counts and totals, ``max`` of maxima (minima as negated maxima) and, for each
+   extreme, its lowest holder: :meth:`Comm.allreduce_sum_maxloc` - under MPI one round (SUM and
+   MAXLOC posted together), elsewhere a ``sum``, a ``max`` and a ``max`` of ``-rank`` over the ranks
+   whose value equals the maximum;
+2. only when a warning needs them: ``sum`` of the figures the unique lowest holders contribute
    (their peak and limit, NVML and pool bytes), zero from everyone else.
+
+:func:`reduce_locally` is the same reduction over a list of snapshots in one process (tests).
 
 A rank that never arrives makes the all-reduce time out on every rank that did; rank 0 then returns
 a report that says so (a summary cannot name the missing rank: use ``detail="full"``).
@@ -303,10 +307,9 @@ def summary_report(snap: Snapshot, comm: Any, timeout: float) -> Optional[Report
     left = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
     try:
         sv, mv = local_vectors(snap)
-        rs = comm.allreduce(sv, "sum", left())
-        rm = comm.allreduce(mv, "max", left())
-        red2 = comm.allreduce(_holder_vector(snap, mv, rm), "max", left())
-        holders, stage_holders = _holders(red2)
+        rs, rm, lowest = comm.allreduce_sum_maxloc(sv, mv, left())
+        holders = {name: lowest[MAX_AT[name]] for name in HOLDERS}
+        stage_holders = lowest[len(MAX_AT):]
         details = None
         if _needs_details(rs):
             details = comm.allreduce(_detail_vector(snap, holders), "sum", left())

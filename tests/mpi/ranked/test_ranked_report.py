@@ -127,3 +127,32 @@ def test_two_ranks_on_one_planned_exclusive_gpu_are_named(monkeypatch, detail):
     assert "rank 1" in shared[0]["message"] and ("rank 0" in shared[0]["message"] or "ranks 0, 1" in shared[0]["message"])
     if detail == "full":
         assert shared[0]["planned_ranks"] == [0] and shared[0]["gpu"] == "GPU-fake-0"
+
+
+def test_sum_maxloc_one_round_equals_the_generic_rounds():
+    """MPI's one-round SUM + MAXLOC gives the same sums, maxima and lowest holders as the generic
+    three all-reduces of ``Comm.allreduce_sum_maxloc`` (ties, -inf everywhere, negative values)."""
+    import random
+
+    from distmem.comm.base import Comm
+
+    distmem.init(strategy="data", fleet="2x16GiB", framework="none", verbose=False)
+    c = dcomm.get_comm()
+    assert c.name == "mpi" and type(c).allreduce_sum_maxloc is not Comm.allreduce_sum_maxloc
+    rnd = random.Random(7 + RANK)
+    ninf = float("-inf")
+    for trial in range(20):
+        sums = [rnd.random() * 1e12 for _ in range(5)] + [float(RANK)]
+        maxima = [float(rnd.randint(0, 3)),  # ties between ranks
+                  ninf,  # nobody holds it
+                  float(RANK % 2) * 7.0 if RANK % 2 else ninf,  # odd ranks only
+                  -float(RANK),  # the highest value at rank 0
+                  rnd.random() * 2 ** 45]
+        one = c.allreduce_sum_maxloc(sums, maxima, timeout=30)
+        generic = Comm.allreduce_sum_maxloc(c, sums, maxima, timeout=30)
+        assert one[1] == generic[1] and one[2] == generic[2], (trial, one, generic)
+        assert all(abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(one[0], generic[0])), (one[0], generic[0])
+        assert one[2][1] is None and one[1][1] == ninf
+        assert one[2][3] == 0 and one[0][-1] == sum(range(SIZE))
+        if SIZE > 1:
+            assert one[2][2] == 1  # lowest odd rank
