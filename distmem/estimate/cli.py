@@ -70,7 +70,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
         ("optimizer state", format_bytes(est.optimizer_bytes)),
         (f"activations kept (batch {b})", format_bytes(est.activation_bytes())),
         ("training peak (allocator)", format_bytes(est.peak_bytes)),
-    ] + [(f"  of which {k}", format_bytes(v)) for k, v in parts.items() if k not in ("weights", "optimizer")] + [
+    ] + [(f"  of which {k}", format_bytes(v)) for k, v in parts.items()] + [
         (f"GPU footprint ({fw}: +{100 * est.estimate_margin:.0f}% estimate margin, cache, context)",
          format_bytes(est.footprint_bytes(fw))),
         ("inference peak (allocator)", format_bytes(est.inference_bytes())),

@@ -30,13 +30,23 @@ __all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "BOOL_MASK_BYTES", "TF_RNN_PART
 #: TensorFlow's CPU allocator with oneDNN (on by default on x86 Linux) serves requests below
 #: 256 KiB from a separate small-size pool whose bytes ``get_memory_info('CPU:0')`` does not
 #: report; only larger buffers (its BFC pool) are counted. Measured on TF 2.15: fifty 240,000-byte
-#: tensors read as 0 bytes in use, fifty 262,144-byte ones as 13,107,200.
+#: tensors read as 0 bytes in use, fifty 262,144-byte ones as 13,107,200. With
+#: ``TF_CPU_ALLOCATOR_USE_BFC=true`` (which distmem's TensorFlow adapter sets) one BFC allocator
+#: serves and counts every buffer: the same fifty small tensors read as 12,294,400.
 TF_CPU_UNCOUNTED_BELOW = 256 * 1024
 
 
-def tf_cpu_uncounted_below() -> int:
-    """Bytes below which TensorFlow's CPU allocator statistics skip a buffer (0 without oneDNN)."""
+def _env_true(name: str) -> bool:
     import os
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def tf_cpu_uncounted_below() -> int:
+    """Bytes below which TensorFlow's CPU allocator statistics skip a buffer: 0 under the BFC CPU
+    allocator (``TF_CPU_ALLOCATOR_USE_BFC``) or without oneDNN, else :data:`TF_CPU_UNCOUNTED_BELOW`."""
+    import os
+    if _env_true("TF_CPU_ALLOCATOR_USE_BFC"):
+        return 0
     return 0 if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() in ("0", "false", "False") \
         else TF_CPU_UNCOUNTED_BELOW
 
@@ -621,6 +631,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
             g.nodes[first_node[row]].grads = tuple(grads)
             g.nodes[first_node[row]].update_temps = tuple(update)
     g.persistent = weights_alloc + slots_alloc
+    g.persistent_parts = ["weights"] * len(weights_alloc) + ["optimizer state"] * len(slots_alloc)
 
     input_per_sample = sum(g.tensors[t].per_sample for t in g.inputs)
     label = g.add(8 * max(1, len(model_outs)))  # int64 class labels, held by the caller
@@ -639,6 +650,14 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
             out["peak"] = int(out["peak"]) + extra[0]
         return out
 
+    def parts_fn(batch: int) -> Dict[str, int]:
+        # the same replay as peak_fn, each allocation booked to its part of the peak
+        alloc = BFCAllocator(min_alloc, track=True)
+        parts = dict(replay(g, batch, grads_held=held, train=True, allocator=alloc, steps=2).parts or {})
+        if extra[0]:
+            parts["calibration (measured, not modelled)"] = extra[0]
+        return parts
+
     rows = b.rows
     # kept activations per row, from replays at batch 1 and 2 (fixed + per-sample), all counted
     r1 = replay(g, 1, grads_held=held, saved_only=True)
@@ -654,7 +673,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     est = Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=batch_size,
                    precision=prec.name, optimizer=opt_info.to_dict(), layers=rows, method="analytic",
                    device=device, input_bytes_per_sample=input_per_sample, warnings=list(b.notes),
-                   _peak_fn=peak_fn)
+                   _peak_fn=peak_fn, _parts_fn=parts_fn)
     for note in b.notes:
         warnings.warn(f"distmem.estimate: {note}", stacklevel=2)
     if calibrate:

@@ -54,7 +54,7 @@ LOSS_SCALE = 65536.0
 DEFAULT_TORCH_INPUT_SHAPE = (3, 224, 224)
 
 _ROW_OWN = " (own ops)"
-_TABLE_KEYS = ("kept", "rows", "out_bytes", "read_values")
+_TABLE_KEYS = ("kept", "rows", "out_bytes", "read_values", "parts")
 
 
 def _torch():
@@ -398,6 +398,58 @@ def _replay_steps(alloc, tracker: _Tracker, steps: int, peaks: List[int], phases
         phases.append(phase)
 
 
+def _peak_parts(cuda: bool, before: List[Tuple[int, str]], trace: List[Tuple[int, int, str]], alive: set,
+                grad_serials: set, workspaces: List[int], steps: int, which: int, peak: int) -> Dict[str, int]:
+    """The peak of step ``which`` split into ``liveness.PARTS``: the recorded step replayed through a
+    fresh allocator model in the same order, each buffer booked by what it was — weights and the
+    batch (alive before the step), the weights' gradients, the optimizer state (made in the update
+    and alive after it), kept activations (made in the forward pass and alive past it), cuBLAS
+    workspaces, temporaries (everything else) — and the allocator's rounding beside them."""
+    alloc = CudaCachingAllocator(track=True) if cuda else ExactAllocator(track=True)
+    for i, (n, part) in enumerate(before):
+        alloc.alloc(("pre", i), n, part)
+    freed_in: Dict[int, str] = {}
+    for serial, n, ph in trace:
+        if n < 0:
+            freed_in.setdefault(serial, ph)
+
+    def part(serial: int, ph: str) -> str:
+        if serial in grad_serials:
+            return "gradients"
+        if ph == "update" and serial in alive:
+            return "optimizer state"
+        if ph == "forward" and freed_in.get(serial) != "forward":
+            return "activations"
+        return "temporaries"
+    results: List[Tuple[int, Dict[str, int]]] = []
+    alloc.reset_peak()
+    for serial, n, ph in trace:
+        if n >= 0:
+            alloc.alloc(("s", serial), n, part(serial, ph))
+        else:
+            alloc.free(("s", serial))
+    for i, n in enumerate(workspaces):
+        alloc.alloc(("cublas", i), n, "workspaces")
+    results.append((alloc.peak, alloc.parts()))
+    skip = {s for s, n, _ in trace if n >= 0 and s in alive}
+    for r in range(steps - 1):
+        alloc.reset_peak()
+        for serial, n, ph in trace:
+            if serial in skip:
+                continue
+            if n >= 0:
+                alloc.alloc(("r", r, serial), n, part(serial, ph))
+            else:
+                alloc.free(("r", r, serial))
+        for serial, n, _ in trace:
+            alloc.free(("r", r, serial))
+        results.append((alloc.peak, alloc.parts()))
+    got, parts = results[which]
+    if got != peak:  # the record does not reproduce the step: say so in the parts, never hide it
+        parts["allocator rounding"] += peak - got
+    return parts
+
+
 def _loss(output: Any, loss: Any):
     torch = _torch()
     if callable(loss):
@@ -450,7 +502,8 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
 
-    def run(batch: int, keep_table: bool, steps: int = 2, forward_only: bool = False) -> Dict[str, Any]:
+    def run(batch: int, keep_table: bool, steps: int = 2, forward_only: bool = False,
+            want_parts: bool = False) -> Dict[str, Any]:
         alloc = CudaCachingAllocator() if cuda else ExactAllocator()
         tracker = _Tracker(alloc)
         tracker.module_names = names
@@ -480,6 +533,10 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         args, kwargs = _example(model, example_input, input_shape, batch, input_dtype)
         for t in (*args, *kwargs.values()):
             tracker.register(t)  # the batch is on the device for the whole step
+        weight_keys = {p.untyped_storage()._cdata for p in (*meta_params.values(), *meta_buffers.values())}
+        grad_serials: set = set()
+        before_trace: List[Tuple[int, str]] = []
+        blas_after_first = [False]
         cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
         hooks.append(register_module_forward_pre_hook(pre))
         hooks.append(register_module_forward_hook(post))
@@ -494,6 +551,9 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                     tracker.peak_phase = "forward"
                     tracker.phase = "forward"
                     tracker.trace = [] if REPLAY_LATER_STEPS and steps > 1 and not forward_only else None
+                    if step == 0:
+                        before_trace = [(n, "weights" if key in weight_keys else "inputs")
+                                        for key, n in tracker.size.items()]
                     state = dict(meta_params)
                     state.update(meta_buffers)
                     # ``with autocast(): out = model(x); loss = crit(out, y)``, then backward outside it
@@ -523,6 +583,11 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                         # the output and loss stay referenced through backward and the update, as in
                         # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
                         value.backward()
+                        for p_ in trainable:
+                            if p_.grad is not None:
+                                serial = tracker.serial.get(p_.grad.untyped_storage()._cdata)
+                                if serial is not None:
+                                    grad_serials.add(serial)
                         tracker.phase = "update"
                         opt.step()
                         opt.zero_grad(set_to_none=True)
@@ -531,9 +596,12 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                             # created on the first matmul and kept for the process: part of every later step
                             for i in range(CUBLAS_WORKSPACES):
                                 alloc.alloc(("cublas", i), workspace)
+                            blas_after_first[0] = True
                         peaks.append(alloc.peak)
                         phases.append(tracker.peak_phase)
                         if tracker.trace is not None:
+                            trace = list(tracker.trace)
+                            alive = set(tracker.serial.values())
                             _replay_steps(alloc, tracker, steps - 1, peaks, phases)
         except ConfigError:
             raise
@@ -548,6 +616,10 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         step_peak = max(peaks)
         res = {"peak": step_peak, "phase": phases[peaks.index(step_peak)], "node": -1, "batch": batch,
                "steps": peaks}
+        if want_parts and not forward_only and REPLAY_LATER_STEPS and steps > 1:
+            res["parts"] = _peak_parts(cuda, before_trace, trace, alive, grad_serials,
+                                       CUBLAS_WORKSPACES * [workspace] if blas_after_first[0] else [],
+                                       steps, peaks.index(step_peak), step_peak)
         if keep_table:
             res["kept"] = kept
             res["rows"] = tracker.row_names
@@ -555,11 +627,20 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
             res["read_values"] = sorted(tracker.read_values)
         return res
 
-    first = run(batch_size, True)
+    first = run(batch_size, True, want_parts=True)
     # the per-sample slope of each row's kept bytes: one more forward pass at batch + 1
     second = run(batch_size + 1, True, steps=1, forward_only=True)
     rows = _rows(first, second, params, info, prec, batch_size)
     cache = {(batch_size, True): first}
+
+    def parts_fn(batch: int) -> Dict[str, int]:
+        if "parts" not in cache.get((batch, True), {}):
+            cache[(batch, True)] = run(batch, False, want_parts=True)
+        parts = cache[(batch, True)].get("parts")
+        if parts is None:
+            raise ConfigError("this torch estimate has no per-part record of its peak (steps are not replayed "
+                              "from a trace); estimate again with distmem.estimate.from_torch.REPLAY_LATER_STEPS")
+        return dict(parts)
 
     def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
         if train:
@@ -574,7 +655,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                    precision=prec.name, optimizer=info.to_dict(), layers=rows, method="simulated",
                    device="cuda" if cuda else "cpu",
                    input_bytes_per_sample=_input_bytes(model, example_input, input_shape, input_dtype),
-                   extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn)
+                   extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn, _parts_fn=parts_fn)
     est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in _TABLE_KEYS}
     for where, phase in first["read_values"]:
         who = f"the optimizer's step ({info.name})" if phase == "update" else f"module '{where}' ({phase} pass)"

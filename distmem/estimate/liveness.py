@@ -16,7 +16,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["Tensor", "Node", "Graph", "Replay", "replay", "ExactAllocator", "BFCAllocator",
+__all__ = ["Tensor", "Node", "Graph", "Replay", "replay", "ExactAllocator", "BFCAllocator", "PARTS",
            "CudaCachingAllocator",
            "BFC_MIN_ALLOCATION", "BFC_FIRST_REGION", "BFC_MAX_INTERNAL_FRAGMENTATION"]
 
@@ -74,6 +74,8 @@ class Graph:
     nodes: List[Node] = field(default_factory=list)
     inputs: Tuple[int, ...] = ()
     persistent: List[int] = field(default_factory=list)
+    #: the :data:`PARTS` name of each ``persistent`` buffer (default ``"weights"``)
+    persistent_parts: List[str] = field(default_factory=list)
 
     def add(self, per_sample: int, fixed: int = 0, alias: Optional[int] = None) -> int:
         self.tensors.append(Tensor(int(per_sample), int(fixed), alias))
@@ -85,28 +87,74 @@ class Graph:
         return t
 
 
+#: The named parts of an allocator peak (:meth:`ExactAllocator.parts`), in display order.
+#: ``weights``: stored weights and buffers; ``gradients``: weight gradients; ``optimizer state``:
+#: the optimizer's slots; ``inputs``: the step's batch; ``activations``: tensors kept for the
+#: backward pass (forward outputs still alive at a forward peak among them); ``temporaries``:
+#: everything else a step allocates and frees (unkept outputs, kernel temporaries, activation
+#: gradients, optimizer update temporaries); ``workspaces``: library buffers kept for the process
+#: (cuBLAS); ``allocator rounding``: what the allocator hands out beyond the requests.
+PARTS = ("weights", "gradients", "optimizer state", "inputs", "activations", "temporaries", "workspaces",
+         "allocator rounding")
+
+
 class ExactAllocator:
     """Counts requested bytes; buffers below ``min_alloc`` are not counted (served from a pool
-    the allocator's statistics leave out)."""
+    the allocator's statistics leave out). With ``track=True`` every allocation carries one of
+    :data:`PARTS` and :meth:`parts` splits the peak into them."""
 
-    def __init__(self, min_alloc: int = 0):
+    def __init__(self, min_alloc: int = 0, track: bool = False):
         self.min_alloc = min_alloc
         self.sizes: Dict[object, int] = {}
         self.in_use = 0
         self.peak = 0
+        self.track = track
+        self.by_part: Dict[str, int] = {}
+        self.part_of: Dict[object, Tuple[str, int]] = {}
+        self.peak_parts: Dict[str, int] = {}
 
     def reset_peak(self) -> None:
         self.peak = self.in_use
+        if self.track:
+            self.peak_parts = dict(self.by_part)
 
-    def alloc(self, key: object, size: int) -> None:
+    def _count(self, key: object, size: int, chunk: int, part: str) -> None:
+        """Book a new allocation (``chunk`` bytes handed out for ``size`` requested)."""
+        self.in_use += chunk
+        if self.track:
+            self.part_of[key] = (part, size)
+            self.by_part[part] = self.by_part.get(part, 0) + size
+            if chunk != size:
+                self.by_part["allocator rounding"] = self.by_part.get("allocator rounding", 0) + chunk - size
+        if self.in_use > self.peak:
+            self.peak = self.in_use
+            if self.track:
+                self.peak_parts = dict(self.by_part)
+
+    def _uncount(self, key: object, chunk: int) -> None:
+        self.in_use -= chunk
+        if self.track:
+            part, size = self.part_of.pop(key)
+            self.by_part[part] -= size
+            if chunk != size:
+                self.by_part["allocator rounding"] -= chunk - size
+
+    def parts(self) -> Dict[str, int]:
+        """The peak split into :data:`PARTS` (bytes; they sum to :attr:`peak`). Needs ``track``."""
+        out = {p: int(self.peak_parts.get(p, 0)) for p in PARTS}
+        out["allocator rounding"] += self.peak - sum(out.values())  # 0 unless a part was never tracked
+        return out
+
+    def alloc(self, key: object, size: int, part: str = "temporaries") -> None:
         if size <= 0 or size < self.min_alloc:
             return
         self.sizes[key] = size
-        self.in_use += size
-        self.peak = max(self.peak, self.in_use)
+        self._count(key, size, size, part)
 
     def free(self, key: object) -> None:
-        self.in_use -= self.sizes.pop(key, 0)
+        chunk = self.sizes.pop(key, None)
+        if chunk is not None:
+            self._uncount(key, chunk)
 
 
 class BFCAllocator(ExactAllocator):
@@ -118,8 +166,8 @@ class BFCAllocator(ExactAllocator):
     multiple of :data:`BFC_FIRST_REGION` (or the request, if larger).
     """
 
-    def __init__(self, min_alloc: int = 0):
-        super().__init__(min_alloc)
+    def __init__(self, min_alloc: int = 0, track: bool = False):
+        super().__init__(min_alloc, track)
         self.region_bytes = BFC_FIRST_REGION
         self.free_chunks: List[Tuple[int, int, int, int]] = []  # (pool, size, address, region), sorted
         self.pool_of_region: Dict[int, int] = {}
@@ -156,7 +204,7 @@ class BFCAllocator(ExactAllocator):
         if not grew:
             self.region_bytes *= 2
 
-    def alloc(self, key: object, size: int) -> None:
+    def alloc(self, key: object, size: int, part: str = "temporaries") -> None:
         if size <= 0 or size < self.min_alloc:
             return
         rounded = self._round(size)
@@ -173,14 +221,13 @@ class BFCAllocator(ExactAllocator):
         self.chunks[addr] = (csize, region, True)
         self.where[key] = addr
         self.sizes[key] = csize
-        self.in_use += csize
-        self.peak = max(self.peak, self.in_use)
+        self._count(key, size, csize, part)
 
     def free(self, key: object) -> None:
         addr = self.where.pop(key, None)
         if addr is None:
             return
-        self.in_use -= self.sizes.pop(key)
+        self._uncount(key, self.sizes.pop(key))
         size, region, _ = self.chunks.pop(addr)
         nxt = addr + size
         if nxt in self.chunks and not self.chunks[nxt][2] and self.chunks[nxt][1] == region:
@@ -249,7 +296,8 @@ class Replay:
     ``peak``: the largest amount in use. ``phase``/``node``: where it happened (``"forward"``,
     ``"backward"`` or ``"update"``; node index or -1). ``saved``: activations alive when the
     backward pass starts. ``saved_by_row``: those per table row (the earliest node keeping each).
-    ``forward_peak``: the peak of a forward pass that keeps nothing (inference).
+    ``forward_peak``: the peak of a forward pass that keeps nothing (inference). ``parts``: the
+    peak split into :data:`PARTS`, when the allocator tracked them.
     """
 
     batch: int
@@ -261,11 +309,16 @@ class Replay:
     forward_peak: int
     saved_at_peak: int = 0
     grads_at_peak: int = 0
+    parts: Optional[Dict[str, int]] = None
 
     def as_dict(self) -> Dict[str, object]:
-        return {"batch": self.batch, "peak": self.peak, "phase": self.phase, "node": self.node,
-                "saved": self.saved, "forward_peak": self.forward_peak, "saved_at_peak": self.saved_at_peak,
-                "grads_at_peak": self.grads_at_peak}
+        out: Dict[str, object] = {
+            "batch": self.batch, "peak": self.peak, "phase": self.phase, "node": self.node, "saved": self.saved,
+            "forward_peak": self.forward_peak, "saved_at_peak": self.saved_at_peak,
+            "grads_at_peak": self.grads_at_peak}
+        if self.parts is not None:
+            out["parts"] = dict(self.parts)
+        return out
 
 
 def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
@@ -317,10 +370,11 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
     if saved_only:
         return Replay(batch, 0, "forward", -1, saved_total, saved_by_row, 0)
 
+    pparts = g.persistent_parts
     for i, nbytes in enumerate(g.persistent):
-        a.alloc(("w", i), nbytes)
+        a.alloc(("w", i), nbytes, pparts[i] if i < len(pparts) else "weights")
     for t in held:
-        a.alloc(t, size[t])
+        a.alloc(t, size[t], "inputs")
     best = [a.in_use, "forward", -1, 0, 0]
     forward_peak = a.in_use
     kept_live = [0]
@@ -337,7 +391,7 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
             fresh = list(dict.fromkeys(root(t) for t in (*n.outputs, *n.temps) if root(t) not in allocated))
             allocated.update(fresh)
             for t in fresh:
-                a.alloc(t, size[t])
+                a.alloc(t, size[t], "activations" if t in kept_until else "temporaries")
                 if t in kept_until and t in a.sizes:  # counted by the allocator (not below its floor)
                     kept_live[0] += size[t]
             mark("forward", k)
@@ -377,7 +431,7 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
             for key, nbytes in extra:
                 a.alloc(key, nbytes)
             for j, nbytes in enumerate(n.grads):
-                a.alloc(("wg", k, j), nbytes)
+                a.alloc(("wg", k, j), nbytes, "gradients")
                 if ("wg", k, j) in a.sizes:
                     weight_grads[0] += nbytes
             mark("backward", k)
@@ -419,5 +473,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
             if t not in held and t not in kept_until:
                 a.free(t)
     peak, phase, where, saved_at, grads_at = best
-    return Replay(batch, int(peak), str(phase), int(where), saved_total, saved_by_row, forward_peak,
-                  int(saved_at), int(grads_at))
+    out = Replay(batch, int(peak), str(phase), int(where), saved_total, saved_by_row, forward_peak,
+                 int(saved_at), int(grads_at))
+    if a.track:
+        out.parts = a.parts()
+    return out

@@ -89,6 +89,7 @@ class LayerEstimate:
 
 
 PeakFn = Callable[[int, bool], Dict[str, Any]]
+PartsFn = Callable[[int], Dict[str, int]]
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Estimate:
     calibration: Optional[Dict[str, Any]] = None
     extra_persistent_bytes: int = 0
     _peak_fn: Optional[PeakFn] = field(default=None, repr=False, compare=False)
+    _parts_fn: Optional[PartsFn] = field(default=None, repr=False, compare=False)
     _cache: Dict[Any, Dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------ totals
@@ -230,21 +232,28 @@ class Estimate:
         return int(math.ceil(peak * (1.0 + margin) * (1.0 + headroom))) + int(overhead_bytes)
 
     def breakdown(self, batch_size: Optional[int] = None) -> Dict[str, int]:
-        """The training peak split into parts that sum to ``train_bytes`` (bytes): weights and
-        optimizer state (with buffers kept for the process, such as cuBLAS workspaces), then — where
-        the replay tracks them — the gradients and kept activations alive at the peak and the rest
-        (temporaries, the batch, allocator rounding); otherwise one part for all of those."""
+        """The training peak split into named parts that sum to ``train_bytes`` exactly (bytes):
+        ``weights``, ``gradients``, ``optimizer state``, ``inputs`` (the batch), ``activations``
+        (kept for the backward pass), ``temporaries`` (unkept outputs, kernel and update
+        temporaries, activation gradients), ``workspaces`` (cuBLAS buffers kept for the process) and
+        ``allocator rounding`` (chunks larger than their requests), each byte of the peak booked
+        to the part that allocated it at the moment of the peak (see ``liveness.PARTS``). A
+        calibrated Keras estimate adds ``calibration (measured, not modelled)``."""
         b = self.batch_size if batch_size is None else int(batch_size)
-        detail = self._replay(b, True)
-        peak = int(detail["peak"])
-        parts = {"weights": self.param_bytes, "optimizer": self.optimizer_bytes + self.extra_persistent_bytes}
-        if "saved_at_peak" in detail:
-            parts["gradients"] = int(detail.get("grads_at_peak", 0))
-            parts["activations"] = int(detail["saved_at_peak"])
-            parts["other"] = peak - sum(parts.values())
-        else:
-            parts["activations, gradients, temporaries"] = peak - sum(parts.values())
-        return parts
+        key = ("parts", b)
+        if key not in self._cache:
+            peak = self.train_bytes(b)
+            if self._parts_fn is not None:
+                parts = {k: int(v) for k, v in self._parts_fn(b).items()}
+            else:  # loaded without a model: only the totals are known
+                parts = {"weights": self.param_bytes, "optimizer state": self.optimizer_bytes,
+                         "workspaces": self.extra_persistent_bytes}
+                parts["activations, gradients, temporaries"] = peak - sum(parts.values())
+            if sum(parts.values()) != peak:
+                raise ConfigError(f"estimate breakdown of {self.model} at batch {b} sums to "
+                                  f"{sum(parts.values()):,} bytes, not the peak {peak:,}: {parts}")
+            self._cache[key] = parts
+        return dict(self._cache[key])
 
     def to_dict(self, *, per_layer: bool = True) -> Dict[str, Any]:
         b = self.batch_size
