@@ -67,6 +67,9 @@ class HorovodComm(Comm):
                 [r for r in range(self.size) if r != root]
         return (list(rows), []) if self.rank == root else (None, [])
 
+    def allreduce_sum_maxloc(self, sums, maxima, timeout=None):
+        return self.sum_maxloc_by_allgather(sums, maxima, timeout)
+
     def allreduce(self, values, op="sum", timeout=None):
         check_op(op)
         rows = self.allgather([float(v) for v in values], timeout)

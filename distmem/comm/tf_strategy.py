@@ -205,6 +205,9 @@ class StrategyComm(Comm):
             return [obj if r == root else None for r in range(self.size)], [r for r in range(self.size) if r != root]
         return (list(rows), []) if self.rank == root else (None, [])
 
+    def allreduce_sum_maxloc(self, sums, maxima, timeout=None):
+        return self.sum_maxloc_by_allgather(sums, maxima, timeout)
+
     def allreduce(self, values: Sequence[float], op: str = "sum", timeout: Optional[float] = None) -> List[float]:
         check_op(op)
         if self.size == 1:

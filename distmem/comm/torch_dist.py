@@ -9,7 +9,7 @@ each call: no stray context on GPU 0, no duplicate-GPU error.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .. import session
 from ..bounded import Stuck, call_with_timeout
@@ -85,26 +85,44 @@ class TorchDistComm(Comm):
             return [obj if r == root else None for r in range(self.size)], [r for r in range(self.size) if r != root]
         return (rows, []) if self.rank == root else (None, [])
 
-    def allreduce(self, values, op="sum", timeout=None):
+    def _post(self, values: Sequence[float], op: str) -> Tuple[Any, Any]:
         import torch
 
         check_op(op)
-        timeout = resolve_timeout(timeout)
         device = "cpu" if self.device is None else f"cuda:{self.device}"
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
         red = {"sum": self.dist.ReduceOp.SUM, "min": self.dist.ReduceOp.MIN, "max": self.dist.ReduceOp.MAX}[op]
+        return self.dist.all_reduce(t, op=red, async_op=True), t
+
+    def _reduce(self, vectors: Sequence[Tuple[Sequence[float], str]], timeout: Optional[float]) -> List[List[float]]:
+        """All-reduce each (values, op) pair; every pair is posted before the first is waited for, so
+        the reductions are one round's latency. Bounded by ``timeout`` in total."""
+        timeout = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
-            work = self.dist.all_reduce(t, op=red, async_op=True)
-            if not wait_until(work.is_completed, time.monotonic() + timeout):
-                self._abandoned.append((work, t))
+            posted = [self._post(values, op) for values, op in vectors]
+            if not wait_until(lambda: all(w.is_completed() for w, _ in posted), deadline):
+                self._abandoned.extend(posted)
+                n = sum(len(t) for _, t in posted)
                 raise GatherTimeoutError(
-                    f"torch.distributed all-reduce of {len(t)} value(s) did not complete within {timeout:.1f} s on "
+                    f"torch.distributed all-reduce of {n} value(s) did not complete within {timeout:.1f} s on "
                     f"rank {self.rank} of {self.size}: at least one rank never entered it; check the other ranks' "
                     "logs, or raise timeout= / DISTMEM_TIMEOUT")
-            work.wait()
+            for w, _ in posted:
+                w.wait()
         except RuntimeError as exc:
             raise GatherTimeoutError(peer_lost("all-reduce", self.rank, self.size, exc)) from None
-        return t.cpu().tolist()
+        return [t.cpu().tolist() for _, t in posted]
+
+    def allreduce(self, values, op="sum", timeout=None):
+        return self._reduce([(values, op)], timeout)[0]
+
+    def allreduce_sum_maxloc(self, sums, maxima, timeout=None):
+        """Sum and max posted together (one round), then the lowest holders (a second)."""
+        timeout = resolve_timeout(timeout)
+        t0 = time.monotonic()
+        rs, rm = self._reduce([(sums, "sum"), (maxima, "max")], timeout)
+        return rs, rm, self._lowest_holders(maxima, rm, max(timeout - (time.monotonic() - t0), 0.001))
 
     def flag_reducer(self) -> FlagReducer:
         return TorchDistFlags(self.dist, self.device)

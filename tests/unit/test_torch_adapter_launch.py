@@ -43,3 +43,21 @@ def test_example_under_torchrun_gathers_through_torch_distributed(tmp_path):
               timeout=180, env={"OMP_NUM_THREADS": "1"})
     res.check()
     _report(out, 2, "torch.distributed")
+
+
+@pytest.mark.skipif(not have("torchrun"), reason="torchrun not installed")
+def test_summary_through_torch_distributed_equals_the_full_aggregate(tmp_path):
+    """torchrun -np 4 (Gloo): the summary's reductions (sum and max posted together, then the
+    lowest holders) give the full report's aggregates, holders and warning kinds."""
+    out = tmp_path / "summary.json"
+    prog = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mpi", "progs",
+                        "summary_torch_dist.py")
+    exe = os.path.join(env_bin(), "torchrun") if os.path.exists(os.path.join(env_bin(), "torchrun")) else "torchrun"
+    res = run([exe, "--standalone", "--nproc_per_node", "4", prog, str(out)], timeout=240,
+              env={"OMP_NUM_THREADS": "1", "DISTMEM_QUIET": "1"})
+    res.check()
+    got = json.loads(out.read_text())
+    assert got["transport"] == "torch.distributed" and got["size"] == 4
+    assert got["differ"] == {}, got["differ"]
+    assert got["kinds"][0] == got["kinds"][1]
+    assert got["min_peak_rank"] == 0 and got["above_worst_rank"] == 3
