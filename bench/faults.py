@@ -461,6 +461,10 @@ def tally(records: List[Dict[str, Any]], timeout: float) -> Dict[str, Any]:
 
 
 def _commit() -> str:
+    """The commit measured: DISTMEM_BENCH_COMMIT where the tree was copied without its history
+    (the GPU node), else git's HEAD."""
+    if os.environ.get("DISTMEM_BENCH_COMMIT"):
+        return os.environ["DISTMEM_BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip()
