@@ -161,6 +161,9 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
             + "; ".join(f"{k}={old!r} then {new!r}" for k, (old, new) in changed.items())
             + ". A process applies one plan (the framework keeps the first configuration); call init() once, "
             "first, with the options you want (distmem.reset() exists for tests only)")
+    fw_adapter = adapter(fw)
+    # Read before planning (the estimator may build a model): what the framework started on its own.
+    live = None if session.was_reset else fw_adapter.started()
     if options.get("overhead") in ("measure", "auto"):
         options["overhead"] = _measured_overhead(fw, options["overhead"])
     plan = plan_from_env(strategy, fleet=fleet, **options)
@@ -172,10 +175,15 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
 
         # Before the framework starts CUDA: a missing cap must fail while nothing is allocated yet.
         native.require_active(plan.mine.limit_bytes)
-    fw_adapter = adapter(fw)
+    applying = inv.real or bool(plan.extras.get("cpu_logical_devices"))
+    if not applying and live is not None:
+        # A dry run applies nothing, but a GPU node would refuse this order: the same error here.
+        late = fw_adapter.too_late(plan, live)
+        if late is not None:
+            raise late
     prepared = fw_adapter.prepare(plan)
     applied: Dict[str, Any] = {"framework": fw, "applied": [], "dry_run": not inv.real}
-    if inv.real or plan.extras.get("cpu_logical_devices"):
+    if applying:
         applied = fw_adapter.apply(plan)
         applied["dry_run"] = not inv.real
     applied["prepared"] = prepared
@@ -203,7 +211,9 @@ def current_plan() -> Optional[Plan]:
 
 
 def reset() -> None:
-    """Forget the applied plan and cached transport (tests; a process cannot un-apply a framework)."""
+    """Forget the applied plan and cached transport (tests; a process cannot un-apply a framework, so
+    after a reset a dry-run ``init()`` no longer treats a started framework as too late: tests of that
+    check run in a fresh process)."""
     session.clear()
     set_comm(None)
 

@@ -2,7 +2,8 @@
 ``plan.mine`` before the framework starts its GPUs (pin the device, memory growth or a hard
 limit); returns what it did. Also reads the framework allocator's figures for the reports.
 
-Every framework is an :class:`Adapter` (prepare / apply / stats / reset_peak), found through the registry:
+Every framework is an :class:`Adapter` (prepare / apply / stats / reset_peak, and started / too_late for
+dry runs), found through the registry:
 ``adapter("torch")``. A new framework adds a module with those three functions and one
 :func:`register` call; nothing else changes.
 """
@@ -36,6 +37,14 @@ if TYPE_CHECKING:
 
         def reset_peak(self, plan: Optional["Plan"] = None) -> None:
             """Start a new peak measurement."""
+
+        def started(self) -> Any:
+            """What the framework already initialised (its live devices), or None while it has not;
+            never initialises anything itself. Read before planning, in dry runs too."""
+
+        def too_late(self, plan: "Plan", live: Any) -> Optional[Exception]:
+            """The TooLateError a GPU node would raise for ``plan`` given ``live`` (from
+            :meth:`started`), for dry runs where nothing is applied; None where the order is fine."""
 else:
     Adapter = Any
 
@@ -62,6 +71,14 @@ class ModuleAdapter:
 
     def reset_peak(self, plan: Optional["Plan"] = None) -> None:
         self.module.reset_peak(plan)
+
+    def started(self) -> Any:
+        fn = getattr(self.module, "started", None)
+        return fn() if fn is not None else None
+
+    def too_late(self, plan: "Plan", live: Any) -> Optional[Exception]:
+        fn = getattr(self.module, "too_late", None)
+        return fn(plan, live) if fn is not None else None
 
 
 def _tensorflow() -> ModuleAdapter:

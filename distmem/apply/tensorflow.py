@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import ConfigError, TooLateError
 from ..units import format_bytes, to_mib_floor
 
-__all__ = ["apply", "stats", "reset_peak", "logical_devices", "TOO_LATE_HINT"]
+__all__ = ["apply", "stats", "reset_peak", "logical_devices", "started", "too_late", "TOO_LATE_HINT"]
 
 TOO_LATE_HINT = ("call distmem.init() right after the imports, before any TensorFlow op, model build, "
                  "tf.config.list_logical_devices() or tf.distribute strategy is created (hvd.init() may come "
@@ -44,21 +44,72 @@ def _limits_of(configs: Optional[List[Any]]) -> Optional[List[Optional[int]]]:
     return [getattr(c, "memory_limit", None) for c in configs]
 
 
-def _set_logical(cfg: Any, device: Any, wanted: List[Any], what: str) -> str:
+def _configs_text(configs: Optional[List[Any]], kind: str) -> str:
+    """A logical device configuration in words: ``[6144, 8192] MiB`` on a GPU; on the CPU, which
+    TensorFlow cannot cap, the number of logical devices."""
+    if kind == "CPU":
+        n = len(configs) if configs else 1
+        return f"{n} logical CPU device{'' if n == 1 else 's'}"
+    return f"logical devices {_limits_of(configs)} MiB" if configs else "one device, no limit"
+
+
+def _set_logical(cfg: Any, device: Any, wanted: List[Any], what: str, kind: str = "GPU",
+                 planned: Optional[str] = None) -> str:
     try:
         cfg.set_logical_device_configuration(device, wanted)
-        return f"{device.name}: logical devices {_limits_of(wanted)} MiB"
+        return f"{device.name}: {_configs_text(wanted, kind)}"
     except RuntimeError:
         live = cfg.get_logical_device_configuration(device)
         if _limits_of(live) == _limits_of(wanted):
-            return f"{device.name}: logical devices already {_limits_of(wanted)} MiB"
-        raise _too_late(what, f"{_limits_of(live)} MiB", f"{_limits_of(wanted)} MiB") from None
+            return f"{device.name}: already {_configs_text(wanted, kind)}"
+        raise _too_late(what, _configs_text(live, kind), planned or _configs_text(wanted, kind)) from None
 
 
-def _apply_cpu(cfg: Any, count: int) -> List[str]:
+def _apply_cpu(cfg: Any, count: int, plan: Any = None) -> List[str]:
     cpus = cfg.list_physical_devices("CPU")
     wanted = [cfg.LogicalDeviceConfiguration() for _ in range(count)]
-    return [_set_logical(cfg, cpus[0], wanted, f"split the CPU into {count} logical devices")]
+    tenants = (plan.extras.get("tenants") if plan is not None else None) or []
+    planned = _configs_text(wanted, "CPU") + (" for tenants " + ", ".join(
+        f"{t['name']} ({t['device']}, {format_bytes(t['limit_bytes'])} recorded)" for t in tenants) if tenants else "")
+    return [_set_logical(cfg, cpus[0], wanted, f"split the CPU into {count} logical devices", "CPU", planned)]
+
+
+def started() -> Optional[List[str]]:
+    """The logical devices TensorFlow already created (e.g. ``["CPU:0"]``), or None while it has
+    not initialised them. Never initialises them: it reads the eager context's handle, which
+    TensorFlow sets at its first op, model build, device listing or strategy."""
+    if "tensorflow" not in sys.modules:
+        return None
+    try:
+        from tensorflow.python.eager import context
+    except ImportError:
+        return None
+    ctx = context.context_safe() if hasattr(context, "context_safe") else getattr(context, "_context", None)
+    if ctx is None or getattr(ctx, "_context_handle", None) is None:
+        return None
+    try:
+        return [d.name.replace("/device:", "") for d in _tf().config.list_logical_devices()]
+    except Exception:  # noqa: BLE001 - started, whatever the listing says
+        return ["?"]
+
+
+def too_late(plan: Any, live: Optional[List[str]]) -> Optional[TooLateError]:
+    """Dry runs (no GPU, or a declared fleet): nothing is applied, but a GPU node would refuse
+    ``plan`` once TensorFlow has started its devices, so the same order is the same error here."""
+    if live is None:
+        return None
+    mine = plan.mine
+    planned = (mine.describe() if mine.devices else
+               f"rank {mine.rank}: no GPU here; on a GPU node distmem pins and limits its GPU")
+    return TooLateError(
+        f"TensorFlow already initialised its devices before distmem.init() (live configuration: "
+        f"{', '.join(live) or 'none'}, nothing set by distmem), so distmem cannot apply this rank's plan (planned: "
+        f"{planned}). This dry run ({_dry_source(plan)}) applies nothing, but a GPU node refuses the same order; "
+        f"{TOO_LATE_HINT}")
+
+
+def _dry_source(plan: Any) -> str:
+    return "no GPU, no declared fleet" if plan.source == "none" else f"devices from {plan.source}"
 
 
 def prepare(plan: Any = None) -> List[str]:
@@ -111,7 +162,7 @@ def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
     gpus = cfg.list_physical_devices("GPU")
     if not gpus or not slots:
         if cpu_split > 1:
-            actions += _apply_cpu(cfg, cpu_split)
+            actions += _apply_cpu(cfg, cpu_split, plan)
         out: Dict[str, Any] = {"framework": "tensorflow", "applied": actions, "gpus_seen": len(gpus)}
         if slots and not gpus and plan.source == "nvml":
             out["warnings"] = [
@@ -155,7 +206,7 @@ def apply(plan: Any, *, tf_config: Any = None) -> Dict[str, Any]:
         actions.append(_set_logical(cfg, device, wanted,
                                     f"limit {device.name} to {[to_mib_floor(s.planned_bytes) for s in group]} MiB"))
     if cpu_split > 1:
-        actions += _apply_cpu(cfg, cpu_split)
+        actions += _apply_cpu(cfg, cpu_split, plan)
     return {"framework": "tensorflow", "applied": actions, "gpus_seen": len(gpus)}
 
 

@@ -32,8 +32,8 @@ from .. import session, settings
 from ..errors import ConfigError, DistmemError, TooLateError
 from ..units import MiB, format_bytes
 
-__all__ = ["apply", "stats", "reset_peak", "device", "TorchCuda", "set_backend", "to_fraction", "TOO_LATE_HINT",
-           "OVERHEAD_TOLERANCE"]
+__all__ = ["apply", "stats", "reset_peak", "device", "started", "too_late", "TorchCuda", "set_backend", "to_fraction",
+           "TOO_LATE_HINT", "OVERHEAD_TOLERANCE"]
 
 TOO_LATE_HINT = ("call distmem.init(framework='torch') right after the imports, before anything starts CUDA "
                  "(a tensor or module on 'cuda', .cuda(), torch.cuda.set_device, torch.cuda.mem_get_info, "
@@ -314,6 +314,35 @@ def apply(plan: Any, *, backend: Any = None, expandable_segments: Optional[bool]
                 f"run out {format_bytes(need - total)} below its share; pass reserve= at least "
                 f"{format_bytes(plan.reserve_bytes + need - total)}")
     return out
+
+
+def started(*, backend: Any = None) -> Optional[List[int]]:
+    """The CUDA ordinals that already hold a context in this process (the current device where torch
+    cannot tell), or None while CUDA has not started. Never starts CUDA; never imports torch."""
+    if backend is None and _backend["override"] is None and "torch" not in sys.modules:
+        return None
+    b = backend if backend is not None else _default_backend()
+    if not b.is_initialized():
+        return None
+    live = b.contexts()
+    return live if live is not None else [b.current_device()]
+
+
+def too_late(plan: Any, live: Optional[List[int]]) -> Optional[TooLateError]:
+    """Dry runs (no GPU, or a declared fleet): nothing is applied, but a GPU node refuses ``plan``
+    when CUDA already holds a context on a device this rank was not planned for (or on any device,
+    for a rank planned without a GPU): the same order is the same error here."""
+    if live is None:
+        return None
+    planned = sorted({s.index for s in plan.mine.devices})
+    stray = [i for i in live if i not in planned]
+    if planned and not stray:
+        return None
+    err = _too_late(f"pin rank {plan.mine.rank} to " + (f"cuda:{planned[0]}" if planned else "its GPU"),
+                    f"context(s) on {', '.join(f'cuda:{i}' for i in stray) or 'none'}",
+                    ", ".join(f"cuda:{i}" for i in planned) or "no GPU on this machine")
+    source = "no GPU, no declared fleet" if plan.source == "none" else f"devices from {plan.source}"
+    return TooLateError(f"{err} (this dry run, {source}, applies nothing, but a GPU node refuses the same order)")
 
 
 def _indices(plan: Any, backend: Any) -> List[int]:

@@ -221,11 +221,13 @@ def _child(scenario):
 def test_real_logical_cpu_split_reapply_and_too_late():
     out = _child("in_time")
     assert out["logical"] == ["/device:CPU:0", "/device:CPU:1"]
-    assert out["first"] == ["/physical_device:CPU:0: logical devices [None, None] MiB"]
+    assert out["first"] == ["/physical_device:CPU:0: 2 logical CPU devices"]
     # TensorFlow itself accepts an identical configuration once started; either wording is fine
-    assert out["again"] and "[None, None] MiB" in out["again"][0]
+    assert out["again"] and "2 logical CPU devices" in out["again"][0]
     assert "TensorFlow already initialised its devices" in out["different"]
     assert "split the CPU into 3 logical devices" in out["different"]
+    assert "live configuration 2 logical CPU devices, planned 3 logical CPU devices for tenants t0 (/CPU:0, " \
+           "1.0 GiB recorded)" in out["different"]
 
 
 def test_real_split_after_the_first_op_is_too_late():
@@ -233,3 +235,7 @@ def test_real_split_after_the_first_op_is_too_late():
     assert out["logical"] == ["/device:CPU:0"]
     assert "first_error" in out, out
     assert "call distmem.init() right after the imports" in out["first_error"]
+    # issue 18: real figures, not "live configuration None MiB, planned [None, None] MiB"
+    assert "None" not in out["first_error"], out["first_error"]
+    assert "live configuration 1 logical CPU device, planned 2 logical CPU devices for tenants t0 (/CPU:0, 1.0 GiB " \
+           "recorded), t1 (/CPU:1, 1.0 GiB recorded)" in out["first_error"]
