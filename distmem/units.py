@@ -14,7 +14,8 @@ from typing import Optional, Union
 
 from .errors import ConfigError
 
-__all__ = ["parse_bytes", "check_size", "format_bytes", "to_mib_floor", "KiB", "MiB", "GiB", "TiB", "SizeLike"]
+__all__ = ["parse_bytes", "check_size", "format_bytes", "to_mib_floor", "plural", "KiB", "MiB", "GiB", "TiB",
+           "SizeLike"]
 
 KiB = 1024
 MiB = 1024**2
@@ -112,3 +113,11 @@ def format_bytes(n: Optional[float], precision: int = 1) -> str:
 def to_mib_floor(n: int) -> int:
     """Bytes to whole MiB, rounding down (TensorFlow's ``memory_limit`` unit): never above the plan."""
     return int(n) // MiB
+
+
+def plural(count: int, word: str, many: Optional[str] = None, *, bare: bool = False) -> str:
+    """``plural(1, "rank")`` -> ``"1 rank"``, ``plural(4, "rank")`` -> ``"4 ranks"`` (``many`` for an
+    irregular plural: ``plural(2, "replica", "replicas")``); ``bare=True`` leaves out the number, for
+    a list that follows: ``f"{plural(len(r), 'rank', bare=True)} {r}"`` -> ``"ranks [1, 2]"``."""
+    noun = word if count == 1 else (many or word + "s")
+    return noun if bare else f"{count} {noun}"

@@ -21,6 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
 from distmem.costs import LayerCost  # noqa: E402
+from distmem.units import plural  # noqa: E402
 
 INPUT = 64
 LAYERS = [("embed", 512), ("hidden1", 1024), ("hidden2", 1024), ("hidden3", 1024), ("hidden4", 512),
@@ -91,7 +92,7 @@ def main():
     placement.check_placement(model, plan)
     rep = distmem.report(path=args.report)
     if rep is not None:
-        print(f"[rank 0] report for {len(rep.ranks)} rank(s) written to {args.report}", flush=True)
+        print(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}", flush=True)
     return 0
 
 

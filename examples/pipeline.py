@@ -23,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
 from distmem.costs import LayerCost  # noqa: E402
+from distmem.units import plural  # noqa: E402
 
 # The model as a layer list: (name, kind, width). Names are what the plan's partition refers to.
 LAYERS = [("conv1", "conv", 32), ("conv2", "conv", 32), ("pool1", "pool", 0), ("conv3", "conv", 64),
@@ -163,7 +164,7 @@ def main():
             print(f"[rank {rank}] step {step}: loss {sum(losses):.4f}", flush=True)
     rep = distmem.report(path=args.report)
     if rep is not None:
-        print(f"[rank 0] report for {len(rep.ranks)} rank(s) written to {args.report}", flush=True)
+        print(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}", flush=True)
     return 0
 
 

@@ -23,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import distmem  # noqa: E402
 import distmem.comm  # noqa: E402
 import distmem.comm.tf_strategy  # noqa: E402
+from distmem.units import plural  # noqa: E402
 
 
 def parse_args():
@@ -105,8 +106,8 @@ def main():
         if len(set(sums)) != 1:
             raise SystemExit(f"rank {rank}: replicas diverged, weight checksums by rank: {sums}")
     if rank == 0:
-        print(f"[rank 0] {type(strategy).__name__}: {replicas} replica(s) in sync, {plan.world_size} rank(s), "
-              f"{args.steps} step(s), loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        print(f"[rank 0] {type(strategy).__name__}: {plural(replicas, 'replica')} in sync, "
+              f"{plural(plan.world_size, 'rank')}, {plural(args.steps, 'step')}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     rep = distmem.report(path=args.report, timeout=args.timeout)  # collective: every rank calls it
     if rep is not None:
         if args.mirrored:
@@ -117,7 +118,7 @@ def main():
                 info = tf.config.experimental.get_memory_info(t["device"].lstrip("/"))
                 usage[t["device"].lstrip("/")] = {"current_bytes": info["current"], "peak_bytes": info["peak"]}
             print(tenant_table(plan, usage))
-        print(f"[rank 0] report: {len(rep.ranks)} of {rep.world_size} rank(s) reporting"
+        print(f"[rank 0] report: {len(rep.ranks)} of {plural(rep.world_size, 'rank')} reporting"
               + (f", missing {rep.missing}" if rep.missing else ""), flush=True)
         return 1 if rep.missing else 0
     return 0

@@ -20,6 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import distmem  # noqa: E402
+from distmem.units import plural  # noqa: E402
 
 
 def parse_args():
@@ -140,7 +141,7 @@ def main():
     seconds = time.monotonic() - t0
     rep = distmem.report(path=args.report, timeout=args.timeout)
     if rep is not None:
-        print(f"[rank 0] {args.steps} steps in {seconds:.1f} s; report of {len(rep.ranks)} rank(s), transport "
+        print(f"[rank 0] {args.steps} steps in {seconds:.1f} s; report of {plural(len(rep.ranks), 'rank')}, transport "
               f"{rep.aggregates.get('transport')}" + (f", written to {args.report}" if args.report else ""), flush=True)
     avg.close()
     return 0

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .. import settings
 from ..errors import DistmemError
-from ..units import format_bytes
+from ..units import format_bytes, plural
 
 __all__ = ["add_arguments", "run", "diagnose", "Diagnosis", "probe_horovod", "horovod_problems", "LAUNCHERS"]
 
@@ -271,7 +271,7 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
                 d.notes.append("no GPU found and no fleet declared: init() runs in CPU mode (pass --fleet 4x80GiB or "
                                "set DISTMEM_FLEET to check a plan for a GPU node)")
         except DistmemError as exc:
-            d.problems.append(f"init(strategy={strategy!r}) would fail on {topo.local_size} rank(s) per node: {exc}")
+            d.problems.append(f"init(strategy={strategy!r}) would fail on {plural(topo.local_size, 'rank')} per node: {exc}")
         except TypeError as exc:
             d.notes.append(f"plan for strategy {strategy!r} not checked: it needs options doctor does not have ({exc})")
     return d
@@ -360,7 +360,7 @@ def _print(d: Diagnosis) -> None:
     if d.problems:
         for p in d.problems:
             w(f"PROBLEM: {p}")
-        w(f"\ndoctor: {len(d.problems)} problem(s) found")
+        w(f"\ndoctor: {plural(len(d.problems), 'problem')} found")
     else:
         w("doctor: no problems found")
 

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import ConfigError
 from ..plan.types import Plan
-from ..units import MiB
+from ..units import MiB, plural
 
 __all__ = ["emit_k8s", "manifests", "render_yaml", "add_cli_arguments", "SHARING_MODES", "API_VERSION"]
 
@@ -197,6 +197,6 @@ def emit_k8s(plan: Plan, args: argparse.Namespace) -> str:
     objects = manifests(plan, sharing=opt["k8s_sharing"], name=opt["k8s_name"], image=opt["k8s_image"],
                         command=opt["k8s_command"], namespace=opt["k8s_namespace"], timeout=opt["k8s_timeout"],
                         host_memory=opt["k8s_host_memory"])
-    header = (f"distmem plan: strategy {plan.strategy}, {plan.world_size} rank(s), devices from {plan.source}, "
+    header = (f"distmem plan: strategy {plan.strategy}, {plural(plan.world_size, 'rank')}, devices from {plan.source}, "
               f"GPU sharing {opt['k8s_sharing']}\n" + "\n".join(a.describe() for a in plan.allocations[:16]))
     return render_yaml(objects, header)

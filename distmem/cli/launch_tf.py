@@ -29,6 +29,7 @@ from typing import IO, Dict, List, Optional, Sequence
 
 from .. import settings
 from ..errors import ConfigError
+from ..units import plural
 
 __all__ = ["add_arguments", "run", "main", "launch", "tf_configs", "free_ports", "worker_command",
            "DEFAULT_TIMEOUT", "TIMEOUT_EXIT"]
@@ -90,9 +91,14 @@ class _Worker:
     returncode: Optional[int] = None
 
 
-def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock, rank: Optional[int] = None) -> None:
+    # distmem's own lines name their rank ("[distmem rank 1] ..."); under this launcher's "[rank 1] "
+    # prefix that would say it twice, so they keep only "[distmem] ".
+    own = f"[distmem rank {rank}] " if rank is not None else None
     for raw in iter(stream.readline, b""):
         text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if own and text.startswith(own):
+            text = "[distmem] " + text[len(own):]
         with lock:
             out.write(f"{prefix}{text}\n")
             out.flush()
@@ -166,7 +172,7 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: Optional[float]
             log.write(f"[launch-tf] {msg}\n")
             log.flush()
 
-    say(f"{num_workers} worker(s) on {', '.join(addrs)}; hard timeout {timeout:.0f} s: {' '.join(cmd)}")
+    say(f"{plural(num_workers, 'worker')} on {', '.join(addrs)}; hard timeout {timeout:.0f} s: {' '.join(cmd)}")
     t0 = time.monotonic()
     failed: Optional[_Worker] = None
     timed_out = False
@@ -182,7 +188,7 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: Optional[float]
             wenv = dict(base, TF_CONFIG=cfg)
             proc = subprocess.Popen(cmd, env=wenv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-            reader = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank:>{width}}] ", out, lock),
+            reader = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank:>{width}}] ", out, lock, rank),
                                       daemon=True)
             reader.start()
             workers.append(_Worker(rank, proc, reader))
@@ -216,19 +222,19 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: Optional[float]
     took = time.monotonic() - t0
     stopped = [w.rank for w in workers if w.stopped]
     if interrupted is not None:
-        say(f"interrupted by signal {interrupted} after {took:.1f} s; stopped rank(s) {stopped}")
+        say(f"interrupted by signal {interrupted} after {took:.1f} s; stopped {plural(len(stopped), 'rank', bare=True)} {stopped}")
         return 128 + interrupted
     if timed_out:
-        say(f"hard timeout: the job ran past {timeout:.0f} s; killed rank(s) {stopped} (raise --timeout if the "
+        say(f"hard timeout: the job ran past {timeout:.0f} s; killed {plural(len(stopped), 'rank', bare=True)} {stopped} (raise --timeout if the "
             "job needs longer)")
         return TIMEOUT_EXIT
     if failed is not None:
         assert failed.returncode is not None
         how = f"signal {-failed.returncode}" if failed.returncode < 0 else f"exit code {failed.returncode}"
         say(f"rank {failed.rank} failed with {how} after {took:.1f} s"
-            + (f"; stopped rank(s) {stopped}" if stopped else ""))
+            + (f"; stopped {plural(len(stopped), 'rank', bare=True)} {stopped}" if stopped else ""))
         return _exit_code(failed.returncode) or 1
-    say(f"all {num_workers} worker(s) exited 0 in {took:.1f} s")
+    say(f"{'the worker' if num_workers == 1 else f'all {num_workers} workers'} exited 0 in {took:.1f} s")
     return 0
 
 

@@ -14,6 +14,7 @@ import sys
 from typing import Dict
 
 from ..errors import ConfigError
+from ..units import plural
 from ..report.sinks import plot, print_report, prometheus, read_json
 
 __all__ = ["add_arguments", "run"]
@@ -58,6 +59,6 @@ def run(args: argparse.Namespace) -> int:
         prometheus(rep, args.prometheus, labels, step=last)
         print(f"Prometheus metrics written to {args.prometheus}", file=sys.stderr)
     if args.fail_on_warnings and rep.warnings:
-        print(f"{len(rep.warnings)} warning(s) in {args.file}", file=sys.stderr)
+        print(f"{plural(len(rep.warnings), 'warning')} in {args.file}", file=sys.stderr)
         return 1
     return 0

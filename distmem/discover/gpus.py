@@ -262,7 +262,10 @@ def parse_fleet(spec: str, host: Optional[str] = None, what: str = "fleet") -> L
         count = int(m.group(1) or 1)
         if count < 1:
             raise ConfigError(f"{what}={spec!r}: a GPU count must be at least 1, got {count} in {part.strip()!r}")
-        size = parse_bytes(m.group(2) + m.group(3), what=f"{what} {part.strip()!r}")
+        try:
+            size = parse_bytes(m.group(2) + m.group(3), what=f"{what} {part.strip()!r}")
+        except ConfigError:  # "4x" reads as 4 of unit "x": say what a fleet item looks like, not a size
+            raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r} as COUNTxSIZE; write {FLEET_FORM}") from None
         if size < 1024**3 // 4:
             raise ConfigError(f"{what}={spec!r}: {part.strip()!r} declares GPUs of {size} bytes; a GPU has at least "
                               f"256 MiB - did you mean {m.group(1) or 1}x{m.group(2)}GiB?")

@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ..comm import Comm
 from ..errors import ConfigError, DistmemError
+from ..units import plural
 from .errors import BatchSizeFloorError
 from .flags import FlagReducer, Status
 from .protocol import Agreement, attempt, free_memory, say, summarise
@@ -73,7 +74,7 @@ def find_batch_size(trial: Callable[[int], Any], start: int, *, lower: int = 1, 
                 on_oom()
             free_memory(full=status == Status.OOM)
             if verbose and rank == 0:
-                say(rank, f"find_batch_size: batch {b} runs out of memory on rank(s) {verdict.oom} "
+                say(rank, f"find_batch_size: batch {b} runs out of memory on {plural(len(verdict.oom), 'rank', bare=True)} {verdict.oom} "
                           f"({summarise(verdict.oom, descs, 1)})")
             last_failure["descs"], last_failure["ranks"] = descs, verdict.oom
         tried.append((b, ok))
@@ -91,8 +92,8 @@ def find_batch_size(trial: Callable[[int], Any], start: int, *, lower: int = 1, 
         if b <= lower:
             seq = ", ".join(str(s) for s, _ in tried)
             raise BatchSizeFloorError(
-                f"find_batch_size: even the lower bound, batch {lower}, runs out of memory on rank(s) "
-                f"{last_failure['ranks']} ({summarise(last_failure['ranks'], last_failure['descs'])}); tried {seq}. "
+                f"find_batch_size: even the lower bound, batch {lower}, runs out of memory on "
+                f"{plural(len(last_failure['ranks']), 'rank', bare=True)} {last_failure['ranks']} ({summarise(last_failure['ranks'], last_failure['descs'])}); tried {seq}. "
                 "Lower lower=, shrink the model or inputs, enable activation checkpointing or mixed precision, or "
                 "spread the model over more devices", last_failure["ranks"], last_failure["descs"])
         b = _round_down(b // 2, granularity, lower) if b // 2 >= lower else lower

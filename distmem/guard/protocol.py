@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..comm import Comm, get_comm, resolve_timeout
 from ..console import say as console_say
 from ..errors import GatherTimeoutError
+from ..units import plural
 from .errors import PeerError
 from .flags import FlagReducer, Status, Verdict, decode, encode, flag_reducer
 from .oom import describe, is_oom
@@ -109,14 +110,18 @@ class Agreement:
             if status == Status.ERROR and own is not None:
                 raise own
             lines = "; ".join(f"rank {r}: {descs.get(r, '?')}" for r in verdict.error)
+            one = len(verdict.error) == 1
             raise PeerError(
-                f"{where}: rank(s) {verdict.error} raised an error that is not an out-of-memory error ({lines}); "
-                f"rank {self.rank} stops here instead of entering the gradient all-reduce. The failing rank(s) "
-                "re-raise their own exception: see that traceback in their log", verdict.error, descs)
+                f"{where}: {plural(len(verdict.error), 'rank', bare=True)} {verdict.error} raised an error that is not "
+                f"an out-of-memory error ({lines}); rank {self.rank} stops here instead of entering the gradient "
+                "all-reduce. " + ("The failing rank re-raises its own exception: see that traceback in its log"
+                                  if one else "The failing ranks re-raise their own exceptions: see those tracebacks "
+                                  "in their logs"), verdict.error, descs)
         if verdict.stop:
             if status == Status.STOP and own is not None:
                 raise own
-            raise StopIteration(f"{where}: rank(s) {verdict.stop} ran out of data, so every rank stops here")
+            raise StopIteration(f"{where}: {plural(len(verdict.stop), 'rank', bare=True)} {verdict.stop} ran out of data, "
+                                "so every rank stops here")
 
 
 def summarise(ranks: List[int], descs: Dict[int, str], limit: int = 3) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from ..comm import Comm
 from ..errors import ConfigError
+from ..units import plural
 from .errors import BatchSizeFloorError
 from .flags import FlagReducer, Status
 from .grads import Reducer, gradient_reducer
@@ -328,7 +329,8 @@ class StepGuard:
         if new is None:
             raise BatchSizeFloorError(
                 f"{where}: micro-batch {old} is the floor (min_micro_batch_size={self.min_micro_batch_size}) and "
-                f"still runs out of memory on rank(s) {ranks} ({what}); the step cannot shrink further. Lower "
+                f"still runs out of memory on {plural(len(ranks), 'rank', bare=True)} {ranks} ({what}); the step "
+                "cannot shrink further. Lower "
                 "min_micro_batch_size, shorten the sequences / images, enable activation checkpointing or mixed "
                 "precision, or spread the model over more devices", ranks, descs)
         old_acc = self.accumulation_steps
@@ -342,7 +344,8 @@ class StepGuard:
         if self.rank == self.log_rank:
             glob = (f"; global batch {self.global_batch_size} = {self.size} x {local} unchanged"
                     if self.global_batch_size else "")
-            say(self.rank, f"guard: {where}: out of memory on rank(s) {ranks} ({what}); every rank drops the step "
+            say(self.rank, f"guard: {where}: out of memory on {plural(len(ranks), 'rank', bare=True)} {ranks} ({what}); "
+                           "every rank drops the step "
                            f"and retries with micro-batch {old} -> {new} (accumulation {old_acc} -> "
                            f"{self.accumulation_steps}){glob}")
 

@@ -9,7 +9,7 @@ from ..discover.layout import Layout
 from ..defaults import MIN_LIMIT_BYTES
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import SizeLike, check_size, format_bytes, parse_bytes
+from ..units import SizeLike, check_size, format_bytes, parse_bytes, plural
 from .types import Allocation, DeviceSlot, Plan
 from .common import equal_share, floor_mib, idle_gpus, places, resolve_options
 
@@ -58,7 +58,7 @@ def plan_data(topo: Topology, inv: Inventory, *, memory: str = "auto", reserve: 
             if wanted > share:
                 raise DoesNotFitError(
                     f"limit {format_bytes(wanted)} per rank does not fit GPU {gpu.index} "
-                    f"({format_bytes(gpu.total_bytes)}) shared by {k} rank(s): at most {format_bytes(share)} each "
+                    f"({format_bytes(gpu.total_bytes)}) shared by {plural(k, 'rank')}: at most {format_bytes(share)} each "
                     f"after reserve {format_bytes(opts['reserve_bytes'])} and {k} x overhead "
                     f"{format_bytes(opts['overhead_bytes'])}; lower limit=, run fewer ranks per GPU, or leave "
                     "limit unset for the equal split")
@@ -76,6 +76,7 @@ def plan_data(topo: Topology, inv: Inventory, *, memory: str = "auto", reserve: 
     plan = Plan("data", topo.size, topo.rank, allocations, inv.source, opts["overhead_bytes"],
                 opts["reserve_bytes"], options=dict(opts, limit=limit))
     for host, n in sorted(idle_gpus(all_places, used).items()):
-        plan.warnings.append(f"{n} GPU(s) visible on {host} but no rank uses them: they stay idle (run more ranks "
+        idle = "it: it stays" if n == 1 else "them: they stay"
+        plan.warnings.append(f"{plural(n, 'GPU')} visible on {host} but no rank uses {idle} idle (run more ranks "
                              "there, or give each rank its GPUs through CUDA_VISIBLE_DEVICES)")
     return plan

@@ -34,7 +34,7 @@ from ..costs import LayerCost
 from ..discover.gpus import Gpu, Inventory, fleet_inventory
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import MiB, SizeLike, format_bytes, parse_bytes
+from ..units import MiB, SizeLike, format_bytes, parse_bytes, plural
 from .types import DEFAULT_RESERVE, Plan
 from .common import equal_share, resolve_options
 from .fit_space import PROXY_TEXT, Costs, EstimateCosts, LayerListCosts, Layout, divisors
@@ -463,8 +463,9 @@ def _smallest_fleet(ev: _Evaluator, costs: Dict[str, Costs], B: int, gpus_per_ho
         p, cand = found
         b = cand.heaviest
         hosts_needed = -(-p // gpus_per_host)
-        return (f"nothing fits {have} GPU(s) of {format_bytes(gpu.total_bytes)}; the smallest fleet that fits is "
-                f"{p} such GPU(s) ({hosts_needed} host(s) of {gpus_per_host}): one pipeline of {p} stage(s), "
+        return (f"nothing fits {plural(have, 'GPU')} of {format_bytes(gpu.total_bytes)}; the smallest fleet that fits "
+                f"is {plural(p, 'such GPU', 'such GPUs')} ({plural(hosts_needed, 'host')} of {gpus_per_host}): one "
+                f"pipeline of {plural(p, 'stage')}, "
                 f"micro-batch 1 x {B}, 1F1B, {'recompute, ' if p > 1 else ''}{prec}, heaviest stage "
                 f"{format_bytes(b.planned_bytes)} of {format_bytes(b.share_bytes)}; it trains slowly (bubble "
                 f"{lay_bubble(p, B):.0%}); more GPUs let data parallelism add throughput")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence
 
-from ..units import format_bytes
+from ..units import format_bytes, plural
 
 __all__ = ["render_fit"]
 
@@ -40,7 +40,8 @@ def render_fit(res: Any) -> str:
     """The result as the ``distmem fit`` table (bytes in binary units)."""
     gpus = res.gpus_per_host * res.hosts
     lines = [f"distmem fit: {res.model} ({res.framework}), global batch {res.global_batch_size} on {res.hosts} "
-             f"host(s) x {res.fleet} = {gpus} GPU(s); {res.searched} layouts searched, {res.evaluated} priced "
+             f"{plural(res.hosts, 'host', bare=True)} x {res.fleet} = {plural(gpus, 'GPU')}; {res.searched} layouts "
+             f"searched, {res.evaluated} priced "
              f"in {res.seconds:.2f} s",
              f"ranked by {_proxy_line()}; limit = allocator peak x {1 + res.headroom:.2f} (whole MiB)", ""]
     if res.fits:

@@ -21,7 +21,7 @@ from ..discover.gpus import Inventory
 from ..discover.layout import Layout
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import SizeLike, format_bytes, parse_bytes
+from ..units import SizeLike, format_bytes, parse_bytes, plural
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import equal_share, idle_gpus, places, resolve_options
 from .partition import Partition, layers_from_dicts, partition_model
@@ -41,15 +41,17 @@ def _gpus_per_rank(requested: Optional[int], visible: int, local_size: int) -> i
             raise ConfigError(f"gpus_per_rank={requested!r}: give a whole number of devices per rank, at least 1")
         if visible and requested * local_size > visible:
             raise DoesNotFitError(
-                f"{local_size} rank(s) per node x {requested} GPU(s) per rank need {requested * local_size} GPUs but "
+                f"{plural(local_size, 'rank')} per node x {plural(requested, 'GPU')} per rank need {requested * local_size} "
+                f"GPUs but "
                 f"the node shows {visible}; use gpus_per_rank={max(visible // local_size, 1)} or fewer ranks per node")
         return requested
     if not visible:
         return 1
     if visible < local_size:
         raise DoesNotFitError(
-            f"model parallel gives every rank its own GPU(s), but {local_size} rank(s) per node share {visible} "
-            f"visible GPU(s); run at most {visible} rank(s) per node or use strategy='data'/'pipeline'")
+            f"model parallel gives every rank its own GPUs, but {plural(local_size, 'rank')} per node share "
+            f"{plural(visible, 'visible GPU')}; run at most {plural(visible, 'rank')} per node or use "
+            "strategy='data'/'pipeline'")
     return visible // local_size
 
 
@@ -133,7 +135,8 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
             alloc.breakdown["planned_bytes"] = sum(s.planned_bytes for s in alloc.devices)
         allocations.append(alloc)
     for host, n in sorted(idle_gpus(all_places, used).items()):
-        warnings.append(f"{n} GPU(s) visible on {host} but {g} GPU(s) per rank leave them unused: they stay idle")
+        warnings.append(f"{plural(n, 'GPU')} visible on {host} but {plural(g, 'GPU')} per rank leave "
+                        f"{'it unused: it stays' if n == 1 else 'them unused: they stay'} idle")
     placement = {name: device_name(kind, k) for name, k in part.part_of().items()}
     extras: Dict[str, Any] = {"model": {
         "gpus_per_rank": g, "device_type": kind, "placement": placement,

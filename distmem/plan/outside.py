@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..errors import ConfigError
-from ..units import MiB, format_bytes, parse_bytes
+from ..units import MiB, format_bytes, parse_bytes, plural
 
 __all__ = ["OutsideModel", "H200_TORCH", "DEFAULT_NCCL_BUFFSIZE", "DEFAULT_NCCL_CHANNELS",
            "outside_allocator_bytes", "outside_allocator_breakdown", "nccl_env"]
@@ -192,9 +192,9 @@ def outside_allocator_breakdown(framework: str = "torch", *, cuda: bool = True, 
                 f"(NCCL_BUFFSIZE {format_bytes(buffsize)} + LL {format_bytes(_LL_BUFFSIZE)} + LL128 "
                 f"{format_bytes(_LL128_BUFFSIZE)}), NCCL's documented defaults")
         warnings.append(
-            f"NCCL in use ({nccl_communicators} communicator(s)): one-rank communicators are measured on an H200 "
+            f"NCCL in use ({plural(nccl_communicators, 'communicator')}): one-rank communicators are measured on an H200 "
             f"({format_bytes(m.nccl_first_bytes)} the first, {format_bytes(m.nccl_next_bytes)} each further); "
-            + (f"buffers towards {nccl_peers} peer(s) are assumed from NCCL's buffer sizes, " if nccl_peers else
+            + (f"buffers towards {plural(nccl_peers, 'peer')} are assumed from NCCL's buffer sizes, " if nccl_peers else
                "buffers towards peers are not counted (pass nccl_peers=), ")
             + "not measured: they need two GPUs (issue 19). Leave margin or measure with overhead='measure'")
     total = sum(parts.values())

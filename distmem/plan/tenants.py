@@ -31,7 +31,7 @@ from ..discover.gpus import Inventory
 from ..discover.layout import Layout
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import MiB, SizeLike, format_bytes, parse_bytes
+from ..units import MiB, SizeLike, format_bytes, parse_bytes, plural
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import floor_mib, places, resolve_options
 
@@ -189,7 +189,7 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
                         "enforced": bool(gpus) and memory != "growth",
                         "gpu": pl.gpu.index if pl.gpu is not None else None} for n, _ in pairs]
     if not gpus:
-        warnings.append(f"no GPU: the {len(pairs)} tenant(s) run on logical CPU devices "
+        warnings.append(f"no GPU: the {plural(len(pairs), 'tenant')} run on logical CPU devices "
                         f"{', '.join(devices.values())}; their limits are recorded, not enforced")
     extras: Dict[str, Any] = {"devices": devices, "tenants": summary}
     if not gpus and len(pairs) > 1:

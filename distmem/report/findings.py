@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from ..units import MiB, format_bytes
+from ..units import MiB, format_bytes, plural
 
 __all__ = ["WARN_NEAR_LIMIT", "WARN_IMBALANCE", "WARN_IMBALANCE_MIN_BYTES", "GROUP_ABOVE", "WARNING_KINDS",
            "Findings", "ranks_text", "usage_phrase", "missing", "missing_summary", "plan_mismatch", "above_plan",
@@ -85,7 +85,7 @@ class Findings:
 
 
 def missing(ranks: Sequence[int]) -> Finding:
-    return _finding("missing", ranks, f"rank(s) {ranks_text(list(ranks))} did not report within the timeout "
+    return _finding("missing", ranks, f"{plural(len(list(ranks)), 'rank', bare=True)} {ranks_text(list(ranks))} did not report within the timeout "
                     "(crashed, hung, or never called distmem.report()); their rows are missing", count=len(ranks))
 
 
@@ -168,10 +168,10 @@ def shared_gpu_summary(count: int, rank: int, device: int, used: Optional[float]
                        owner_planned: Optional[int] = None) -> Finding:
     """The same rule from all-reduced figures: the lowest intruding rank and one crowded GPU."""
     return _finding("shared_gpu", [rank, owner],
-                    f"{count} rank(s) run on a GPU the plan gave to another rank: rank {rank} holds "
+                    f"{plural(count, 'rank')} run on a GPU the plan gave to another rank: rank {rank} holds "
                     f"{format_bytes(used) if used is not None and used >= 0 else 'memory'} on GPU {device}"
                     + (f", whose GPU (rank {owner}'s GPU {owner_device}) lists {owner_pids} processes for "
-                       f"{owner_planned} planned rank(s)" if owner is not None else "")
+                       f"{plural(owner_planned, 'planned rank')}" if owner is not None else "")
                     + f"; {PIN_REMEDY}; detail='full' names every rank on each GPU",
                     count=count, intruder_rank=rank, gpu=device, owner_rank=owner)
 
@@ -181,7 +181,7 @@ def foreign_process(host: str, gpu: str, label: Any, users: Sequence[int], procs
     total = sum(known) if known else None
     listed = ", ".join(f"pid {p} ({format_bytes(b)})" for p, b in sorted(procs.items())[:5])
     return _finding("foreign_process", users,
-                    f"GPU {label} on {host} ({gpu}), used by rank(s) {ranks_text(users)}, also runs {len(procs)} "
+                    f"GPU {label} on {host} ({gpu}), used by {plural(len(users), 'rank', bare=True)} {ranks_text(users)}, also runs {len(procs)} "
                     f"process(es) outside this job holding {format_bytes(total)}: {listed}; {FOREIGN_REMEDY}: pass "
                     f"foreign='" + (format_bytes(total) if total else "<bytes>")
                     + "' to distmem.init() or move the job to a free GPU",
@@ -190,15 +190,15 @@ def foreign_process(host: str, gpu: str, label: Any, users: Sequence[int], procs
 
 def foreign_process_more(gpus: List[List[str]], hosts: List[str], users: List[int], pids: List[int]) -> Finding:
     return _finding("foreign_process", users,
-                    f"{len(gpus)} more GPU(s) on {len(hosts)} host(s) ({', '.join(hosts[:5])}"
+                    f"{plural(len(gpus), 'more GPU', 'more GPUs')} on {plural(len(hosts), 'host')} ({', '.join(hosts[:5])}"
                     + (", ..." if len(hosts) > 5 else "") + f") also run processes outside this job (ranks "
                     f"{ranks_text(users)}); the JSON report's findings list each", gpus=gpus, pids=pids)
 
 
 def foreign_process_summary(count: int, rank: int, device: int, pids: int, planned: int, extra: int) -> Finding:
     return _finding("foreign_process", [rank],
-                    f"{count} rank(s) share their GPU with processes outside the plan: rank {rank}'s GPU {device} "
-                    f"lists {pids} processes for {planned} planned rank(s); {FOREIGN_REMEDY}: pass foreign= to "
+                    f"{plural(count, 'rank')} share their GPU with processes outside the plan: rank {rank}'s GPU {device} "
+                    f"lists {plural(pids, 'process', 'processes')} for {plural(planned, 'planned rank')}; {FOREIGN_REMEDY}: pass foreign= to "
                     "distmem.init() or move to a free GPU; detail='full' lists their pids and bytes",
                     count=count, worst_rank=rank, extra_processes=extra)
 

@@ -42,7 +42,9 @@ def test_each_worker_gets_its_tf_config_and_a_prefix(via):
         assert prefix == f"[rank {rank}]"
         assert cfg == {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": rank}}
     assert "[rank 1] stderr line from 1" in res.out  # stderr is prefixed too
-    assert "all 3 worker(s) exited 0" in res.out
+    assert "all 3 workers exited 0" in res.out
+    # issue 18: distmem's own lines name the rank once, not "[rank 1] [distmem rank 1]"
+    assert "[rank 1] [distmem] a line as distmem writes it" in res.out and "[distmem rank" not in res.out
 
 
 def test_chief_layout():
@@ -59,13 +61,13 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code():
     assert not res.timed_out, res.out[-3000:]
     assert res.rc == 3, res.out[-3000:]
     assert "[rank 1] failing on purpose" in res.out
-    assert "rank 1 failed with exit code 3" in res.out and "stopped rank(s) [0, 2]" in res.out
+    assert "rank 1 failed with exit code 3" in res.out and "stopped ranks [0, 2]" in res.out
 
 
 def test_hard_timeout_kills_everything():
     res = launch(2, "--timeout", "3", "--grace", "1", env={"MODE": "sleep"})
     assert not res.timed_out and res.rc == 124, res.out[-3000:]
-    assert "hard timeout" in res.out and "killed rank(s) [0, 1]" in res.out
+    assert "hard timeout" in res.out and "killed ranks [0, 1]" in res.out
 
 
 def test_worker_killed_by_a_signal():

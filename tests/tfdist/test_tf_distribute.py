@@ -49,7 +49,7 @@ def test_gather_through_multiworker_collectives():
     assert rows[0]["gather"] == {"rows": [{"r": k} for k in range(WORKERS)], "missing": []}
     assert all(rows[r]["gather"] == {"rows": None, "missing": []} for r in range(1, WORKERS))
     assert rows[0]["report"] == {"ranks": list(range(WORKERS)), "missing": [], "transport": "tf.distribute"}
-    assert f"distmem report: {WORKERS} rank(s), strategy data, {WORKERS} reporting" in res.out
+    assert f"distmem report: {WORKERS} ranks, strategy data, {WORKERS} reporting" in res.out
 
 
 def test_gather_returns_within_its_timeout_when_a_worker_never_arrives():
@@ -71,9 +71,9 @@ def test_example_multiworker_rank0_prints_the_report(via, tmp_path):
     res = run(head + ["-n", str(WORKERS), "--timeout", str(LAUNCH_TIMEOUT - 20), EXAMPLE, "--steps", "2",
                       "--report", str(report)], LAUNCH_TIMEOUT)
     res.check()
-    assert f"[rank 0] distmem report: {WORKERS} rank(s), strategy data, {WORKERS} reporting" in res.out
-    assert f"{WORKERS} replica(s) in sync, {WORKERS} rank(s), 2 step(s)" in res.out
-    assert f"report: {WORKERS} of {WORKERS} rank(s) reporting" in res.out
+    assert f"[rank 0] distmem report: {WORKERS} ranks, strategy data, {WORKERS} reporting" in res.out
+    assert f"{WORKERS} replicas in sync, {WORKERS} ranks, 2 steps" in res.out
+    assert f"report: {WORKERS} of {WORKERS} ranks reporting" in res.out
     assert not re.search(r"^\[rank [1-9]\d*\] distmem report", res.out, re.M)  # only rank 0 prints it
     data = json.loads(report.read_text())
     assert [r["rank"] for r in data["ranks"]] == list(range(WORKERS))
@@ -83,8 +83,8 @@ def test_example_multiworker_rank0_prints_the_report(via, tmp_path):
 def test_example_mirrored_over_logical_devices():
     res = run([python(), EXAMPLE, "--mirrored", "--replicas", "2", "--steps", "2"], 240)
     res.check()
-    assert "MirroredStrategy: 2 replica(s) in sync, 1 rank(s), 2 step(s)" in res.out
-    assert "distmem report: 1 rank(s), strategy tenants, 1 reporting" in res.out
+    assert "MirroredStrategy: 2 replicas in sync, 1 rank, 2 steps" in res.out
+    assert "distmem report: 1 rank, strategy tenants, 1 reporting" in res.out
     assert re.search(r"^replica0\s+/CPU:0", res.out, re.M) and re.search(r"^replica1\s+/CPU:1", res.out, re.M)
 
 
@@ -97,7 +97,7 @@ def test_tenants_example_shows_both_models_devices_and_limits():
     assert re.search(r"^bert\s+/CPU:0\s+6\.0 GiB\s+no \(recorded\)", res.out, re.M), res.out[-3000:]
     assert re.search(r"^resnet\s+/CPU:1\s+8\.0 GiB\s+no \(recorded\)", res.out, re.M)
     assert "limits are recorded, not enforced" in res.out
-    assert "distmem report: 1 rank(s), strategy tenants, 1 reporting" in res.out
+    assert "distmem report: 1 rank, strategy tenants, 1 reporting" in res.out
 
 
 def test_tenants_example_refuses_a_plan_that_does_not_fit():

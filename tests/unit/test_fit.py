@@ -194,7 +194,7 @@ def test_fits_nowhere_names_the_smallest_fleet_that_would_and_it_is_minimal():
     c = costs(24)
     res = solve_fit(c, global_batch_size=64, gpus=gpus("2x8GiB"), top=3, rejected=2)
     assert not res.fits and res.suggestion
-    assert "smallest fleet that fits is 3 such GPU(s)" in res.suggestion
+    assert "smallest fleet that fits is 3 such GPUs" in res.suggestion
     ev = _Evaluator(c, gpus("2x8GiB"), headroom=0.10, reserve="256MiB", overhead=None, foreign=0,
                     framework="torch", nccl="auto", nccl_buffsize=None)
     assert not ev.evaluate(Layout(1, 2, 1, 64, "float32", True, 1, "1f1b"), 2).fits

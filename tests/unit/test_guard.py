@@ -181,7 +181,7 @@ def test_the_floor_raises_with_the_numbers():
     with pytest.raises(guard.BatchSizeFloorError) as info:
         s(x, y)
     msg = str(info.value)
-    assert "micro-batch 2 is the floor" in msg and "min_micro_batch_size=2" in msg and "rank(s) [0]" in msg
+    assert "micro-batch 2 is the floor" in msg and "min_micro_batch_size=2" in msg and "rank [0]" in msg
     assert [f.new_micro_batch for f in s.fallbacks] == [8, 4, 2]
     assert info.value.ranks == [0]
 
@@ -376,7 +376,7 @@ def test_find_batch_size_lower_bound_error():
     out = _finder([3, 100], start=64, lower=4)
     for r in range(2):
         assert isinstance(out[r], guard.BatchSizeFloorError), out[r]
-        assert "lower bound, batch 4" in str(out[r]) and "rank(s) [0]" in str(out[r]) and "64, 32, 16, 8, 4" in str(out[r])
+        assert "lower bound, batch 4" in str(out[r]) and "rank [0]" in str(out[r]) and "64, 32, 16, 8, 4" in str(out[r])
 
 
 def test_find_batch_size_rejects_different_arguments_per_rank():

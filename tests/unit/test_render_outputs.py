@@ -32,18 +32,18 @@ def job(missing=()):
 def test_plain_table_has_a_row_per_rank_and_marks_missing():
     text = table(job(missing=[2]))
     lines = text.splitlines()
-    assert lines[0].startswith("distmem report: 4 rank(s)") and "missing [2]" in lines[0]
+    assert lines[0].startswith("distmem report: 4 ranks") and "missing [2]" in lines[0]
     rows = [ln for ln in lines if re.match(r"^\d+\s", ln)]
     assert [r.split()[0] for r in rows] == ["0", "1", "3", "2"]
     assert "(missing)" in rows[-1]
     assert any(ln.startswith("WARNING: rank 3 holds 10.0 GiB in its allocator (reserved; peak allocated 9.0 GiB), "
                              "above its plan of 8.0 GiB") for ln in lines)
-    assert "timeline: 5 point(s), steps 100..500" in text
+    assert "timeline: 5 points, steps 100..500" in text
 
 
 def test_summary_table_has_no_rows_but_the_aggregates():
     text = table(reduce_locally(job().ranks, 4))
-    assert text.startswith("distmem report (summary): 4 rank(s)")
+    assert text.startswith("distmem report (summary): 4 ranks")
     assert "peak per rank: max 9.0 GiB (rank 3)" in text and "min 3.0 GiB (rank 0)" in text
 
 
@@ -181,7 +181,7 @@ def test_cli_report_renders_a_saved_file(tmp_path, capsys):
     rc = cli.main(["report", path, "--plot", str(tmp_path / "r.png"), "--prometheus", str(tmp_path / "r.prom"),
                    "--label", "run=x", "--color", "never"])
     out = capsys.readouterr().out
-    assert rc == 0 and out.startswith("distmem report: 4 rank(s)") and "(missing)" in out
+    assert rc == 0 and out.startswith("distmem report: 4 ranks") and "(missing)" in out
     assert os.path.getsize(tmp_path / "r.png") > 20_000
     assert 'distmem_rank_up{run="x",rank="2"' in open(tmp_path / "r.prom").read()
     assert cli.main(["report", path, "--json"]) == 0

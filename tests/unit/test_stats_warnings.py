@@ -174,7 +174,7 @@ def test_missing_and_plan_mismatch_come_first():
     snaps = [snap(0, peak=GiB), snap(1, peak=GiB, fingerprint="e" * 16)]
     rep = aggregate(snaps, 3, missing=[2])
     assert kinds(rep)[:2] == ["missing", "plan_mismatch"]
-    assert "rank(s) 2 did not report" in rep.warnings[0]
+    assert "rank 2 did not report" in rep.warnings[0]
 
 
 def test_snapshot_and_report_round_trip_through_json_types():

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
 from ...observe.snapshot import plan_usage
-from ...units import GiB, MiB, format_bytes
+from ...units import GiB, MiB, format_bytes, plural
 from ..aggregate import WARN_NEAR_LIMIT, Report
 from .files import atomic_path
 from .table import source_note
@@ -184,7 +184,7 @@ def _timeline(ax: Any, points: Sequence[Dict[str, Any]], unit: float, uname: str
                            label="limit (plan)" if k == 0 else None)
         missing = [st for st, p in zip(steps, points) if p.get("missing")]
         for k, st in enumerate(missing):
-            ax.axvline(st, color=_BAD, alpha=0.4, linewidth=1, label="rank(s) missing" if k == 0 else None)
+            ax.axvline(st, color=_BAD, alpha=0.4, linewidth=1, label="ranks missing" if k == 0 else None)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -247,7 +247,7 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
     n_warn = min(len(report.warnings), 6)
     wrapped = [textwrap.fill(f"\u26a0 {w}", chars, subsequent_indent="    ") for w in report.warnings[:n_warn]]
     if len(report.warnings) > n_warn:
-        wrapped.append(f"... and {len(report.warnings) - n_warn} more warning(s) in the JSON report")
+        wrapped.append(f"... and {len(report.warnings) - n_warn} more {plural(len(report.warnings) - n_warn, 'warning', bare=True)} in the JSON report")
     warn_lines = sum(w.count("\n") + 1 for w in wrapped) if wrapped else 1
     panels = 2 if points else 1
     # Layout in inches, converted to figure fractions: header, panels, x labels, warnings.
@@ -273,7 +273,7 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
     if hosts:
         sub.append(f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts[:3])}" + (" ..." if len(hosts) > 3 else ""))
     if report.missing:
-        sub.append(f"missing rank(s) {report.missing}")
+        sub.append(f"missing {plural(len(report.missing), 'rank', bare=True)} {report.missing}")
     src = source_note(report).lstrip("; ")
     if src:
         sub.append(src)

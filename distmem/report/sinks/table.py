@@ -5,7 +5,7 @@ import sys
 from typing import IO, Any, List, Optional
 
 from ... import settings
-from ...units import format_bytes
+from ...units import format_bytes, plural
 from ..aggregate import Report
 
 __all__ = ["table", "rich_table", "print_report", "source_note"]
@@ -28,15 +28,20 @@ _HEAD = ["rank", "local", "host", "device", "stage", "mode", "planned", "current
          "rss", "headroom"]
 
 
+def _mode(s: Any) -> str:
+    """The rank's mode; a limit that is only planned carries a star (the footer says what it means)."""
+    mode = s.allocation.get("mode", "?") if s.allocation else "?"
+    return mode + ("" if s.enforced or mode in ("cpu", "growth") else "*")
+
+
 def _rows(report: Report) -> List[List[str]]:
     rows: List[List[str]] = []
     for s in report.ranks:
-        mode = s.allocation.get("mode", "?") if s.allocation else "?"
         peak = s.peak_or_current
         head_room = (s.limit_bytes - peak) if (s.limit_bytes and peak is not None) else None
         dev = ",".join(f"GPU{d}" for d in dict.fromkeys(s.devices)) or "CPU"  # tenants share one GPU
         rows.append([str(s.rank), str(s.local_rank), s.host[:16], dev, "-" if s.stage is None else str(s.stage),
-                     mode + ("" if s.enforced or mode in ("cpu", "growth") else "*"),
+                     _mode(s),
                      _b(s.limit_bytes), _b(s.current_bytes), _b(peak), _b(s.reserved_bytes), _b(s.nvml_total),
                      _b(s.rss_bytes), _b(head_room)])
     for r in report.missing:
@@ -47,9 +52,9 @@ def _rows(report: Report) -> List[List[str]]:
 def _title(report: Report) -> str:
     if report.detail == "summary":
         n = report.aggregates.get("ranks_reporting")
-        return (f"distmem report (summary): {report.world_size} rank(s), strategy {report.strategy}, "
+        return (f"distmem report (summary): {plural(report.world_size, 'rank')}, strategy {report.strategy}, "
                 + ("reduction incomplete" if n is None else f"{n} reporting"))
-    return (f"distmem report: {report.world_size} rank(s), strategy {report.strategy}, "
+    return (f"distmem report: {plural(report.world_size, 'rank')}, strategy {report.strategy}, "
             f"{len(report.ranks)} reporting" + (f", missing {report.missing}" if report.missing else "")
             + source_note(report))
 
@@ -61,6 +66,8 @@ def _ranks(ranks: List[int]) -> str:
 
 def _footer(report: Report) -> List[str]:
     out: List[str] = []
+    if any(_mode(s).endswith("*") for s in report.ranks):
+        out.append("*: limit planned, not enforced (dry run, or a device the framework cannot cap)")
     for s in report.ranks:
         if s.strategy == "tenants":
             out += [f"rank {s.rank} {note}" for note in (s.allocation or {}).get("notes", [])]
@@ -81,12 +88,12 @@ def _footer(report: Report) -> List[str]:
     if len(hosts) > 1:
         for name, h in hosts.items():
             ranks = h.get("ranks") or []
-            out.append(f"host {name}: {len(ranks)} rank(s) ({_ranks(ranks)}) on {h.get('gpus', 0)} GPU(s), planned "
+            out.append(f"host {name}: {plural(len(ranks), 'rank')} ({_ranks(ranks)}) on {plural(h.get('gpus', 0), 'GPU')}, planned "
                        f"{_b(h.get('planned_bytes') or None)}, peak {_b(h.get('peak_bytes') or None)} (largest "
                        f"{_b(h.get('max_peak_bytes') or None)})")
     if report.timeline:
         first, last = report.timeline[0], report.timeline[-1]
-        out.append(f"timeline: {len(report.timeline)} point(s), steps {first.get('step')}..{last.get('step')}")
+        out.append(f"timeline: {plural(len(report.timeline), 'point')}, steps {first.get('step')}..{last.get('step')}")
     return out
 
 
@@ -152,6 +159,9 @@ def print_report(report: Report, file: Optional[IO[str]] = None, use_rich: Optio
             return
         except ImportError:
             pass
-    print(table(report), file=file, flush=True)
+    # One write with its newline, then a flush: launchers that tag output per rank (mpirun's
+    # --tag-output, horovodrun) cannot splice another rank's tag into the table's last line.
+    file.write(table(report) + "\n")
+    file.flush()
 
 

@@ -14,6 +14,7 @@ rank = [(t, i) for t in ("chief", "worker") for i in range(len(cfg["cluster"].ge
     (task["type"], task["index"]))
 print("CONFIG " + json.dumps({"rank": rank, "cfg": cfg}), flush=True)
 print(f"stderr line from {rank}", file=sys.stderr, flush=True)
+print(f"[distmem rank {rank}] a line as distmem writes it", file=sys.stderr, flush=True)
 mode = os.environ.get("MODE", "ok")
 if mode == "fail":
     if rank == int(os.environ.get("FAIL_RANK", "1")):
