@@ -87,11 +87,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: strategy {plan.strategy}, {_n(plan.world_size, 'rank')}, {per_node} per node, devices from "
           f"{plan.source}; per-process overhead {format_bytes(plan.overhead_bytes)}, reserve "
           f"{format_bytes(plan.reserve_bytes)} per GPU")
+    pipe = plan.extras.get("pipeline") or {}
+    if pipe.get("headroom"):
+        given = "each stage's bytes as given in --stages" if pipe.get("source") == "stages" else "each stage's demand"
+        print(f"limits: {given} + {pipe['headroom']:.0%} headroom for the allocator's cache, in whole MiB "
+              f"(--headroom 0 keeps the figures as they are)")
     for a in plan.allocations[:256]:
         extra = ""
         if a.demand_bytes is not None:
-            extra = f"  demand {format_bytes(a.demand_bytes)}" + (
-                " (" + ", ".join(f"{k} {format_bytes(v)}" for k, v in a.breakdown.items()) + ")" if a.breakdown else "")
+            parts = [f"{k[:-len('_bytes')] if k.endswith('_bytes') else k} {format_bytes(v)}"
+                     for k, v in a.breakdown.items() if k not in ("planned_bytes", "headroom_bytes")]
+            extra = f"  demand {format_bytes(a.demand_bytes)}" + (" (" + ", ".join(parts) + ")" if parts else "")
         print("  " + a.describe() + extra)
     if len(plan.allocations) > 256:
         print(f"  ... {len(plan.allocations) - 256} more ranks")

@@ -24,7 +24,7 @@ from ..discover.gpus import Inventory
 from ..discover.layout import Layout
 from ..errors import ConfigError, DoesNotFitError
 from ..discover.identity import Topology
-from ..units import MiB, SizeLike, format_bytes, parse_bytes
+from ..units import MiB, SizeLike, format_bytes, parse_bytes, plural
 from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
 from .common import Options, equal_share, idle_gpus, places, resolve_options
 from .partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
@@ -40,7 +40,7 @@ def stage_of_rank(rank: int, size: int, num_stages: int, rank_order: str = "pipe
     if rank_order not in RANK_ORDERS:
         raise ConfigError(f"rank_order={rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
     if num_stages < 1 or size % num_stages:
-        raise ConfigError(f"{size} rank(s) do not divide into pipelines of {num_stages} stage(s); the job needs "
+        raise ConfigError(f"{plural(size, 'rank')} do not divide into pipelines of {plural(num_stages, 'stage')}; the job needs "
                           f"replicas x stages = ranks: launch a multiple of {num_stages} ranks or change num_stages")
     if rank_order == "pipeline":
         return rank % num_stages, rank // num_stages
@@ -97,7 +97,7 @@ def layers_from_model(model: Any, *, batch_size: Optional[int] = None, optimizer
 
 def _explicit_stages(stages: Sequence[SizeLike], num_stages: Optional[int]) -> List[StageDemand]:
     if num_stages is not None and num_stages != len(stages):
-        raise ConfigError(f"stages= lists {len(stages)} stage(s) but num_stages={num_stages}; give one size per stage")
+        raise ConfigError(f"stages= lists {plural(len(stages), 'stage')} but num_stages={num_stages}; give one size per stage")
     out = []
     for s, value in enumerate(stages):
         nbytes = parse_bytes(value, what=f"stages[{s}]")
@@ -114,10 +114,29 @@ def _does_not_fit(stage: StageDemand, rank: int, gpu_index: int, total: int, sha
     sharing = f", shared by {shared_by} ranks" if shared_by > 1 else ""
     remedies = ["use more stages", "fewer micro-batches in flight (num_micro_batches=)"]
     if explicit:
-        remedies = [f"lower stages[{stage.stage}] by using more stages, fewer micro-batches in flight, or recompute"]
-    elif schedule == "gpipe":
+        # Bytes the user stated: no schedule or recomputation to change, only where they go.
+        short = stage.total_bytes - share
+        parts = max(-(-stage.total_bytes // max(share, 1)), 2)
+        piece = format_bytes(-(-stage.total_bytes // parts)).replace(" ", "")
+        remedies = [f"a GPU of at least {format_bytes(total + shared_by * short)}",
+                    f"split stage {stage.stage} into {parts} stages of at most {format_bytes(share)} (e.g. "
+                    f"{','.join([piece] * parts)} in its place in stages=, with a rank for each added stage)"]
+        if shared_by > 1:
+            remedies.append("fewer ranks per GPU")
+        if short <= opts["reserve_bytes"] + opts["overhead_bytes"]:
+            remedies.append(f"if this machine needs less, a smaller reserve= ({format_bytes(opts['reserve_bytes'])}) "
+                            f"or overhead= ({format_bytes(opts['overhead_bytes'])})")
+        head = (f" (its {opts['headroom']:.0%} headroom is not the cause: headroom is dropped where it does not "
+                "fit)") if opts.get("headroom") else ""
+        return DoesNotFitError(
+            f"stage {stage.stage} needs {format_bytes(stage.total_bytes)} as given in stages={head} but its GPU offers "
+            f"{format_bytes(share)} after the reserve, {format_bytes(short)} short (rank {rank} on GPU {gpu_index} of "
+            f"{format_bytes(total)}{sharing}: reserve {format_bytes(opts['reserve_bytes'])}, foreign "
+            f"{format_bytes(opts['foreign_bytes'])}, per-process overhead {format_bytes(opts['overhead_bytes'])}); "
+            "use " + "; or ".join(remedies))
+    if schedule == "gpipe":
         remedies.append("schedule='1f1b'")
-    if not recompute and not explicit:
+    if not recompute:
         remedies.append("recompute=True")
     if shared_by > 1:
         remedies.append("fewer ranks per GPU")
@@ -197,7 +216,8 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
         stage, replica = stage_of_rank(rank, topo.size, p, rank_order)
         d = demands[stage]
         alloc = Allocation(rank, pl.local_rank, pl.host, "pipeline", "cpu", stage=stage, replica=replica,
-                           demand_bytes=d.total_bytes, breakdown=dict(breakdowns[stage], planned_bytes=wants[stage]),
+                           demand_bytes=d.total_bytes, breakdown=dict(breakdowns[stage], planned_bytes=wants[stage],
+                                                                      headroom_bytes=wants[stage] - d.total_bytes),
                            notes=[f"stage {stage} of {p}, replica {replica}{notes[stage]}"])
         if pl.gpu is not None:
             gpu, k = pl.gpu, pl.shared_by
@@ -215,6 +235,7 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
                                     f"{gpu.index}'s {format_bytes(share)}")
             limit = limits[key]
             alloc.breakdown["planned_bytes"] = limit
+            alloc.breakdown["headroom_bytes"] = limit - d.total_bytes
             alloc.mode = "limit" if enforce else "growth"
             alloc.devices = [DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=limit,
                                         enforce=enforce, growth=True, shared_by=k, nvml_index=gpu.nvml_index,
@@ -224,10 +245,12 @@ def plan_pipeline(topo: Topology, inv: Inventory, *, stages: Optional[Sequence[S
                                    "taking a neighbour's share; use memory='auto' or 'limit'")
         allocations.append(alloc)
     for host, n in sorted(idle_gpus(all_places, used).items()):
-        warnings.append(f"{n} GPU(s) visible on {host} but no rank uses them: they stay idle")
+        warnings.append(f"{plural(n, 'GPU')} visible on {host} but no rank uses {'it' if n == 1 else 'them'}: "
+                        f"{'it stays' if n == 1 else 'they stay'} idle")
     extras: Dict[str, Any] = {"pipeline": {
         "num_stages": p, "replicas": topo.size // p, "rank_order": rank_order, "schedule": schedule,
         "num_micro_batches": m, "micro_batch_size": micro_batch_size, "recompute": bool(recompute),
+        "headroom": headroom_ratio,
         "source": "stages" if explicit else ("model" if model is not None else "layers"),
         "stages": [{"stage": d.stage, "demand_bytes": d.total_bytes,
                     "planned_bytes": wants[d.stage],

@@ -78,10 +78,14 @@ class Allocation:
             budget = f", planned {format_bytes(planned)}" if planned else ""
             return f"rank {self.rank}{stage}: no GPU ({self.mode}{budget})"
         parts = []
+        head = self.breakdown.get("headroom_bytes")
         for d in self.devices:
             how = "hard limit" if d.enforce else "growth, budget"
             lab = f" [{d.label}]" if d.label else ""
-            parts.append(f"GPU {d.index}{lab} {how} {format_bytes(d.planned_bytes)}"
+            # A limit above the demand says by how much (a pipeline stage's headroom for the allocator's cache).
+            derived = (f" ({format_bytes(self.demand_bytes)} + {head / self.demand_bytes:.0%} headroom)"
+                       if head and self.demand_bytes and len(self.devices) == 1 else "")
+            parts.append(f"GPU {d.index}{lab} {how} {format_bytes(d.planned_bytes)}{derived}"
                          + (f" shared by {d.shared_by}" if d.shared_by > 1 else ""))
         return f"rank {self.rank} (local {self.local_rank}){stage}: " + "; ".join(parts)
 

@@ -84,7 +84,21 @@ def test_explicit_stage_too_large_names_stage_and_share():
         make_plan("pipeline", topo(4, 4), fleet_inventory("4x16GiB"), stages=["9GiB", "7GiB", "17GiB", "5GiB"])
     msg = str(err.value)
     assert "stage 2 needs 17.0 GiB" in msg and f"offers {share / GiB:.1f} GiB after the reserve" in msg
-    assert "more stages" in msg
+    # issue 18: bytes the user stated have no schedule or recomputation to change: remedies that apply
+    assert "a GPU of at least 18.0 GiB" in msg and "split stage 2 into 2 stages" in msg
+    assert "8.5GiB,8.5GiB" in msg and "headroom is not the cause" in msg
+    assert "recompute" not in msg and "micro-batches" not in msg
+
+
+def test_explicit_stage_headroom_is_shown_and_zero_keeps_the_bytes():
+    with_head = make_plan("pipeline", topo(2, 2), fleet_inventory("2x16GiB"), stages=["9GiB", "7GiB"], headroom=0.1)
+    a = with_head.allocations[0]
+    assert a.limit_bytes > 9 * GiB and a.breakdown["headroom_bytes"] == a.limit_bytes - 9 * GiB
+    assert "hard limit 9.9 GiB (9.0 GiB + 10% headroom)" in a.describe()
+    assert with_head.extras["pipeline"]["headroom"] == 0.1
+    exact = make_plan("pipeline", topo(2, 2), fleet_inventory("2x16GiB"), stages=["9GiB", "7GiB"], headroom=0)
+    assert [x.limit_bytes for x in exact.allocations] == [9 * GiB, 7 * GiB]
+    assert "headroom" not in exact.allocations[0].describe()
 
 
 def test_stage_does_not_fit_error_carries_breakdown_and_remedies():
