@@ -34,7 +34,7 @@ demo:
 	rm -f runs/demo/report.json; \
 	echo "[make demo] horovodrun -np $(NP) -H localhost:$(NP) python examples/train.py"; \
 	echo "[make demo] without a GPU the plan is made against DISTMEM_FLEET=$(DEMO_FLEET) (dry run: planned, not applied)"; \
-	DISTMEM_FLEET=$(DEMO_FLEET) timeout 900 $$bin/horovodrun -np $(NP) -H localhost:$(NP) $$bin/python examples/train.py \
+	DISTMEM_FLEET=$(DEMO_FLEET) TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-2} timeout 900 $$bin/horovodrun -np $(NP) -H localhost:$(NP) $$bin/python examples/train.py \
 	  --steps $(DEMO_STEPS) --report runs/demo/report.json --plot runs/demo/report.png; \
 	test -s runs/demo/report.json && echo "[make demo] report: runs/demo/report.json"
 

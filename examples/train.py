@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out of the log
 
 import distmem  # noqa: E402
+from distmem.units import plural  # noqa: E402
 
 
 def parse_args():
@@ -59,7 +60,14 @@ def main():
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * hvd.size(), momentum=0.9))
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    # Every rank starts from rank 0's weights. Broadcast them now rather than with Horovod's
+    # BroadcastGlobalVariablesCallback: that one broadcasts inside the first batch's
+    # on_train_batch_end, and Keras then warns on every rank that the hook is slow. (The optimizer's
+    # slots start at zero on every rank, so the weights are all that differ.)
+    from horovod.tensorflow import broadcast_variables
+
+    broadcast_variables(model.variables, root_rank=0)
+    callbacks = []
     timeline = None
     try:
         from distmem.report.keras import MemoryReport
@@ -72,7 +80,7 @@ def main():
     model.fit(data, steps_per_epoch=args.steps, epochs=1, callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
     rep = distmem.report(path=args.report)
     if rep is not None:
-        print(f"[rank 0] report for {len(rep.ranks)} rank(s) written to {args.report}")
+        print(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}", flush=True)
         if args.plot:
             try:
                 from distmem.report.sinks import plot

@@ -50,8 +50,9 @@ def _build() -> type:
             self.every = ReportEvery(every_n_batches, path=path, plot=plot, log_dir=log_dir, prometheus=prometheus,
                                      detail=detail, timeout=timeout, **options)
             self.final = final
-            self._epoch_base = 0
-            self._seen = 0
+            self._epoch_base = self._seen = 0
+            self._epoch_end: Optional[int] = None
+            self._due = every_n_batches
 
         @property
         def points(self):
@@ -73,20 +74,38 @@ def _build() -> type:
                 raise DistmemError("distmem.keras.MemoryReport needs a plan: call distmem.init() at the top of the "
                                    "script, before TensorFlow touches a GPU")
             self._epoch_base = self._seen = self.every.current_step
+            self._arm()
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self._epoch_base = self._seen
+            self._arm()
+
+        def _arm(self) -> None:
+            # The step at which on_train_batch_end must leave its fast path: the next gather, or a
+            # batch index past the epoch's end (Keras 3 reports the last execution of an epoch as if
+            # it were whole, index 5 of a 5-step epoch), whichever comes first.
+            per_epoch = (getattr(self, "params", None) or {}).get("steps")
+            self._epoch_end = self._epoch_base + per_epoch if per_epoch else None
+            due = self.every.next_gather_step
+            self._due = min(due, self._epoch_end + 1) if self._epoch_end is not None else due
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            # ``batch`` restarts each epoch and, with steps_per_execution > 1, advances by more than
-            # one per call; the global step is the epoch's base plus the batch index. Keras 3 reports
-            # the last execution of an epoch as if it were whole (index 5 of a 5-step epoch): clamp.
-            per_epoch = (getattr(self, "params", None) or {}).get("steps")
-            index = min(int(batch), per_epoch - 1) if per_epoch else int(batch)
-            self._seen = self._epoch_base + index + 1
-            self.every.step(self._seen)
+            # Runs after every batch and Keras times it: between two reports it is one addition and
+            # one comparison. ``batch`` restarts each epoch and, with steps_per_execution > 1,
+            # advances by more than one per call: the global step is the epoch's base plus the index.
+            seen = self._epoch_base + batch + 1
+            self._seen = seen
+            if seen >= self._due:
+                self._reached(seen)
+
+        def _reached(self, seen: int) -> None:
+            if self._epoch_end is not None and seen > self._epoch_end:
+                seen = self._seen = self._epoch_end
+            self.every.step(seen)  # gathers when a multiple of every_n_batches was reached or passed
+            self._arm()
 
         def on_train_end(self, logs: Any = None) -> None:
+            self.every.step(self._seen)  # the counter the fast path kept: no gather is due here
             self.every.close(final=self.final)
 
     MemoryReport.__module__ = __name__

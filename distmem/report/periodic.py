@@ -105,6 +105,12 @@ class ReportEvery:
     def current_step(self) -> int:
         return self._step
 
+    @property
+    def next_gather_step(self) -> int:
+        """The first step number at which :meth:`step` gathers (the next multiple of ``n``): a caller
+        that counts steps itself (the Keras callback) needs to call :meth:`step` only from there."""
+        return ((self._last_gather_step or 0) // self.n + 1) * self.n
+
     def step(self, step: Optional[int] = None) -> Optional[Report]:
         """Count one training step (or set the step number); gather when a multiple of ``n`` is reached
         or passed. Returns the Report on rank 0 at a gather, else None."""

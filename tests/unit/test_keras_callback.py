@@ -132,3 +132,19 @@ def test_memory_report_keras_flags():
 
     assert MemoryReport._supports_tf_logs is True and MemoryReport.async_safe is False
     assert MemoryReport.__module__ == "distmem.report.keras"
+
+
+def test_memory_report_costs_nothing_between_reports():
+    """Issue 18: Keras times every batch hook; between two reports the callback only counts, it does
+    not even call into the schedule (bench/keras_hook_cost.py measures the hook: ~0.1 us)."""
+    tf = pytest.importorskip("tensorflow")
+    distmem.init(fleet="2x16GiB", framework="tensorflow", verbose=False)
+    from distmem.report.keras import MemoryReport
+
+    cb = MemoryReport(every_n_batches=4)
+    calls = []
+    step = cb.every.step
+    cb.every.step = lambda s=None: (calls.append(s), step(s))[1]
+    _fit(tf, cb, epochs=2, steps=5)
+    assert [p["step"] for p in cb.points] == [4, 8, 10]
+    assert calls == [4, 8, 10], calls  # the two reports and the end of fit: none of the other 7 batches
