@@ -214,10 +214,10 @@ def take(step: Optional[int] = None) -> Snapshot:
     procs: Dict[int, Dict[int, Optional[int]]] = {}
     inv = state.inventory
     if inv is not None and inv.real:
-        live = discover_gpus.inventory(quiet=True)
-        nvml = discover_gpus.pid_usage(live.gpus, pid)
+        live = discover_gpus.with_live_processes(inv.gpus)
+        nvml = discover_gpus.pid_usage(live, pid)
         planned = {d.index for d in mine.devices}
-        for g in live.gpus:
+        for g in live:
             if g.index in nvml or g.index in planned:
                 uuids[g.index] = g.uuid
             if g.index in planned:

@@ -103,7 +103,14 @@ def _fake_nvml(monkeypatch, procs_by_gpu):
         inv.source = "nvml"  # read it as NVML's answer: this is the one faked input
         return inv
 
+    def fake_live(gpus):  # a snapshot re-reads only the process lists (discover.gpus.with_live_processes)
+        import dataclasses
+
+        return [dataclasses.replace(g, processes=[ddevices.GpuProcess(pid, 900 * MiB)
+                                                  for pid in procs_by_gpu.get(g.index, [])]) for g in gpus]
+
     monkeypatch.setattr(ddevices, "inventory", fake_inventory)
+    monkeypatch.setattr(ddevices, "with_live_processes", fake_live)
 
 
 @pytest.mark.parametrize("detail", ["full", "summary"])
