@@ -206,18 +206,20 @@ def _outside_warnings(snaps: Sequence[Snapshot], out: Findings) -> None:
 
 
 def host_aggregates(snaps: Sequence[Snapshot]) -> Dict[str, Dict[str, Any]]:
-    """Per host: its ranks, GPUs in use, planned bytes, peak bytes (sums) and the largest peak."""
+    """Per host: its ranks, GPUs in use, planned bytes, peak bytes (sums) and the largest peak;
+    the peaks are None on a host where no rank has allocator figures."""
     out: Dict[str, Dict[str, Any]] = {}
     for s in snaps:
-        h = out.setdefault(s.host or "?", {"ranks": [], "gpus": set(), "planned_bytes": 0, "peak_bytes": 0,
-                                           "max_peak_bytes": 0})
+        h = out.setdefault(s.host or "?", {"ranks": [], "gpus": set(), "planned_bytes": 0, "peak_bytes": None,
+                                           "max_peak_bytes": None})
         h["ranks"].append(s.rank)
         h["gpus"].update(d.get("uuid") or s.gpu_uuids.get(d.get("index")) or f"#{d.get('index')}"
                          for d in (s.allocation or {}).get("devices", []))
         h["planned_bytes"] += s.limit_bytes or 0
-        peak = s.peak_or_current or 0
-        h["peak_bytes"] += peak
-        h["max_peak_bytes"] = max(h["max_peak_bytes"], peak)
+        peak = s.peak_or_current
+        if peak is not None:
+            h["peak_bytes"] = (h["peak_bytes"] or 0) + peak
+            h["max_peak_bytes"] = max(h["max_peak_bytes"] or 0, peak)
     for h in out.values():
         h["gpus"] = len(h["gpus"])
     return dict(sorted(out.items()))
@@ -244,11 +246,14 @@ def aggregate(snaps: Sequence[Snapshot], world_size: int, missing: Sequence[int]
                    max_peak_bytes=top, min_peak_bytes=min(peaks), mean_peak_bytes=mean,
                    imbalance=(top / mean) if mean else None,
                    max_peak_rank=snaps[[(p or -1) for p in all_peaks].index(top or -1)].rank)
-    limited = [(s.limit_bytes - (p or 0), s.rank) for s, p in zip(snaps, all_peaks) if s.limit_bytes]
+    if any(s.limit_bytes for s in snaps):
+        agg["total_limit_bytes"] = sum(s.limit_bytes for s in snaps if s.limit_bytes)
+    # Headroom only where the peak is known: a rank without allocator figures (torch on a CPU) has
+    # no headroom to report, not all of its limit.
+    limited = [(s.limit_bytes - p, s.rank) for s, p in zip(snaps, all_peaks) if s.limit_bytes and p is not None]
     if limited:
         head, r = min(limited)
-        agg.update(total_limit_bytes=sum(s.limit_bytes for s in snaps if s.limit_bytes),
-                   min_headroom_bytes=head, min_headroom_rank=r)
+        agg.update(min_headroom_bytes=head, min_headroom_rank=r)
     nv = [s.nvml_total for s in snaps if s.nvml_total is not None]
     if nv:
         agg["total_nvml_bytes"] = sum(nv)

@@ -130,8 +130,8 @@ def local_vectors(s: Snapshot, near: float = WARN_NEAR_LIMIT) -> Tuple[List[floa
         mv[MAX_AT["peak"]], mv[MAX_AT["neg_peak"]] = peak, -peak
         base = len(MAX_AT) + 2 * _slot(s.stage)
         mv[base], mv[base + 1] = peak, -peak
-    if lim:
-        mv[MAX_AT["neg_head"]] = -(lim - (peak or 0))
+    if lim and peak is not None:
+        mv[MAX_AT["neg_head"]] = -(lim - peak)
     if above:
         mv[MAX_AT["above_ratio"]] = ratio  # type: ignore[assignment]
     if is_near:
@@ -219,8 +219,9 @@ def build_report(world_size: int, strategy: str, rs: Sequence[float], rm: Sequen
                    max_peak_bytes=int(mx), min_peak_bytes=int(mn), mean_peak_bytes=mean,
                    imbalance=(mx / mean) if mean else None, max_peak_rank=holders["peak"])
     if rs[SUM_AT["has_limit"]]:
-        agg.update(total_limit_bytes=int(rs[SUM_AT["limit"]]), min_headroom_bytes=int(-rm[MAX_AT["neg_head"]]),
-                   min_headroom_rank=holders["neg_head"])
+        agg["total_limit_bytes"] = int(rs[SUM_AT["limit"]])
+    if rm[MAX_AT["neg_head"]] != _NEG:
+        agg.update(min_headroom_bytes=int(-rm[MAX_AT["neg_head"]]), min_headroom_rank=holders["neg_head"])
     if rs[SUM_AT["has_nvml"]]:
         agg["total_nvml_bytes"] = int(rs[SUM_AT["nvml"]])
     extra = {"max_current_bytes": int(rm[MAX_AT["current"]]) if rm[MAX_AT["current"]] != _NEG else None,

@@ -238,3 +238,21 @@ def test_summary_plan_mismatch_names_two_differing_ranks():
     (f,) = [f for f in reduce_locally(snaps, 4).findings if f["kind"] == "plan_mismatch"]
     assert 2 in f["ranks"] and len(f["ranks"]) == 2
     assert "plan_mismatch" not in reduce_locally([snap(r, fingerprint="") for r in range(2)], 2).kinds()
+
+
+def test_no_headroom_where_no_peak_is_known():
+    """Ranks with a limit but no allocator figures (torch on a CPU): no "smallest headroom" made of
+    the whole limit, in the full and the summary path alike, and host peaks are unknown, not 0."""
+    from distmem.report.sinks.table import table
+
+    snaps = [snap(r, size=2, peak=None, current=None) for r in range(2)]
+    for rep in (aggregate(snaps, 2), reduce_locally(snaps, 2)):
+        assert rep.aggregates.get("total_limit_bytes") == 20 * GiB
+        assert "min_headroom_bytes" not in rep.aggregates, rep.aggregates
+        assert "smallest headroom" not in table(rep)
+    hosts = aggregate(snaps, 2).aggregates["hosts"]
+    assert all(h["peak_bytes"] is None and h["max_peak_bytes"] is None for h in hosts.values())
+    # One rank with a peak: the headroom is that rank's, not the other's whole limit.
+    mixed = [snap(0, size=2, peak=None), snap(1, size=2, peak=7 * GiB)]
+    for rep in (aggregate(mixed, 2), reduce_locally(mixed, 2)):
+        assert rep.aggregates["min_headroom_bytes"] == 3 * GiB and rep.aggregates["min_headroom_rank"] == 1
