@@ -239,3 +239,20 @@ def test_real_split_after_the_first_op_is_too_late():
     assert "None" not in out["first_error"], out["first_error"]
     assert "live configuration 1 logical CPU device, planned 2 logical CPU devices for tenants t0 (/CPU:0, 1.0 GiB " \
            "recorded), t1 (/CPU:1, 1.0 GiB recorded)" in out["first_error"]
+
+
+def test_init_turns_on_tf_cpu_allocator_statistics_in_a_fresh_process():
+    """distmem.init(framework="tensorflow") sets TF_CPU_ALLOCATOR_USE_BFC before TensorFlow starts,
+    so the CPU allocator keeps statistics (run without the variable, in its own interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import os, distmem; distmem.init(framework='tensorflow', verbose=False); "
+            "import tensorflow as tf; x = tf.zeros((1024, 1024)); "
+            "print(os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'), distmem.snapshot().peak_bytes)")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env["DISTMEM_QUIET"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flag, peak = out.stdout.split()[-2:]
+    assert flag == "true" and peak != "None" and int(peak) >= 4 * 2 ** 20, out.stdout
