@@ -78,14 +78,9 @@ def started() -> Optional[List[str]]:
     """The logical devices TensorFlow already created (e.g. ``["CPU:0"]``), or None while it has
     not initialised them. Never initialises them: it reads the eager context's handle, which
     TensorFlow sets at its first op, model build, device listing or strategy."""
-    if "tensorflow" not in sys.modules:
-        return None
-    try:
-        from tensorflow.python.eager import context
-    except ImportError:
-        return None
-    ctx = context.context_safe() if hasattr(context, "context_safe") else getattr(context, "_context", None)
-    if ctx is None or getattr(ctx, "_context_handle", None) is None:
+    from ..estimate.isolated import tf_context_started
+
+    if not tf_context_started():
         return None
     try:
         return [d.name.replace("/device:", "") for d in _tf().config.list_logical_devices()]

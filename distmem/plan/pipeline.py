@@ -59,6 +59,14 @@ def layers_from_model(model: Any, *, batch_size: Optional[int] = None, optimizer
     ``"keras:ResNet50"``); a thin adapter so planners keep taking ``List[LayerCost]``."""
     if isinstance(model, (list, tuple)):
         return layers_from_dicts(model)
+    if isinstance(model, str):
+        from ..estimate import isolated
+
+        if isolated.needs_child(model):
+            # Building a Keras model here would start TensorFlow's GPUs before init() applies the plan.
+            return isolated.call("distmem.plan.pipeline:layers_from_model",
+                                 dict(model=model, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
+                                      **estimate_options))
     try:
         # import_module consults sys.modules first, unlike `from .. import estimate`, which would
         # return the package attribute even where the module has been replaced or removed.
