@@ -6,11 +6,14 @@ device so nothing is allocated), ``hf:NAME`` (a Hugging Face ``transformers`` mo
 config with random weights on the meta device; NAME is a local folder or ``config.json``, a name in
 the local Hugging Face cache, or a ``transformers`` model type such as ``gpt2`` or ``t5``; nothing
 is downloaded), ``module.path:factory`` (your own function returning a Keras model or a
-``torch.nn.Module``; it gets ``input_shape=`` if it accepts it).
+``torch.nn.Module``; it gets ``input_shape=`` if it accepts it), or a saved Keras model
+(``model.keras``, ``model.h5``, a SavedModel folder). A given input shape that contradicts a Keras
+model's own fixed input is an error naming both.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -81,11 +84,17 @@ def _keras_app(name: str, shape: Optional[Tuple[int, ...]]):
 
 
 def _torchvision(name: str, shape: Optional[Tuple[int, ...]]):
+    missing = [m for m in ("torch", "torchvision") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"torchvision:{name} needs {' and '.join(missing)}, which this Python "
+                          f"({sys.executable}) does not have; pip install {' '.join(missing)} "
+                          f"(or distmem[torch])")
     try:
         import torch
         import torchvision
-    except ImportError:
-        raise ConfigError(f"torchvision:{name} needs torch and torchvision; install them") from None
+    except ImportError as exc:  # installed but broken (e.g. a torchvision built for another torch)
+        raise ConfigError(f"torchvision:{name}: importing {exc.name or 'torch/torchvision'} failed ({exc}); "
+                          "install the torchvision release that matches this torch") from None
     builders = torchvision.models
     fn = getattr(builders, name, None)
     if fn is None or not callable(fn):
@@ -204,11 +213,48 @@ def _user_factory(spec: str, shape: Optional[Tuple[int, ...]]):
         model = fn(input_shape=shape) if shape is not None and "input_shape" in params else fn()
     except Exception as exc:
         raise ConfigError(f"model spec {spec!r}: {attr}() failed ({type(exc).__name__}: {exc})") from None
+    if shape is not None and hasattr(model, "layers"):
+        _check_keras_input(model, shape, f"model spec {spec!r}")
     if shape is not None and not hasattr(model, "layers"):
         try:
             model._distmem_input_shape = tuple(shape)
         except AttributeError:
             pass
+    return model
+
+
+def _check_keras_input(model: Any, shape: Tuple[int, ...], what: str) -> None:
+    """A Keras model with a fixed input: ``shape`` (one sample) must be it, where the model fixes a
+    dimension; otherwise the estimate would silently be of the model's own input."""
+    try:
+        own = model.input_shape
+    except (AttributeError, ValueError, RuntimeError):  # not built, or several inputs
+        return
+    if not isinstance(own, tuple) or (own and isinstance(own[0], tuple)):
+        return  # several inputs: nothing single to compare
+    sample = tuple(own[1:])
+    if len(sample) != len(shape) or any(d is not None and d != g for d, g in zip(sample, shape)):
+        fixed = ",".join("?" if d is None else str(d) for d in sample)
+        free = " (N where the model leaves a dimension free)" if None in sample else ""
+        raise ConfigError(f"{what}: --input-shape {','.join(map(str, shape))} contradicts the model's own input "
+                          f"({fixed}, one sample, H,W,C for images); give --input-shape {fixed.replace('?', 'N')}"
+                          f"{free} or leave it out")
+
+
+def _saved_keras(path: str, shape: Optional[Tuple[int, ...]]):
+    """A saved Keras model (``.keras``, ``.h5``, or a SavedModel folder), loaded without compiling."""
+    try:
+        import tensorflow as tf
+        load = tf.keras.models.load_model
+    except ImportError:
+        raise ConfigError(f"model file {path!r} needs TensorFlow (or Keras 3) to load; install tensorflow") from None
+    try:
+        model = load(path, compile=False)
+    except Exception as exc:  # noqa: BLE001 - a file Keras cannot read
+        raise ConfigError(f"model file {path!r} could not be loaded by Keras ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); give a .keras or .h5 file saved with model.save()") from None
+    if shape is not None:
+        _check_keras_input(model, shape, f"model file {path!r}")
     return model
 
 
@@ -219,7 +265,13 @@ def load_model(spec: Any, input_shape: Optional[Sequence[int]] = None) -> Any:
     width), for ``hf:`` (tokens,)."""
     if not isinstance(spec, str):
         return spec
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up lines, before it imports
     shape = parse_shape(input_shape)
+    if spec.lower().endswith((".keras", ".h5", ".hdf5")) or (os.path.isdir(spec) and
+                                                              os.path.exists(os.path.join(spec, "saved_model.pb"))):
+        if not os.path.exists(spec):
+            raise ConfigError(f"model file {spec!r} does not exist (relative to {os.getcwd()})")
+        return _saved_keras(spec, shape)
     kind, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise ConfigError(f"model spec {spec!r}: use keras:NAME (e.g. keras:MobileNetV2), torchvision:NAME "
