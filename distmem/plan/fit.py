@@ -41,7 +41,7 @@ from .fit_space import PROXY_TEXT, Costs, EstimateCosts, LayerListCosts, Layout,
 from .outside import outside_allocator_breakdown
 from .partition import SCHEDULES, lower_bound, partition_pipeline
 
-__all__ = ["fit", "solve_fit", "plan_auto", "FitResult", "Candidate", "StageFit", "DEFAULT_FIT_HEADROOM",
+__all__ = ["fit", "fit_without_costs", "solve_fit", "plan_auto", "FitResult", "Candidate", "StageFit", "DEFAULT_FIT_HEADROOM",
            "PRECISION_CHOICES", "nccl_communicators_of"]
 
 #: Allocator headroom over the allocator peak under a hard limit. A capped caching allocator frees
@@ -684,6 +684,14 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: int = 1,
                      framework=fw, fleet=source if not isinstance(gpus, str) else gpus, **options)
 
 
+def fit_without_costs(model: Any = None, **kwargs: Any) -> FitResult:
+    """:func:`fit`, its result without the per-precision costs (they hold the estimator's replay
+    functions): what a child process hands back to ``strategy="auto"``."""
+    result = fit(model, **kwargs)
+    result.costs = {}
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # strategy="auto": the chosen layout as a Plan on the job's observed layout.
 
@@ -708,11 +716,18 @@ def plan_auto(topo: Topology, inv: Inventory, *, model: Any = None, global_batch
     if not inv.gpus:
         raise ConfigError("strategy='auto' holds layouts against GPUs, and this node shows none; declare the fleet "
                           "(DISTMEM_FLEET=8x80GiB) for a dry run, or use strategy='data' on CPU")
-    result = fit(model, global_batch_size=global_batch_size, gpus=inv, hosts=topo.num_nodes, framework=framework,
-                 precision=precision, optimizer=optimizer, input_shape=input_shape, layers=layers,
-                 layers_batch_size=layers_batch_size, costs=costs, headroom=headroom, reserve=reserve,
-                 overhead=overhead, foreign=foreign, fixed_local_size=topo.local_size, top=1,
-                 rejected=options.pop("rejected", 1), **options)
+    fit_args = dict(global_batch_size=global_batch_size, gpus=inv, hosts=topo.num_nodes, framework=framework,
+                    precision=precision, optimizer=optimizer, input_shape=input_shape, layers=layers,
+                    layers_batch_size=layers_batch_size, costs=costs, headroom=headroom, reserve=reserve,
+                    overhead=overhead, foreign=foreign, fixed_local_size=topo.local_size, top=1,
+                    rejected=options.pop("rejected", 1), **options)
+    from ..estimate import isolated
+
+    if costs is None and layers is None and isolated.needs_child(model):
+        # Building a Keras model here would start TensorFlow's GPUs before init() applies the plan.
+        result = isolated.call("distmem.plan.fit:fit_without_costs", dict(fit_args, model=model))
+    else:
+        result = fit(model, **fit_args)
     chosen = result.chosen
     if chosen is None:
         best = result.rejected[0] if result.rejected else None

@@ -53,3 +53,20 @@ def test_an_unknown_keras_model_is_the_same_config_error():
             "    print(json.dumps({'type': type(e).__name__, 'message': str(e)}))\n")
     got = _run(code)
     assert got["type"] == "ConfigError" and "NoSuchNet" in got["message"] and "known:" in got["message"]
+
+
+AUTO = ("import json, sys, distmem\n"
+        "from distmem.estimate.isolated import tf_context_started\n"
+        "plan = distmem.plan_from_env('auto', model='keras:MobileNetV2', input_shape=(64, 64, 3), global_batch_size=8,"
+        " precision='float32', fleet='2x16GiB')\n"
+        "print(json.dumps({'started': tf_context_started(), 'limit': plan.allocations[0].limit_bytes,"
+        " 'layout': plan.extras['fit']['layout']}))\n")
+
+
+def test_strategy_auto_fits_a_keras_spec_without_starting_tensorflow_here():
+    env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0",
+               OMPI_COMM_WORLD_LOCAL_SIZE="2")
+    child = _run(AUTO, **env)
+    here = _run(AUTO, DISTMEM_ESTIMATE_IN_PROCESS="1", **env)
+    assert child["started"] is False and here["started"] is True
+    assert child["limit"] == here["limit"] and child["layout"] == here["layout"]
