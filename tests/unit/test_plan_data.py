@@ -49,7 +49,7 @@ def test_modes_and_explicit_limit():
     assert lim.mine.limit_bytes == 6 * GiB and lim.mine.devices[0].enforce
     frac = make_plan("data", topo(1, 1), inv, limit=0.25)
     assert frac.mine.limit_bytes == 4 * GiB
-    with pytest.raises(DoesNotFitError, match=r"limit 7.5 GiB per rank does not fit GPU 0 \(16.0 GiB\) shared by 2 rank\(s\): at most 7.1 GiB"):
+    with pytest.raises(DoesNotFitError, match=r"limit 7.5 GiB per rank does not fit GPU 0 \(16.0 GiB\) shared by 2 ranks: at most 7.1 GiB"):
         make_plan("data", topo(2, 2), inv, limit="7.5GiB")
     with pytest.raises(ConfigError, match="memory='lots'"):
         make_plan("data", topo(1, 1), inv, memory="lots")
