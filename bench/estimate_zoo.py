@@ -97,9 +97,12 @@ _COST = {"GRU": 0, "Conv1D": 0, "MLP": 0, "Recommender": 0, "BiLSTM": 1, "LSTMTe
 
 def keras_ns():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # the CPU allocator keeps statistics (get_memory_info) only as oneDNN's BFC allocator, which TF
-    # turns on by default only on CPUs with AVX512/AMX: set it so every machine measures the same way
+    # oneDNN kernels, as TensorFlow runs them by default on x86 Linux
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    # the CPU allocator distmem's TensorFlow adapter installs (apply.tensorflow.prepare): one BFC
+    # allocator counting every buffer. oneDNN's own CPU allocator, used without it, leaves buffers
+    # below 256 KiB out of get_memory_info, so its peak is not what a distmem report shows
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import tensorflow as tf
     return tf, tf.keras
 
@@ -119,9 +122,12 @@ def keras_build(c: Dict[str, Any]) -> Tuple[Any, Callable[[int], Tuple[Any, Any]
     rng = np.random.default_rng(0)
     name, size = c["model"], c["size"]
     L = K.layers
-    if hasattr(K.applications, name):
+    if hasattr(K.applications, name) or name in _REGNETS:
         shape = (size, size, 3)
-        model = getattr(K.applications, name)(weights=None, input_shape=shape, classes=1000)
+        if hasattr(K.applications, name):
+            model = getattr(K.applications, name)(weights=None, input_shape=shape, classes=1000)
+        else:  # Keras 3 has no RegNet: the same network, layer for layer, from its published config
+            model = _regnet(K, name, shape)
         return model, lambda b: (rng.random((b, *shape), dtype=np.float32), rng.integers(0, 1000, b))
 
     def tokens(seq, vocab, classes):
@@ -194,6 +200,46 @@ def keras_build(c: Dict[str, Any]) -> Tuple[Any, Callable[[int], Tuple[Any, Any]
         model = K.Model(inp, L.Dense(10, dtype="float32")(h), name="mlp")
         return model, lambda b: (rng.random((b, size), dtype=np.float32), rng.integers(0, 10, b))
     raise KeyError(f"Keras zoo model {name!r} is not in this Keras's applications")
+
+
+#: RegNet configs of tf.keras 2.x ``keras.applications.regnet`` (depths, widths, group width, Y: squeeze-excite)
+_REGNETS = {"RegNetX002": ([1, 1, 4, 7], [24, 56, 152, 368], 8, False),
+            "RegNetY002": ([1, 1, 4, 7], [24, 56, 152, 368], 8, True)}
+
+
+def _regnet(K, name: str, shape):
+    """tf.keras 2.x's RegNetX/Y (``keras/applications/regnet.py``) for a Keras without it (Keras 3)."""
+    depths, widths, gw, se = _REGNETS[name]
+    L = K.layers
+
+    def conv_bn(x, f, k, stride=1, groups=1, relu=True):
+        x = L.Conv2D(f, k, strides=stride, groups=groups, padding="same", use_bias=False,
+                     kernel_initializer="he_normal")(x)
+        x = L.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
+        return L.ReLU()(x) if relu else x
+
+    def block(x, f_in, f_out, stride):
+        skip = conv_bn(x, f_out, 1, stride, relu=False) if stride != 1 else x
+        h = conv_bn(x, f_out, 1)
+        h = conv_bn(h, f_out, 3, stride, groups=f_out // gw)
+        if se:
+            s = L.GlobalAveragePooling2D(keepdims=True)(h)
+            s = L.Conv2D(int(f_in * 0.25), 1, activation="relu", kernel_initializer="he_normal")(s)
+            s = L.Conv2D(f_out, 1, activation="sigmoid", kernel_initializer="he_normal")(s)
+            h = L.Multiply()([h, s])
+        h = conv_bn(h, f_out, 1, relu=False)
+        return L.ReLU()(L.Add()([h, skip]))
+    inp = K.Input(shape)
+    x = L.Rescaling(1.0 / 255.0)(inp)
+    x = conv_bn(x, 32, 3, 2)
+    f_in = 32
+    for depth, f_out in zip(depths, widths):
+        x = block(x, f_in, f_out, 2)
+        for _ in range(depth - 1):
+            x = block(x, f_out, f_out, 1)
+        f_in = f_out
+    x = L.GlobalAveragePooling2D()(x)
+    return K.Model(inp, L.Dense(1000, activation="softmax")(x), name=name.lower())
 
 
 def _keras_loss(model):
@@ -518,6 +564,7 @@ def _subprocess(framework: str, c: Dict[str, Any], steps: int, timeout: int, pee
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -534,6 +581,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-peer", dest="peer", action="store_false", help="torch: skip MemTracker")
     p.add_argument("--reuse", default=None, help="take measured peaks (and the peer's) from this earlier result")
     p.add_argument("--out", default=None)
+    p.add_argument("--jsonl", default=None, help="also write one JSON line per case, then the summary line")
     p.add_argument("--timeout", type=int, default=600, help="seconds per measuring subprocess")
     p.add_argument("--jobs", type=int, default=1, help="measuring subprocesses at once (GPU: 4 is fine)")
     p.add_argument("--fast-first", action="store_true", help="measure the quick cases first (a shared CPU)")
@@ -557,7 +605,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if fw == "keras":
         tf, K = keras_ns()
         env.update(tensorflow=tf.__version__, keras=getattr(K, "__version__", None), measured_on="CPU:0",
-                   TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS"))
+                   TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                   TF_CPU_ALLOCATOR_USE_BFC=os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"))
         estimate_fn = keras_estimate
     else:
         import torch
@@ -669,7 +718,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(result, f, indent=1)
             f.write("\n")
         log(f"wrote {args.out}")
+    if args.jsonl:
+        write_jsonl(result, args.jsonl)
+        log(f"wrote {args.jsonl}")
     return 0
+
+
+def write_jsonl(result: Dict[str, Any], path: str) -> None:
+    """Per-case rows (measured, ours, baseline and their errors), then one summary line: mean,
+    median and max absolute error, worst under-estimate and share of under-estimates, ours and
+    the naive baseline's."""
+    keep = ("id", "model", "size", "batch", "optimizer", "precision", "measured", "measured_steps", "ours",
+            "ours_err", "baseline", "baseline_err", "peer", "peer_err", "phase", "warnings", "measure_error",
+            "estimate_error", "measured_reused_from")
+    with open(path, "w", encoding="utf-8") as f:
+        for row in result["rows"]:
+            f.write(json.dumps({k: row[k] for k in keep if k in row}) + "\n")
+        f.write(json.dumps({"summary": True, **{k: v for k, v in result.items() if k != "rows"}}) + "\n")
 
 
 if __name__ == "__main__":

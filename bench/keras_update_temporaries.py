@@ -6,6 +6,7 @@ weight, its slots and its gradient.
 """
 import os, sys, json
 os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"; os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the allocator distmem's TF adapter sets
 import numpy as np, tensorflow as tf
 K = tf.keras
 name = sys.argv[1]
@@ -21,5 +22,5 @@ for _ in range(4):
     tf.config.experimental.reset_memory_stats("CPU:0"); m.train_on_batch(x, y); peaks.append(info("CPU:0")["peak"])
 w = 2048 * 2048 * 4
 slots = sum(int(np.prod(v.shape)) for v in opt.variables if len(v.shape) > 1) * 4
-print(json.dumps({"optimizer": name, "peaks_in_weights": [round(p / w, 2) for p in peaks], "slots_in_weights": slots / w,
+print(json.dumps({"optimizer": name, "tensorflow": tf.__version__, "peaks_in_weights": [round(p / w, 2) for p in peaks], "slots_in_weights": slots / w,
                   "temporaries": round(max(peaks) / w - 1 - slots / w - 1, 2)}))

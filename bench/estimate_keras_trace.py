@@ -1,0 +1,203 @@
+"""Where a Keras estimate and TensorFlow's CPU allocator disagree, buffer by buffer.
+
+Runs one zoo case (``bench/estimate_zoo.py``) for a few training steps in a subprocess with
+TensorFlow's BFC allocator logging every request (``TF_CPP_VMODULE=bfc_allocator=3``), finds the
+moment of the largest in-use total of the worst step and the buffers alive then (by requested
+size), replays the estimate's own step the same way, and prints both live sets side by side:
+sizes alive in TensorFlow's peak and not in the estimate's (with the layer tensors of that size,
+so the missing buffer can be named), and the reverse.
+
+    python bench/estimate_keras_trace.py MobileNet 64 16 rmsprop float32 [--steps 3] [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+_ALLOC = re.compile(r"AllocateRaw \S+\s+(\d+) 0x")
+_FREE = re.compile(r"DeallocateRaw \S+ (\d+)")
+MARK = "=== estimate_keras_trace step"
+
+
+def _child(case, steps):
+    import estimate_zoo as z
+    tf, _ = z.keras_ns()
+    model, make = z.keras_build(case)
+    model.compile(optimizer=z.keras_optimizer(case["optimizer"]), loss=z._keras_loss(model))
+    x, y = make(case["batch"])
+    x = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
+    y = tf.constant(y)
+    for s in range(steps):
+        print(f"{MARK} {s}", file=sys.stderr, flush=True)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        model.train_on_batch(x, y)
+        print(f"{MARK} end {s} peak {tf.config.experimental.get_memory_info('CPU:0')['peak']}", file=sys.stderr,
+              flush=True)
+
+
+_PEAK = re.compile(r"New Peak memory usage of (\d+) bytes")
+
+
+def measured_live(log: str):
+    """For the step whose allocator peak (chunks in use, as ``get_memory_info`` reports it) is
+    largest: (that peak, the step, the bytes requested by the buffers alive then, a Counter of
+    their sizes). Frees are logged without an address, so a free takes one buffer of its size."""
+    steps, cur = [], None
+    for line in log.splitlines():
+        if MARK in line:
+            if " end " in line:
+                cur = None
+            else:
+                cur = []
+                steps.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = _ALLOC.search(line)
+        if m:
+            cur.append(("a", int(m.group(1))))
+            continue
+        m = _FREE.search(line)
+        if m:
+            cur.append(("f", int(m.group(1))))
+            continue
+        m = _PEAK.search(line)
+        if m:
+            cur.append(("p", int(m.group(1))))
+    best = (0, -1, 0, None)
+    live: collections.Counter = collections.Counter()  # alive across steps too
+    used = 0
+    for i, ev in enumerate(steps):
+        for kind, n in ev:
+            if kind == "a":
+                live[n] += 1
+                used += n
+            elif kind == "f" and live[n] > 0:
+                live[n] -= 1
+                used -= n
+            elif kind == "p" and n >= best[0]:
+                best = (n, i, used, +live)
+    return best
+
+
+def estimated_live(case):
+    import warnings
+    import estimate_zoo as z
+    from distmem.estimate import from_keras
+    from distmem.estimate.liveness import BFCAllocator, replay
+    _, K = z.keras_ns()
+    model, _ = z.keras_build(case)
+    opt = z.keras_optimizer(case["optimizer"])
+    captured = {}
+    real_replay = from_keras.replay
+
+    def spy(g, *a, **kw):
+        captured.setdefault("g", g)
+        captured.setdefault("held", kw.get("grads_held"))
+        return real_replay(g, *a, **kw)
+    from_keras.replay = spy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = from_keras.estimate_keras(model, case["batch"], opt, device="cpu")
+        peak = est.peak_bytes
+    from_keras.replay = real_replay
+    g, b = captured["g"], case["batch"]
+    names = {}
+    for k, n in enumerate(g.nodes):
+        row = est.layers[n.row].name if n.row < len(est.layers) else "loss"
+        for t in n.outputs:
+            names.setdefault(g.root(t), f"{row}:out")
+        for t in n.temps:
+            names.setdefault(g.root(t), f"{row}:{'kept' if t in n.saved else 'temp'}")
+        for j, t in enumerate(n.backward_temps):
+            names[("bt", k, j)] = f"{row}:bwd-temp"
+        for j, _ in enumerate(n.grads):
+            names[("wg", k, j)] = f"{row}:wgrad"
+        for j, _ in enumerate(n.update_temps):
+            names[("ut", k, j)] = f"{row}:update-temp"
+    for t in g.inputs:
+        names[t] = "input"
+
+    class Spy(BFCAllocator):
+        best = (0, {})
+
+        def _count(self, key, size, chunk, part):
+            super()._count(key, size, chunk, part)
+            if self.in_use >= Spy.best[0]:
+                Spy.best = (self.in_use, dict(self.req))
+
+        def alloc(self, key, size, part="temporaries"):
+            self.req = getattr(self, "req", {})
+            if size > 0 and size >= self.min_alloc:
+                self.req[key] = size
+            super().alloc(key, size, part)
+
+        def free(self, key):
+            getattr(self, "req", {}).pop(key, None)
+            super().free(key)
+    replay(g, b, grads_held=captured["held"], allocator=Spy(from_keras.tf_cpu_uncounted_below()), steps=2)
+    live = collections.Counter()
+    labels = collections.defaultdict(list)
+    for key, size in Spy.best[1].items():
+        live[size] += 1
+        if isinstance(key, tuple) and key[0] in ("g", "g+"):
+            lab = "grad of " + names.get(key[1], "?")
+        elif isinstance(key, tuple) and key[0] == "w":
+            lab = "weight/slot"
+        else:
+            lab = names.get(key, str(key))
+        labels[size].append(lab)
+    by_size = collections.defaultdict(list)  # every graph tensor by size, to name a measured buffer
+    for t, name in names.items():
+        if isinstance(t, int):
+            by_size[g.tensors[t].at(b)].append(name)
+    return peak, Spy.best[0], live, labels, by_size
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("size", type=int)
+    p.add_argument("batch", type=int)
+    p.add_argument("optimizer")
+    p.add_argument("precision")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    case = {"model": a.model, "size": a.size, "batch": a.batch, "optimizer": a.optimizer, "precision": a.precision}
+    if a.child:
+        _child(case, a.steps)
+        return 0
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="bfc_allocator=3",
+               TF_CPU_ALLOCATOR_USE_BFC="true", TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1"))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, (a.model, a.size, a.batch,
+                           a.optimizer, a.precision)), "--steps", str(a.steps), "--child"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    mpeak, step, mreq, mlive = measured_live(proc.stderr)
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    epeak, ebfc, elive, labels, by_size = estimated_live(case)
+    print(json.dumps({"case": case, "measured_peak": mpeak, "measured_requested_at_peak": mreq, "worst_step": step,
+                      "estimate_peak": epeak, "estimate_requested_at_peak": sum(k * v for k, v in elive.items())}))
+    more = mlive - elive
+    less = elive - mlive
+    print(f"alive in TensorFlow's peak, not in the estimate's: {sum(k * v for k, v in more.items()) / 2**20:.1f} MiB")
+    for size, n in sorted(more.items(), key=lambda kv: -kv[0] * kv[1])[:a.top]:
+        print(f"  {n:3d} x {size:>11,}  {sorted(set(by_size.get(size, [])))[:4]}")
+    print(f"alive in the estimate's peak, not in TensorFlow's: {sum(k * v for k, v in less.items()) / 2**20:.1f} MiB")
+    for size, n in sorted(less.items(), key=lambda kv: -kv[0] * kv[1])[:a.top]:
+        print(f"  {n:3d} x {size:>11,}  {sorted(set(labels.get(size, [])))[:4]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
