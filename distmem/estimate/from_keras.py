@@ -19,11 +19,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 from .liveness import BFCAllocator, Graph, Node, replay
-from .optimizers import KERAS_UPDATE_TEMPORARIES, keras_optimizer
+from .optimizers import keras_early_update_temporaries, keras_optimizer, keras_update_temporaries
 from .precision import Precision, dtype_bytes, resolve_precision
 from .table import Estimate, LayerEstimate
 
-__all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "BOOL_MASK_BYTES", "TF_RNN_PARTIAL_WEIGHT_GRADS",
+__all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "KERAS_UPDATE_OVERLAP", "TF_WHILE_PARALLEL_ITERATIONS", "BOOL_MASK_BYTES", "TF_RNN_PARTIAL_WEIGHT_GRADS",
            "TF_CPU_UNCOUNTED_BELOW",
            "tf_cpu_uncounted_below"]
 
@@ -63,6 +63,18 @@ BOOL_MASK_BYTES = 1
 #: steps, two GRU(320) over 80 steps, batch 32: 0.9 and 1.6 partials at the median step.
 TF_RNN_PARTIAL_WEIGHT_GRADS = 1
 
+#: How long a weight update outlasts the backward pass beside it (``liveness.Graph.update_overlap``):
+#: until the backward has allocated as many bytes again as the update's gradient and temporaries.
+#: Measured with the profiler's memory trace (MobileNet 64 px, RMSprop, TF 2.15 CPU): at the peak
+#: the updates of the last two large weights (conv_preds, conv_pw_13: 4 MiB each) are alive together,
+#: six weight-sized buffers, while the backward is at conv_pw_13; finishing each update before the
+#: backward goes on (0) left the estimate 17% low there.
+KERAS_UPDATE_OVERLAP = 1.0
+
+#: ``tf.while_loop``'s default ``parallel_iterations``, which Keras's recurrent loops keep: the most
+#: loop iterations (and per-step partial weight gradients) TensorFlow runs at once.
+TF_WHILE_PARALLEL_ITERATIONS = 32
+
 # What an activation's TensorFlow gradient reads. Output-readers keep the op's output; the others
 # keep the input-sized tensors counted here (measured by listing the forward tensors the gradient
 # ops of a TF 2.15 graph consume): gelu = 0.5*x*(1+erf(x/sqrt2)) keeps x, x/sqrt2, 0.5*x and
@@ -71,6 +83,10 @@ _KEEPS_OUTPUT = {"relu", "relu6", "elu", "selu", "sigmoid", "tanh", "softmax", "
 _KEEPS_INPUT = {"softplus": 1, "leaky_relu": 1, "softsign": 1, "gelu": 4, "mish": 3, "hard_sigmoid": 1,
                 "hard_swish": 2, "hard_silu": 2}
 _KEEPS_OUTPUT_PLUS = {"swish": 1, "silu": 1}
+
+
+_CONV_KINDS = {"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv1D",
+               "SeparableConv2D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"}
 
 
 class _Node:
@@ -218,7 +234,7 @@ def _activation(rule: _Rule, fn, out_size: int, internal_pre: bool) -> None:
     rule.temps.append(out_size)
 
 
-def _rnn_rule(rule: _Rule, layer, node: _Node, cb: int) -> None:
+def _rnn_rule(rule: _Rule, layer, node: _Node, cb: int, directions: int = 1) -> None:
     cell = getattr(layer, "cell", None)
     units = int(getattr(layer, "units", None) or getattr(cell, "units", 0) or 0)
     in_shape = node.in_shapes[0]
@@ -240,8 +256,20 @@ def _rnn_rule(rule: _Rule, layer, node: _Node, cb: int) -> None:
     # the loop's weight gradients are summed step by step: per-step partials of the kernel and the
     # recurrent kernel are in flight beside the accumulators (batch-free, hence ``fixed``)
     cell = cell if cell is not None else layer
+    partial = 0
     for w in _trainable_weights(cell)[:2]:
         rule.backward_fixed.extend([_numel(w.shape) * 4] * TF_RNN_PARTIAL_WEIGHT_GRADS)
+        partial += _numel(w.shape) * 4
+    # how many of those partials are in flight at once depends on the loop's scheduling, which the
+    # rules do not model: measured 5 of 60 steps (GRU(160)) and 25 of 50 (a bidirectional LSTM(96));
+    # say so, with the bound (one per iteration the loop may run at once)
+    most = min(steps, TF_WHILE_PARALLEL_ITERATIONS)
+    if most > TF_RNN_PARTIAL_WEIGHT_GRADS and partial:
+        dirs = directions
+        rule.note = (f"{kind} backward loop: per-timestep partial weight gradients in flight counted as "
+                     f"{TF_RNN_PARTIAL_WEIGHT_GRADS} per weight, but TensorFlow may run up to {most} iterations "
+                     f"at once: the peak can be up to "
+                     f"{(most - TF_RNN_PARTIAL_WEIGHT_GRADS) * partial * dirs / 2**20:.1f} MiB higher")
 
 
 def _mha_rule(rule: _Rule, layer, node: _Node, cb: int) -> None:
@@ -374,9 +402,10 @@ def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
         _rnn_rule(r, layer, node, cb)
     elif kind == "Bidirectional":
         fwd = getattr(layer, "forward_layer", None) or getattr(layer, "layer", None)
-        _rnn_rule(r, fwd, node, cb)
+        _rnn_rule(r, fwd, node, cb, directions=2)
         r.kept_extra[:] = r.kept_extra * 2
         r.backward_temps[:] = [2 * x for x in r.backward_temps]
+        r.backward_fixed[:] = r.backward_fixed * 2  # each direction's loop sums its own partials
     elif kind == "TimeDistributed":
         inner = getattr(layer, "layer", None)
         sub = _rule_for(inner, node, prec) if inner is not None else r
@@ -532,6 +561,14 @@ class _Builder:
                                     4: "float32"}[self.prec.compute_bytes]
 
 
+def _keras_major() -> int:
+    try:
+        from .optimizers import _keras
+        return int(str(getattr(_keras(), "__version__", "2") or "2").split(".")[0])
+    except (ImportError, ValueError):
+        return 2
+
+
 def _policy_precision(model) -> Precision:
     names = set()
     for layer in getattr(model, "layers", []) or []:
@@ -577,6 +614,8 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     prec = resolve_precision(precision) if precision is not None else _policy_precision(model)
     override = precision is not None
     opt_info, opt_obj = keras_optimizer(optimizer)
+    update_temps = keras_update_temporaries(opt_obj, _keras_major())
+    early_temps = min(update_temps, keras_early_update_temporaries(opt_obj))
     if loss_scale is None:
         loss_scale = prec.loss_scaling or "scaled" in opt_info.source
 
@@ -606,6 +645,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
         trainable_ids = {id(w) for w in _trainable_weights(layer)}
         grads: List[int] = []
         update: List[int] = []
+        early: List[int] = []
         for w in _weights(layer):
             if id(w) in seen_vars:
                 continue  # a shared weight is stored once
@@ -625,13 +665,23 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
                     slots_alloc.extend([n * wb] * (slots // n))
                 elif slots:
                     slots_alloc.append(slots * wb)
-                grads.append(n * wb)
-                update.extend([n * wb] * KERAS_UPDATE_TEMPORARIES)
+                if type(layer).__name__ != "Embedding":
+                    grads.append(n * wb)
+                # else the optimizer gets the looked-up rows (IndexedSlices, sized per sample in the
+                # layer's rule): no table-sized gradient (measured: the recommender's 38 MiB of
+                # tables, Adam, TF 2.15 and 2.21)
+                update.extend([n * wb] * (update_temps - early_temps))
+                early.extend([n * wb] * early_temps)
+                if prec.cast_weights and n * wb >= 4 * n:
+                    # the gradient arrives in the compute dtype and is cast to the fp32 master's
+                    update.append(n * prec.compute_bytes)
         if row in first_node:
             g.nodes[first_node[row]].grads = tuple(grads)
             g.nodes[first_node[row]].update_temps = tuple(update)
+            g.nodes[first_node[row]].early_update_temps = tuple(early)
     g.persistent = weights_alloc + slots_alloc
     g.persistent_parts = ["weights"] * len(weights_alloc) + ["optimizer state"] * len(slots_alloc)
+    g.update_overlap = KERAS_UPDATE_OVERLAP
 
     input_per_sample = sum(g.tensors[t].per_sample for t in g.inputs)
     label = g.add(8 * max(1, len(model_outs)))  # int64 class labels, held by the caller
@@ -670,6 +720,15 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     if rows:  # the loss's kept tensors travel with the last layer
         rows[-1].activation_bytes_per_sample += r2.saved_by_row.get(loss_row, 0) - r1.saved_by_row.get(loss_row, 0)
 
+    if device == "cpu" and prec.name in ("mixed_float16", "mixed_bfloat16"):
+        convs = [r.name for r in b.rows if r.kind in _CONV_KINDS]
+        if convs:
+            b.notes.append(
+                f"{prec.name[6:]} convolutions on TensorFlow's CPU kernels ({len(convs)} layers, e.g. '{convs[0]}'; "
+                f"oneDNN has no 16-bit kernels without AVX512, and TensorFlow falls back to its own): their "
+                f"gradients (Conv2DBackpropInput/Filter) allocate workspaces the rules do not size (measured about "
+                f"22 MiB per op on MobileNetV2 at 96 px, batch 16, for a 1x1 convolution whose gradient is 0.9 MiB), "
+                f"so this CPU peak can be low by tens of MiB; GPU kernels (cuDNN) are sized by the GPU footprint")
     est = Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=batch_size,
                    precision=prec.name, optimizer=opt_info.to_dict(), layers=rows, method="analytic",
                    device=device, input_bytes_per_sample=input_per_sample, warnings=list(b.notes),

@@ -51,6 +51,9 @@ class Node:
     unless saved. ``backward_temps``: buffers its backward allocates besides the input gradients.
     ``grads``: bytes of each trainable weight's gradient. ``update_temps``: bytes of the optimizer
     temporaries while one of its weights is updated (one entry per buffer, all weights).
+    ``early_update_temps``: bytes of update temporaries that do not depend on the gradient
+    (momentum's ``m * momentum``, RMSprop's ``rho * velocity``): a dataflow executor computes them
+    as soon as the step starts, so they are alive from the step's start until the update.
     """
 
     row: int
@@ -62,6 +65,7 @@ class Node:
     grads: Tuple[int, ...] = ()
     update_temps: Tuple[int, ...] = ()
     trainable: bool = False
+    early_update_temps: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -76,6 +80,13 @@ class Graph:
     persistent: List[int] = field(default_factory=list)
     #: the :data:`PARTS` name of each ``persistent`` buffer (default ``"weights"``)
     persistent_parts: List[str] = field(default_factory=list)
+    #: with gradients applied as they come (``grads_held=False``): a dataflow executor starts each
+    #: weight update as soon as its gradient exists and goes on with the backward pass beside it, so
+    #: an update (its gradient and temporaries) is still alive while the next layers' backward and
+    #: updates run. It finishes once the backward has since allocated ``update_overlap`` times its
+    #: own bytes (work as a clock: a large weight's element-wise update outlasts several small
+    #: layers' backward); 0 = each update finishes before the backward goes on
+    update_overlap: float = 0.0
 
     def add(self, per_sample: int, fixed: int = 0, alias: Optional[int] = None) -> int:
         self.tensors.append(Tensor(int(per_sample), int(fixed), alias))
@@ -380,6 +391,19 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
     kept_live = [0]
     weight_grads = [0]
 
+    overlap = max(0.0, float(g.update_overlap))
+
+    def finish_update(k: int) -> None:
+        n = nodes[k]
+        for j in range(len(n.update_temps)):
+            a.free(("ut", k, j))
+        for j in range(len(n.early_update_temps)):
+            a.free(("et", k, j))
+        for j, nbytes in enumerate(n.grads):
+            if ("wg", k, j) in a.sizes:
+                weight_grads[0] -= nbytes
+            a.free(("wg", k, j))
+
     def mark(phase: str, k: int) -> None:
         if a.in_use > best[0]:
             best[:] = [a.in_use, phase, k, kept_live[0], weight_grads[0]]
@@ -387,6 +411,9 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
     for _ in range(max(1, steps)):
         allocated = set(held)
         kept_live[0] = 0
+        for k, n in enumerate(nodes):
+            for j, nbytes in enumerate(n.early_update_temps):
+                a.alloc(("et", k, j), nbytes)
         for k, n in enumerate(nodes):
             fresh = list(dict.fromkeys(root(t) for t in (*n.outputs, *n.temps) if root(t) not in allocated))
             allocated.update(fresh)
@@ -413,6 +440,9 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
 
         grad_of: Dict[int, bool] = {}
         pending: List[Tuple[str, int, int]] = []
+        # weight updates still running: (node, backward bytes allocated when it started, its bytes)
+        in_flight: List[Tuple[int, int, int]] = []
+        work = [0]
         for k in range(len(nodes) - 1, -1, -1):
             if not needs_backward[k]:
                 continue
@@ -439,12 +469,13 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 for j, nbytes in enumerate(n.update_temps):
                     a.alloc(("ut", k, j), nbytes)
                 mark("backward", k)
-                for j in range(len(n.update_temps)):
-                    a.free(("ut", k, j))
-                for j, nbytes in enumerate(n.grads):
-                    if ("wg", k, j) in a.sizes:
-                        weight_grads[0] -= nbytes
-                    a.free(("wg", k, j))
+                cost = sum(n.grads) + sum(n.update_temps)
+                work[0] += sum(nb for _, nb in extra) + cost
+                if cost:
+                    in_flight.append((k, work[0], cost))
+                for item in [f for f in in_flight if work[0] - f[1] >= overlap * f[2]]:
+                    in_flight.remove(item)
+                    finish_update(item[0])
             else:
                 pending.extend(("wg", k, j) for j in range(len(n.grads)))
             for key, _ in extra:
@@ -456,6 +487,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 if t in a.sizes:
                     kept_live[0] -= size[t]
                 a.free(t)
+        while in_flight:
+            finish_update(in_flight.pop(0)[0])
         for i in list(grad_of):
             a.free(("g", i))
         if grads_held:
@@ -466,6 +499,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 mark("update", k)
                 for j in range(len(n.update_temps)):
                     a.free(("ut", k, j))
+                for j in range(len(n.early_update_temps)):
+                    a.free(("et", k, j))
             for key in pending:
                 a.free(key)
             weight_grads[0] = 0

@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 from ..errors import ConfigError
 
 __all__ = ["OptimizerInfo", "keras_optimizer", "torch_optimizer", "KERAS_UPDATE_TEMPORARIES",
-           "OPTIMIZER_NAMES"]
+           "KERAS_UPDATE_TEMPORARIES_BY_OPTIMIZER", "keras_update_temporaries",
+           "KERAS_EARLY_UPDATE_TEMPORARIES", "keras_early_update_temporaries", "OPTIMIZER_NAMES"]
 
 #: Weight-sized temporaries alive at once while a Keras optimizer updates one variable. Keras
 #: writes its update rules as element-wise framework ops (Adam: ``m * alpha`` and
@@ -23,6 +24,53 @@ __all__ = ["OptimizerInfo", "keras_optimizer", "torch_optimizer", "KERAS_UPDATE_
 #: whose buffer a pending read still holds before updating it in place. Measured on a single 1M
 #: weight Dense layer under Adam (TF 2.15, CPU): peak = weights + m + v + gradient + 2 x weights.
 KERAS_UPDATE_TEMPORARIES = 2
+
+#: The same, per optimizer (``bench/keras_update_temporaries.py``: one 2048 x 2048 Dense layer,
+#: peak less weight, slots and gradient, in weights; TensorFlow's BFC CPU allocator, TF 2.15 and
+#: 2.21: bench/results/estimate_keras_update_temporaries_tf2*.jsonl), by Keras major version. Plain
+#: SGD updates in place (no temporary); momentum holds ``m * momentum`` before the add; Adam and
+#: AdamW two; RMSprop two in tf.keras 2 and three in Keras 3 (its rule keeps ``velocity + eps``,
+#: its square root and ``lr * g`` together). Keys: class name (``"SGD+momentum"`` for SGD with a
+#: non-zero momentum); an optimizer not measured gets :data:`KERAS_UPDATE_TEMPORARIES` (Keras 2) or
+#: the largest measured (Keras 3).
+KERAS_UPDATE_TEMPORARIES_BY_OPTIMIZER = {
+    2: {"SGD": 0, "SGD+momentum": 1, "RMSprop": 2, "Adam": 2, "AdamW": 2},
+    3: {"SGD": 0, "SGD+momentum": 1, "RMSprop": 3, "Adam": 2, "AdamW": 2},
+}
+
+
+#: Of those, the ones that do not depend on the gradient (momentum: ``m * momentum``; RMSprop:
+#: ``rho * velocity``): TensorFlow's executor runs them when the step starts, so each weight's is
+#: alive from then until its update. Seen in the profiler's memory trace: ResNet50 with momentum
+#: SGD holds ``SGD/mul`` buffers of the conv5 weights (9 MiB each) while the backward is still at the
+#: classifier; MobileNet with RMSprop, 24 MiB of ``RMSprop/mul``/``Square`` at its peak.
+KERAS_EARLY_UPDATE_TEMPORARIES = {"SGD+momentum": 1, "RMSprop": 1}
+
+
+def _keras_update_key(optimizer: Any) -> str:
+    name = type(optimizer).__name__
+    if name == "SGD":
+        momentum = getattr(optimizer, "momentum", 0.0)
+        try:
+            momentum = float(momentum)
+        except (TypeError, ValueError):
+            momentum = 1.0  # a schedule or tensor: count the momentum path
+        if momentum:
+            name = "SGD+momentum"
+    return name
+
+
+def keras_early_update_temporaries(optimizer: Any) -> int:
+    """How many of :func:`keras_update_temporaries` exist from the step's start (see above)."""
+    return KERAS_EARLY_UPDATE_TEMPORARIES.get(_keras_update_key(optimizer), 0)
+
+
+def keras_update_temporaries(optimizer: Any, keras_major: int = 2) -> int:
+    """Weight-sized temporaries one update of ``optimizer`` (an unwrapped Keras optimizer) holds."""
+    name = _keras_update_key(optimizer)
+    table = KERAS_UPDATE_TEMPORARIES_BY_OPTIMIZER[3 if keras_major >= 3 else 2]
+    default = KERAS_UPDATE_TEMPORARIES if keras_major < 3 else max(table.values())
+    return table.get(name, default)
 
 #: Names the CLI and ``optimizer="..."`` accept; each maps to the framework's own class, from whose
 #: object the slots are then read.
