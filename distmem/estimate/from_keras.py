@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 from .liveness import BFCAllocator, Graph, Node, replay
-from .optimizers import keras_early_update_temporaries, keras_optimizer, keras_update_temporaries
+from .optimizers import (keras_early_update_temporaries, keras_major_version, keras_optimizer,
+                         keras_update_temporaries)
 from .precision import Precision, dtype_bytes, resolve_precision
 from .table import Estimate, LayerEstimate
 
@@ -561,14 +562,6 @@ class _Builder:
                                     4: "float32"}[self.prec.compute_bytes]
 
 
-def _keras_major() -> int:
-    try:
-        from .optimizers import _keras
-        return int(str(getattr(_keras(), "__version__", "2") or "2").split(".")[0])
-    except (ImportError, ValueError):
-        return 2
-
-
 def _policy_precision(model) -> Precision:
     names = set()
     for layer in getattr(model, "layers", []) or []:
@@ -614,7 +607,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     prec = resolve_precision(precision) if precision is not None else _policy_precision(model)
     override = precision is not None
     opt_info, opt_obj = keras_optimizer(optimizer)
-    update_temps = keras_update_temporaries(opt_obj, _keras_major())
+    update_temps = keras_update_temporaries(opt_obj, keras_major_version())
     early_temps = min(update_temps, keras_early_update_temporaries(opt_obj))
     if loss_scale is None:
         loss_scale = prec.loss_scaling or "scaled" in opt_info.source

@@ -16,7 +16,8 @@ from ..errors import ConfigError
 
 __all__ = ["OptimizerInfo", "keras_optimizer", "torch_optimizer", "KERAS_UPDATE_TEMPORARIES",
            "KERAS_UPDATE_TEMPORARIES_BY_OPTIMIZER", "keras_update_temporaries",
-           "KERAS_EARLY_UPDATE_TEMPORARIES", "keras_early_update_temporaries", "OPTIMIZER_NAMES"]
+           "KERAS_EARLY_UPDATE_TEMPORARIES", "keras_early_update_temporaries", "keras_major_version",
+           "OPTIMIZER_NAMES"]
 
 #: Weight-sized temporaries alive at once while a Keras optimizer updates one variable. Keras
 #: writes its update rules as element-wise framework ops (Adam: ``m * alpha`` and
@@ -125,6 +126,14 @@ def _keras():
     except ImportError:  # Keras 3 without TensorFlow (no TF backend): still usable for names
         import keras
         return keras
+
+
+def keras_major_version() -> int:
+    """The major version of the Keras TensorFlow runs (2 for tf.keras 2.x, 3 for Keras 3)."""
+    try:
+        return int(str(getattr(_keras(), "__version__", "2") or "2").split(".")[0])
+    except (ImportError, ValueError):
+        return 2
 
 
 def _keras_from_name(name: str):
