@@ -47,6 +47,10 @@ REPLAY_LATER_STEPS = True
 #: first answer (False: every op runs its meta kernel; the tests compare the two).
 MEMO_META_OPS = True
 
+#: Convolutions hold the cuDNN workspace :func:`_cudnn_workspace` models while they run (False:
+#: none, as before; the tests compare the two).
+CUDNN_WORKSPACES = True
+
 #: The loss scale ``GradScaler`` multiplies the loss by under fp16 (its default ``init_scale``).
 LOSS_SCALE = 65536.0
 
@@ -109,6 +113,8 @@ class _Tracker:
         self.module_names: Dict[int, str] = {}
         self.phase = "forward"
         self.blas = False
+        #: convolutions take cuDNN workspaces (CUDA only, see :func:`_cudnn_workspace`)
+        self.cudnn = False
         self.peak_phase = "forward"
         self.out_bytes: Dict[int, int] = {}
         self.serial: Dict[int, int] = {}
@@ -266,8 +272,65 @@ def _dispatch_mode(tracker: _Tracker):
                                             if torch.is_tensor(t) else t for t in leaves])
             for t in tree_flatten(out)[0]:
                 tracker.register(t)
+            if tracker.cudnn and name in ("convolution", "convolution_backward"):
+                ws = _cudnn_workspace(name, args)
+                if ws > 0:
+                    # allocated beside the outputs and freed when the kernel returns
+                    tracker.register(torch.empty(ws, dtype=torch.uint8, device="meta"))
             return out
     return Mode()
+
+
+def _float32() -> Any:
+    return _torch().float32
+
+
+def _cudnn_workspace(name: str, args: Sequence[Any]) -> int:
+    """Bytes of the workspace cuDNN takes for one convolution (``name``: ``convolution`` or
+    ``convolution_backward``, with the aten op's arguments), as its heuristic engines choose them
+    on NCHW tensors (measured on an H200, cuDNN 9: ``bench/estimate_zoo_probe.py --ops``):
+
+    * depthwise convolutions run torch's own kernels: none;
+    * a 1x1, stride-1 convolution is a GEMM per image: none forward; its weight gradient is summed
+      from one float32 partial per image, ``batch x weight elements x 4`` bytes (float32 and
+      bfloat16; fp16 layers took engines without them);
+    * any other convolution goes through NHWC copies of its input, output (or output gradient)
+      and weight: their bytes together (float32 only: fp16/bf16 kernels of this kind took none,
+      except a first layer's weight gradient, not modelled).
+
+    cuDNN picks among engines by its own performance model, so this is the engine it chose for
+    most shapes measured, not a rule it keeps (large 1x1 layers on 7x7 maps took the NHWC copies
+    instead of the per-image partials, less)."""
+    if name == "convolution":
+        x, w = args[0], args[1]
+        stride, padding, transposed, groups = args[3], args[4], args[6], args[8]
+        grad_out, need_weight_grad = None, False
+    else:
+        grad_out, x, w = args[0], args[1], args[2]
+        stride, padding, transposed, groups = args[4], args[5], args[7], args[9]
+        mask = args[10] if len(args) > 10 else (True, True, True)
+        need_weight_grad = bool(mask[1])
+    if transposed or x.dim() < 3:
+        return 0
+    if groups > 1 and groups == x.shape[1]:
+        return 0
+    pointwise = all(k == 1 for k in w.shape[2:]) and all(s == 1 for s in stride) and \
+        all(p == 0 for p in padding)
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+    if pointwise:
+        half = x.dtype == _torch().float16  # fp16 layers took other engines (ShuffleNet's, MobileNetV3's)
+        return x.shape[0] * w.numel() * 4 if need_weight_grad and not half else 0
+    if x.dtype != _float32():
+        return 0  # half-precision kernels read NCHW as it is
+    if grad_out is None:
+        out_numel = x.shape[0] * w.shape[0]
+        for i, size in enumerate(x.shape[2:]):
+            k = (w.shape[2 + i] - 1) * args[5][i] + 1  # dilated kernel
+            out_numel *= (size + 2 * padding[i] - k) // stride[i] + 1
+        return nbytes(x) + out_numel * x.element_size() + nbytes(w)
+    return nbytes(x) + nbytes(grad_out) + nbytes(w)
 
 
 class _CudaDropout:
@@ -332,13 +395,20 @@ def _fused_sdpa(enabled: bool, autocast: Any = None):
         return out[0]
 
     def _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale):
-        """``_scaled_dot_product_attention_math`` step by step, so its dropout is CUDA's (a bool mask)
-        and, under autocast, everything runs in the dtype autocast gave the inputs."""
+        """``_scaled_dot_product_attention_math`` step by step, as CUDA runs it: its dropout is a
+        bool mask, and half-precision inputs (autocast's casts) are computed in float32 (torch
+        2.5+, unless ``allow_fp16_bf16_reduction_math_sdp(True)``): the kept score matrix,
+        softmax and dropout output are fp32, the result cast back. It also returns the
+        attention weights in the inputs' dtype, a copy freed at once."""
         import math
         was = autocast.enabled if autocast is not None else None
         if autocast is not None:
             autocast.enabled = False  # inside autocast's sdpa kernel nothing is cast again
         try:
+            origin = query.dtype
+            allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", lambda: True)()
+            if origin in (torch.float16, torch.bfloat16) and not allowed:
+                query, key, value = query.float(), key.float(), value.float()
             s = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
             attn = torch.matmul(query * s, (key * s).transpose(-2, -1))
             if is_causal:
@@ -350,7 +420,11 @@ def _fused_sdpa(enabled: bool, autocast: Any = None):
             attn = torch.softmax(attn, dim=-1)
             if dropout_p > 0:
                 attn = torch.native_dropout(attn, float(dropout_p), True)[0]
-            return torch.matmul(attn, value)
+            out = torch.matmul(attn, value)
+            if out.dtype != origin:
+                attn.detach().to(origin)  # the weights the kernel returns beside its output, unused
+                out = out.to(origin)
+            return out
         finally:
             if autocast is not None:
                 autocast.enabled = was
@@ -507,6 +581,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         alloc = CudaCachingAllocator() if cuda else ExactAllocator()
         tracker = _Tracker(alloc)
         tracker.module_names = names
+        tracker.cudnn = cuda and CUDNN_WORKSPACES
         mode = _dispatch_mode(tracker)
         hooks = []
 
@@ -528,8 +603,8 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                            for k, p in params.items()}
             meta_buffers = {k: torch.empty_like(b, device="meta") for k, b in buffers.items()}
         trainable = [p for p in meta_params.values() if p.requires_grad]
-        over = {"foreach": True} if cuda else {"foreach": False}
-        opt = factory(trainable, over)
+        opt = factory(trainable, {})
+        _foreach_as_torch_picks(opt, cuda)
         args, kwargs = _example(model, example_input, input_shape, batch, input_dtype)
         for t in (*args, *kwargs.values()):
             tracker.register(t)  # the batch is on the device for the whole step
@@ -537,7 +612,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
         grad_serials: set = set()
         before_trace: List[Tuple[int, str]] = []
         blas_after_first = [False]
-        cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
+        cdt = torch.bfloat16 if "bfloat16" in prec.name else torch.float16
         hooks.append(register_module_forward_pre_hook(pre))
         hooks.append(register_module_forward_hook(post))
         kept: Dict[int, int] = {}
@@ -668,6 +743,21 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     return est
 
 
+#: torch optimizers whose ``foreach=None`` runs the for-loop implementation on CUDA too: torch's
+#: Adafactor (its foreach path holds a weight-sized temporary per tensor at once)
+_FOR_LOOP_BY_DEFAULT = frozenset({"Adafactor"})
+
+
+def _foreach_as_torch_picks(opt: Any, cuda: bool) -> None:
+    """Set each parameter group's unset ``foreach`` to what torch would run: the foreach kernels
+    on CUDA (``_default_to_fused_or_foreach``), except for :data:`_FOR_LOOP_BY_DEFAULT`; the for-loop
+    on CPU. An explicit ``foreach=True/False`` is kept."""
+    default = cuda and type(opt).__name__ not in _FOR_LOOP_BY_DEFAULT
+    for group in opt.param_groups:
+        if "foreach" in group and group["foreach"] is None:
+            group["foreach"] = default
+
+
 def _input_bytes(model, example_input, input_shape, input_dtype) -> int:
     args, kwargs = _example(model, example_input, input_shape, 1, input_dtype)
     torch = _torch()
@@ -679,8 +769,9 @@ def _inference_peak(model, params, buffers, args, kwargs, cuda, prec) -> int:
     torch = _torch()
     alloc = CudaCachingAllocator() if cuda else ExactAllocator()
     tracker = _Tracker(alloc)
+    tracker.cudnn = cuda and CUDNN_WORKSPACES
     mode = _dispatch_mode(tracker)
-    cdt = torch.float16 if prec.name.endswith("float16") else torch.bfloat16
+    cdt = torch.bfloat16 if "bfloat16" in prec.name else torch.float16
     autocast = AutocastMode(cdt) if prec.cast_weights else None
     with mode:
         state = {k: torch.empty_like(p, device="meta") for k, p in params.items()}
