@@ -5,7 +5,10 @@ TensorFlow's BFC allocator logging every request (``TF_CPP_VMODULE=bfc_allocator
 moment of the largest in-use total of the worst step and the buffers alive then (by requested
 size), replays the estimate's own step the same way, and prints both live sets side by side:
 sizes alive in TensorFlow's peak and not in the estimate's (with the layer tensors of that size,
-so the missing buffer can be named), and the reverse.
+so the missing buffer can be named), and the reverse. Frees are logged without an address, so the
+live set is matched by size; for exact lifetimes and the op that made each buffer use TensorFlow's
+profiler memory trace (``tf.profiler.experimental.start``: MemoryAllocation events carry the address,
+requested and chunk bytes and ``tf_op``), which is how the update-temporary causes were found.
 
     python bench/estimate_keras_trace.py MobileNet 64 16 rmsprop float32 [--steps 3] [--top 25]
 """
@@ -51,11 +54,12 @@ def measured_live(log: str):
     """For the step whose allocator peak (chunks in use, as ``get_memory_info`` reports it) is
     largest: (that peak, the step, the bytes requested by the buffers alive then, a Counter of
     their sizes). Frees are logged without an address, so a free takes one buffer of its size."""
-    steps, cur = [], None
+    cur: list = []
+    steps = [cur]  # what is allocated before the first traced step (weights, slots, the batch) stays live
     for line in log.splitlines():
         if MARK in line:
             if " end " in line:
-                cur = None
+                cur = None  # between steps: nothing of interest is logged
             else:
                 cur = []
                 steps.append(cur)
@@ -84,8 +88,8 @@ def measured_live(log: str):
             elif kind == "f" and live[n] > 0:
                 live[n] -= 1
                 used -= n
-            elif kind == "p" and n >= best[0]:
-                best = (n, i, used, +live)
+            elif kind == "p" and i > 0 and n >= best[0]:
+                best = (n, i - 1, used, +live)
     return best
 
 
