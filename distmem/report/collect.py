@@ -31,7 +31,9 @@ def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail:
     rows, missing = c.gather(snap.to_dict(), 0, timeout)
     if rows is None:
         return None
-    rep = aggregate([Snapshot.from_dict(r) for r in rows if r is not None], c.size, missing, strategy=snap.strategy)
+    # Rank 0's own row is the snapshot it already holds; the others arrive as plain data.
+    snaps = [snap if i == c.rank else Snapshot.from_dict(r) for i, r in enumerate(rows) if r is not None]
+    rep = aggregate(snaps, c.size, missing, strategy=snap.strategy)
     rep.aggregates["gather_seconds"] = time.monotonic() - t0
     rep.aggregates["transport"] = c.name
     return rep
