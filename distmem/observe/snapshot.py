@@ -17,7 +17,7 @@ from ..discover.identity import detect
 from ..errors import DistmemError
 from ..units import format_bytes
 
-__all__ = ["Snapshot", "take", "rss_bytes", "allocator_pool_bytes", "outside_allocator_bytes", "plan_usage",
+__all__ = ["Snapshot", "take", "take_row", "rss_bytes", "allocator_pool_bytes", "outside_allocator_bytes", "plan_usage",
            "usage_text", "nvml_on_planned"]
 
 
@@ -199,6 +199,18 @@ except (AttributeError, ValueError, OSError):  # not POSIX
 
 def take(step: Optional[int] = None) -> Snapshot:
     """This rank's memory now: allocator, NVML per-process and RSS figures beside its applied plan."""
+    return Snapshot(**_figures(step))
+
+
+def take_row(step: Optional[int] = None) -> Dict[str, Any]:
+    """:func:`take` as the plain row a rank sends to rank 0 (``Snapshot.from_dict`` reads it back),
+    without building the Snapshot: what every rank but the root does on each full report."""
+    row = _figures(step)
+    row["time"] = time.time()
+    return row
+
+
+def _figures(step: Optional[int]) -> Dict[str, Any]:
     state = session.state
     plan = state.plan
     if plan is None:
@@ -231,16 +243,16 @@ def take(step: Optional[int] = None) -> Snapshot:
             native_status = native.status()
         except Exception as exc:  # noqa: BLE001 - the report must not fail on the optional cap
             native_status = {"error": str(exc)}
-    return Snapshot(rank=mine.rank, size=plan.world_size, local_rank=mine.local_rank, host=mine.node or topo.node,
-                    pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
-                    allocation=session.allocation_dict(plan),
-                    limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
-                    enforced=bool(state.applied and not state.applied.get("dry_run"))
-                    and any(d.enforce for d in mine.devices),
-                    current_bytes=st.get("current_bytes"),
-                    peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
-                    rss_bytes=rss_bytes(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs,
-                    stage=mine.stage, step=step, plan_fingerprint=session.fingerprint(plan),
-                    host_fingerprint=session.host_fingerprint(plan), plan_source=plan.source,
-                    overhead_bytes=plan.overhead_bytes, native=native_status,
-                    extra={"framework_devices": st.get("devices", [])})
+    return dict(rank=mine.rank, size=plan.world_size, local_rank=mine.local_rank, host=mine.node or topo.node,
+                pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
+                allocation=session.allocation_dict(plan),
+                limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),
+                enforced=bool(state.applied and not state.applied.get("dry_run"))
+                and any(d.enforce for d in mine.devices),
+                current_bytes=st.get("current_bytes"),
+                peak_bytes=st.get("peak_bytes"), reserved_bytes=st.get("reserved_bytes"), nvml_bytes=nvml,
+                rss_bytes=rss_bytes(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs,
+                stage=mine.stage, step=step, plan_fingerprint=session.fingerprint(plan),
+                host_fingerprint=session.host_fingerprint(plan), plan_source=plan.source,
+                overhead_bytes=plan.overhead_bytes, native=native_status,
+                extra={"framework_devices": st.get("devices", [])})

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..comm import get_comm, resolve_timeout
 from ..errors import ConfigError
-from ..observe.snapshot import Snapshot, take
+from ..observe.snapshot import Snapshot, take, take_row
 from .aggregate import Report, aggregate
 from .summary import summary_report
 
@@ -23,11 +23,14 @@ def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail:
     if detail not in DETAILS:
         raise ConfigError(f"detail={detail!r} is not 'full' or 'summary'")
     timeout = resolve_timeout(timeout)
-    snap = take(step)
     c = get_comm()
     if detail == "summary":
-        return summary_report(snap, c, timeout)
+        return summary_report(take(step), c, timeout)
     t0 = time.monotonic()
+    if c.rank != 0:  # the row alone: no Snapshot to build and convert on the sending ranks
+        c.gather(take_row(step), 0, timeout)
+        return None
+    snap = take(step)
     rows, missing = c.gather(snap.to_dict(), 0, timeout)
     if rows is None:
         return None
