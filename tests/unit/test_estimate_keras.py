@@ -128,7 +128,11 @@ def test_unknown_layer_gets_a_fallback_and_a_warning():
     assert r["twice"].activation_bytes_per_sample == 8 * 4 + 8 * 4
 
 
-def test_peak_grows_with_batch_and_cpu_mode_skips_small_buffers():
+def test_peak_grows_with_batch_and_cpu_mode_skips_small_buffers(monkeypatch):
+    # oneDNN's CPU allocator (no TF_CPU_ALLOCATOR_USE_BFC: an earlier distmem.init() in this process
+    # may have set it) skips buffers below 256 KiB in its statistics; the BFC one counts them all.
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
     inp = K.Input((32, 32, 8))
     h = K.layers.Conv2D(32, 3, padding="same", activation="relu")(inp)
     h = K.layers.GlobalAveragePooling2D()(h)
@@ -140,6 +144,8 @@ def test_peak_grows_with_batch_and_cpu_mode_skips_small_buffers():
     # CPU statistics threshold; at batch 2 the conv output and its pre-activation reach it
     assert cpu.peak_bytes == 0
     assert cpu.train_bytes(2) >= 2 * 256 * 1024
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    assert estimate_keras(model, batch_size=1, device="cpu").peak_bytes > 0
 
 
 def test_bad_inputs_name_the_fix():
