@@ -2,28 +2,22 @@
 full aggregate of the same synthetic snapshots (ties, stages, a rank above its plan). Rank 0 writes
 the comparison to the file named by argv[1]."""
 import json
+import os
 import sys
 
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
+from ranked_common import synthetic_snapshot  # noqa: E402
 
 import distmem
 from distmem import comm as dcomm
 from distmem.report.aggregate import Snapshot, aggregate
 from distmem.report.summary import summary_report
-from distmem.units import GiB, MiB
 
 KEYS = ("ranks_reporting", "ranks_missing", "total_current_bytes", "total_peak_bytes", "max_peak_bytes",
         "min_peak_bytes", "mean_peak_bytes", "imbalance", "max_peak_rank", "total_limit_bytes",
         "min_headroom_bytes", "min_headroom_rank", "total_nvml_bytes", "stage_imbalance")
-
-
-def synthetic(rank, size):
-    peak = [3 * GiB, 5 * GiB, 3 * GiB, 9 * GiB][rank % 4] + (rank // 4) * MiB
-    return Snapshot(rank=rank, size=size, local_rank=rank, host="h", pid=100 + rank, framework="torch",
-                    strategy="pipeline", devices=[rank], allocation={"devices": [{"index": rank, "shared_by": 1}]},
-                    limit_bytes=8 * GiB, enforced=True, current_bytes=peak // 2, peak_bytes=peak,
-                    reserved_bytes=peak + GiB, nvml_bytes={rank: peak + 2 * GiB}, stage=rank % 2,
-                    plan_fingerprint="ab" * 8, overhead_bytes=768 * MiB)
 
 
 def main():
@@ -31,7 +25,7 @@ def main():
     distmem.init(strategy="data", fleet="4x16GiB", framework="none", verbose=False)
     c = dcomm.get_comm()
     rank, size = c.rank, c.size
-    mine = synthetic(rank, size)
+    mine = synthetic_snapshot(rank, size)
     rows, missing = c.gather(mine.to_dict(), 0, 30)
     summ = summary_report(mine, c, 30)
     if rank == 0:

@@ -18,6 +18,7 @@ from distmem.discover import gpus as ddevices
 from distmem.report.aggregate import Snapshot, aggregate
 from distmem.report.summary import summary_report
 from distmem.units import GiB, MiB
+from ranked_common import synthetic_snapshot
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -47,19 +48,9 @@ def test_summary_equals_full_on_real_snapshots():
     assert full.aggregates["max_peak_bytes"] >= MiB
 
 
-def _synthetic(rank, size):
-    """A rank-dependent snapshot with ties, stages, NVML figures and a rank above its plan."""
-    peak = [3 * GiB, 5 * GiB, 3 * GiB, 9 * GiB][rank % 4] + (rank // 4) * MiB
-    return Snapshot(rank=rank, size=size, local_rank=rank, host="h", pid=100 + rank, framework="torch",
-                    strategy="pipeline", devices=[rank], allocation={"devices": [{"index": rank, "shared_by": 1}]},
-                    limit_bytes=8 * GiB, enforced=True, current_bytes=peak // 2, peak_bytes=peak,
-                    reserved_bytes=peak + GiB, nvml_bytes={rank: peak + 2 * GiB}, stage=rank % 2,
-                    plan_fingerprint="ab" * 8, overhead_bytes=768 * MiB)
-
-
 def test_summary_protocol_equals_aggregate_over_mpi():
     c = dcomm.get_comm()
-    mine = _synthetic(RANK, SIZE)
+    mine = synthetic_snapshot(RANK, SIZE)
     rows, missing = c.gather(mine.to_dict(), 0, 30)
     summ = summary_report(mine, c, 30)
     if RANK != 0:
