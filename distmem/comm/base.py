@@ -16,7 +16,7 @@ from .. import settings
 from ..errors import ConfigError, GatherTimeoutError
 
 __all__ = ["Comm", "SingleComm", "FlagReducer", "SingleFlags", "CommFlags", "REDUCE_OPS", "check_op",
-           "reduce_rows", "resolve_timeout", "mpi_launched", "wait_until", "SPIN_SECONDS", "flag_timeout_error"]
+           "reduce_rows", "reduce_sum_maxloc", "resolve_timeout", "mpi_launched", "wait_until", "SPIN_SECONDS", "flag_timeout_error"]
 
 REDUCE_OPS = ("sum", "min", "max")
 _NEG_INF = float("-inf")
@@ -44,6 +44,24 @@ def reduce_rows(rows: Sequence[Sequence[float]], op: str) -> List[float]:
     """Element-wise ``op`` over equal-length rows (the reduction of an all-gather)."""
     fn: Callable = {"sum": sum, "min": min, "max": max}[op]
     return [float(fn(col)) for col in zip(*rows)]
+
+
+def reduce_sum_maxloc(rows: Sequence[Tuple[Sequence[float], Sequence[float]]], ranks: Sequence[int]
+                      ) -> Tuple[List[float], List[float], List[Optional[int]]]:
+    """:meth:`Comm.allreduce_sum_maxloc` over rows held in one place: ``rows[k]`` = (sums, maxima)
+    of rank ``ranks[k]``. Sums add; each maximum comes with the lowest rank holding it (None where
+    every rank gave -inf)."""
+    rs = reduce_rows([r[0] for r in rows], "sum")
+    rm: List[float] = []
+    holders: List[Optional[int]] = []
+    for i in range(len(rows[0][1]) if rows else 0):
+        best, who = _NEG_INF, None
+        for rank, (_, mx) in zip(ranks, rows):
+            if mx[i] > best or (mx[i] == best and who is not None and rank < who):
+                best, who = mx[i], rank
+        rm.append(best)
+        holders.append(who)
+    return rs, rm, holders
 
 
 #: How long :func:`wait_until` polls without sleeping before it backs off (seconds).
@@ -144,16 +162,7 @@ class Comm:
         for transports whose all-reduce is an all-gather anyway (Horovod's object collectives,
         tf.distribute), one round instead of three; the message grows with the ranks."""
         rows = self.allgather(([float(v) for v in sums], [float(v) for v in maxima]), timeout)
-        rs = reduce_rows([r[0] for r in rows], "sum")
-        rm, holders = [], []
-        for i in range(len(maxima)):
-            best, who = _NEG_INF, None
-            for rank, (_, mx) in enumerate(rows):  # rank order: the first of equal values is the lowest rank
-                if mx[i] > best:
-                    best, who = mx[i], rank
-            rm.append(best)
-            holders.append(who)
-        return rs, rm, holders
+        return reduce_sum_maxloc(rows, range(len(rows)))
 
     def _lowest_holders(self, maxima: Sequence[float], reduced: Sequence[float], timeout: float
                         ) -> List[Optional[int]]:

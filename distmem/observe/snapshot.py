@@ -164,6 +164,8 @@ def rss_bytes() -> Optional[int]:
     pid = _pid()
     try:
         if _STATM is None or _STATM[0] != pid:
+            if _STATM is not None:  # inherited from the parent of a fork: its /proc entry, not ours
+                os.close(_STATM[1])
             _STATM = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
         return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError, AttributeError):
@@ -205,9 +207,7 @@ def take(step: Optional[int] = None) -> Snapshot:
 def take_row(step: Optional[int] = None) -> Dict[str, Any]:
     """:func:`take` as the plain row a rank sends to rank 0 (``Snapshot.from_dict`` reads it back),
     without building the Snapshot: what every rank but the root does on each full report."""
-    row = _figures(step)
-    row["time"] = time.time()
-    return row
+    return _figures(step)
 
 
 def _figures(step: Optional[int]) -> Dict[str, Any]:
@@ -254,5 +254,5 @@ def _figures(step: Optional[int]) -> Dict[str, Any]:
                 rss_bytes=rss_bytes(), gpu_pids=gpu_pids, gpu_uuids=uuids, gpu_process_bytes=procs,
                 stage=mine.stage, step=step, plan_fingerprint=session.fingerprint(plan),
                 host_fingerprint=session.host_fingerprint(plan), plan_source=plan.source,
-                overhead_bytes=plan.overhead_bytes, native=native_status,
+                overhead_bytes=plan.overhead_bytes, native=native_status, time=time.time(),
                 extra={"framework_devices": st.get("devices", [])})

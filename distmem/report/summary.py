@@ -28,6 +28,7 @@ import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..comm.base import reduce_sum_maxloc
 from ..errors import GatherTimeoutError
 from ..observe.snapshot import Snapshot, allocator_pool_bytes, nvml_on_planned, outside_allocator_bytes, plan_usage
 from . import findings as F
@@ -151,18 +152,6 @@ def local_vectors(s: Snapshot, near: float = WARN_NEAR_LIMIT) -> Tuple[List[floa
     return sv, mv
 
 
-def _holder_vector(s: Snapshot, mv: Sequence[float], red_max: Sequence[float]) -> List[float]:
-    """Round 2: -rank where this rank holds an extreme (its value equals the reduced one), else -inf."""
-    out: List[float] = []
-    for name in HOLDERS:
-        i = MAX_AT[name]
-        out.append(-float(s.rank) if (mv[i] != _NEG and mv[i] == red_max[i]) else _NEG)
-    for j in range(2 * STAGE_SLOTS):
-        i = len(MAX_AT) + j
-        out.append(-float(s.rank) if (mv[i] != _NEG and mv[i] == red_max[i]) else _NEG)
-    return out
-
-
 def _detail_vector(s: Snapshot, holders: Dict[str, Optional[int]]) -> List[float]:
     """Round 3: the figures behind the extremes this rank is the lowest holder of; zeros otherwise."""
     d = [0.0] * len(DETAIL_AT)
@@ -193,11 +182,9 @@ def _detail_vector(s: Snapshot, holders: Dict[str, Optional[int]]) -> List[float
     return d
 
 
-def _holders(red2: Sequence[float]) -> Tuple[Dict[str, Optional[int]], List[Optional[int]]]:
-    rank = lambda v: None if v == _NEG else int(-v)  # noqa: E731
-    named = {name: rank(red2[i]) for i, name in enumerate(HOLDERS)}
-    stages = [rank(v) for v in red2[len(HOLDERS):]]
-    return named, stages
+def _named(lowest: Sequence[Optional[int]]) -> Tuple[Dict[str, Optional[int]], List[Optional[int]]]:
+    """The lowest holder of each named extreme, and of each stage slot's max and min."""
+    return {name: lowest[MAX_AT[name]] for name in HOLDERS}, list(lowest[len(MAX_AT):])
 
 
 def _needs_details(rs: Sequence[float]) -> bool:
@@ -289,14 +276,11 @@ def build_report(world_size: int, strategy: str, rs: Sequence[float], rm: Sequen
 def reduce_locally(snaps: Sequence[Snapshot], world_size: int, strategy: str = "?") -> Report:
     """The summary report of the given snapshots, reduced in this process (tests, benchmarks, and the
     proof that the protocol's arithmetic matches ``aggregate()``)."""
-    vecs = [(s, *local_vectors(s)) for s in snaps]
-    rs = [sum(col) for col in zip(*[v[1] for v in vecs])]
-    rm = [max(col) for col in zip(*[v[2] for v in vecs])]
-    red2 = [max(col) for col in zip(*[_holder_vector(s, mv, rm) for s, _, mv in vecs])]
-    holders, stage_holders = _holders(red2)
+    rs, rm, lowest = reduce_sum_maxloc([local_vectors(s) for s in snaps], [s.rank for s in snaps])
+    holders, stage_holders = _named(lowest)
     details = None
     if _needs_details(rs):
-        details = [sum(col) for col in zip(*[_detail_vector(s, holders) for s, _, _ in vecs])]
+        details = [sum(col) for col in zip(*[_detail_vector(s, holders) for s in snaps])]
     return build_report(world_size, strategy, rs, rm, holders, stage_holders, details)
 
 
@@ -309,8 +293,7 @@ def summary_report(snap: Snapshot, comm: Any, timeout: float) -> Optional[Report
     try:
         sv, mv = local_vectors(snap)
         rs, rm, lowest = comm.allreduce_sum_maxloc(sv, mv, left())
-        holders = {name: lowest[MAX_AT[name]] for name in HOLDERS}
-        stage_holders = lowest[len(MAX_AT):]
+        holders, stage_holders = _named(lowest)
         details = None
         if _needs_details(rs):
             details = comm.allreduce(_detail_vector(snap, holders), "sum", left())
