@@ -19,13 +19,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 from .liveness import BFCAllocator, Graph, Node, replay
-from .optimizers import (keras_early_update_temporaries, keras_major_version, keras_optimizer,
+from .optimizers import (keras_decays_weights, keras_early_update_temporaries, keras_major_version, keras_optimizer,
                          keras_update_temporaries)
 from .precision import Precision, dtype_bytes, resolve_precision
 from .table import Estimate, LayerEstimate
 
 __all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "KERAS_UPDATE_OVERLAP", "TF_WHILE_PARALLEL_ITERATIONS", "BOOL_MASK_BYTES", "TF_RNN_PARTIAL_WEIGHT_GRADS",
-           "TF_CPU_UNCOUNTED_BELOW",
+           "TF_CPU_UNCOUNTED_BELOW", "XLA_CPU_DEPTHWISE_FILTER_COPIES",
            "tf_cpu_uncounted_below"]
 
 #: TensorFlow's CPU allocator with oneDNN (on by default on x86 Linux) serves requests below
@@ -84,6 +84,30 @@ _KEEPS_OUTPUT = {"relu", "relu6", "elu", "selu", "sigmoid", "tanh", "softmax", "
 _KEEPS_INPUT = {"softplus": 1, "leaky_relu": 1, "softsign": 1, "gelu": 4, "mish": 3, "hard_sigmoid": 1,
                 "hard_swish": 2, "hard_silu": 2}
 _KEEPS_OUTPUT_PLUS = {"swish": 1, "silu": 1}
+
+
+#: Keras runs a grouped convolution (``groups > 1``) through an XLA-compiled function (TensorFlow's
+#: own CPU kernels have no grouped convolution). For a depthwise-style one (one input channel per
+#: group: ConvNeXt's 7x7 convolutions), XLA's CPU backend expands the filter to a dense, masked
+#: ``kh x kw x C_in x C_out`` one, and the gradient's single XLA temporary holds two such fp32
+#: filters — whatever the compute dtype. Measured with the profiler's memory trace (ConvNeXtTiny,
+#: 64 px, batch 8, TF 2.15 CPU): one 231,211,008-byte request, 2 x 7 x 7 x 768 x 768 x 4 exactly, at
+#: stage 3's gradient, and 57,802,752 / 14,450,688 bytes at stages 2 / 1; the same in probes of one
+#: such convolution at 256-768 channels, fp32 and bfloat16, TF 2.15 and 2.21. Grouped convolutions
+#: with several channels per group (RegNet) are not expanded: their temporaries are filter-sized.
+XLA_CPU_DEPTHWISE_FILTER_COPIES = 2
+
+
+def _grouped_conv_rule(rule: "_Rule", layer, device: str) -> None:
+    groups = int(getattr(layer, "groups", 1) or 1)
+    kernel = getattr(layer, "kernel", None)
+    if groups <= 1 or kernel is None or device != "cpu":
+        return
+    shape = tuple(int(d) for d in kernel.shape)
+    if len(shape) < 3 or shape[-2] != 1:
+        return
+    spatial = _numel(shape[:-2])
+    rule.backward_fixed.append(XLA_CPU_DEPTHWISE_FILTER_COPIES * spatial * groups * shape[-1] * 4)
 
 
 _CONV_KINDS = {"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv1D",
@@ -328,7 +352,7 @@ def _tfop_rule(rule: _Rule, layer, node: _Node) -> None:
     rule.note = f"TensorFlow op {sym or '?'} has no rule; assumed it keeps its inputs and output"
 
 
-def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
+def _rule_for(layer, node: _Node, prec: Precision, device: str = "gpu") -> _Rule:
     r = _Rule()
     kind = type(layer).__name__
     out0 = node.out_sizes[0] if node.out_sizes else 0
@@ -339,6 +363,7 @@ def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
                 "Conv3DTranspose", "Convolution2DTranspose", "LocallyConnected1D", "LocallyConnected2D"):
         r.keep_in.add(0)  # the weight gradient (and the input gradient's transpose) read the input
         _activation(r, act, out0, internal_pre=True)
+        _grouped_conv_rule(r, layer, device)
     elif kind in ("SeparableConv1D", "SeparableConv2D", "SeparableConvolution2D"):
         r.keep_in.add(0)
         filters = int(getattr(layer, "filters", 1) or 1)
@@ -409,7 +434,7 @@ def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
         r.backward_fixed[:] = r.backward_fixed * 2  # each direction's loop sums its own partials
     elif kind == "TimeDistributed":
         inner = getattr(layer, "layer", None)
-        sub = _rule_for(inner, node, prec) if inner is not None else r
+        sub = _rule_for(inner, node, prec, device) if inner is not None else r
         return sub
     elif kind == "MultiHeadAttention":
         _mha_rule(r, layer, node, cb)
@@ -434,8 +459,9 @@ def _rule_for(layer, node: _Node, prec: Precision) -> _Rule:
 # ---------------------------------------------------------------- graph building
 
 class _Builder:
-    def __init__(self, prec: Precision, override_dtype: bool):
+    def __init__(self, prec: Precision, override_dtype: bool, device: str = "gpu"):
         self.g = Graph()
+        self.device = device
         self.prec = prec
         self.override = override_dtype
         self.ids: Dict[Tuple[str, int, int], int] = {}
@@ -519,7 +545,7 @@ class _Builder:
         out_shapes = [s for _, s in out_info]
         node = _Node(name, layer, in_ids, list(range(len(outs))), list(in_sizes), out_sizes, list(in_shapes),
                      out_shapes)
-        rule = _rule_for(layer, node, self.prec)
+        rule = _rule_for(layer, node, self.prec, self.device)
         out_ids = []
         for j, t in enumerate(outs):
             k = _key(t)
@@ -609,10 +635,11 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     opt_info, opt_obj = keras_optimizer(optimizer)
     update_temps = keras_update_temporaries(opt_obj, keras_major_version())
     early_temps = min(update_temps, keras_early_update_temporaries(opt_obj))
+    decays = keras_decays_weights(opt_obj)
     if loss_scale is None:
         loss_scale = prec.loss_scaling or "scaled" in opt_info.source
 
-    b = _Builder(prec, override)
+    b = _Builder(prec, override, device)
     b.add_model(model)
     g = b.g
     _, model_outs = _model_io(model)
@@ -629,6 +656,14 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     # temporary is its own allocation in the replay (so allocator rounding applies to each)
     weights_alloc: List[int] = []
     slots_alloc: List[int] = []
+    # rows whose backward computes an input gradient (something upstream is trainable)
+    needs_grad: set = set()
+    input_grad_rows: set = set()
+    for node in g.nodes:
+        if any(g.root(t) in needs_grad for t in node.inputs):
+            input_grad_rows.add(node.row)
+        if node.trainable or node.row in input_grad_rows:
+            needs_grad.update(g.root(t) for t in node.outputs)
     seen_vars = set()
     first_node = {}
     for k, node in enumerate(g.nodes):
@@ -636,9 +671,14 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     for row, layer in enumerate(b.layer_objs):
         r = b.rows[row]
         trainable_ids = {id(w) for w in _trainable_weights(layer)}
+        # decoupled weight decay copies a variable whose forward read the backward still holds:
+        # a kernel (rank >= 2) of a layer whose input gradient is computed (something upstream is
+        # trainable) and not an embedding table (its gradient reads only the looked-up rows)
+        copies_on_decay = decays and row in input_grad_rows and type(layer).__name__ != "Embedding"
         grads: List[int] = []
         update: List[int] = []
         early: List[int] = []
+        copies: List[int] = []
         for w in _weights(layer):
             if id(w) in seen_vars:
                 continue  # a shared weight is stored once
@@ -665,6 +705,8 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
                 # tables, Adam, TF 2.15 and 2.21)
                 update.extend([n * wb] * (update_temps - early_temps))
                 early.extend([n * wb] * early_temps)
+                if copies_on_decay and len(shape) >= 2:
+                    copies.append(n * wb)
                 if prec.cast_weights and n * wb >= 4 * n:
                     # the gradient arrives in the compute dtype and is cast to the fp32 master's
                     update.append(n * prec.compute_bytes)
@@ -672,6 +714,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
             g.nodes[first_node[row]].grads = tuple(grads)
             g.nodes[first_node[row]].update_temps = tuple(update)
             g.nodes[first_node[row]].early_update_temps = tuple(early)
+            g.nodes[first_node[row]].held_read_copies = tuple(copies)
     g.persistent = weights_alloc + slots_alloc
     g.persistent_parts = ["weights"] * len(weights_alloc) + ["optimizer state"] * len(slots_alloc)
     g.update_overlap = KERAS_UPDATE_OVERLAP

@@ -54,6 +54,9 @@ class Node:
     ``early_update_temps``: bytes of update temporaries that do not depend on the gradient
     (momentum's ``m * momentum``, RMSprop's ``rho * velocity``): a dataflow executor computes them
     as soon as the step starts, so they are alive from the step's start until the update.
+    ``held_read_copies``: bytes of weights that an update made at the step's start (decoupled weight
+    decay) copies because the forward's read of them is still held for this node's backward: alive
+    from the step's start until this node's backward has run and released the old buffer.
     """
 
     row: int
@@ -66,6 +69,7 @@ class Node:
     update_temps: Tuple[int, ...] = ()
     trainable: bool = False
     early_update_temps: Tuple[int, ...] = ()
+    held_read_copies: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -414,6 +418,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
         for k, n in enumerate(nodes):
             for j, nbytes in enumerate(n.early_update_temps):
                 a.alloc(("et", k, j), nbytes)
+            for j, nbytes in enumerate(n.held_read_copies):
+                a.alloc(("rc", k, j), nbytes)
         for k, n in enumerate(nodes):
             fresh = list(dict.fromkeys(root(t) for t in (*n.outputs, *n.temps) if root(t) not in allocated))
             allocated.update(fresh)
@@ -480,6 +486,8 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 pending.extend(("wg", k, j) for j in range(len(n.grads)))
             for key, _ in extra:
                 a.free(key)
+            for j in range(len(n.held_read_copies)):
+                a.free(("rc", k, j))
             for o in dict.fromkeys(root(t) for t in n.outputs):
                 if grad_of.pop(o, False):
                     a.free(("g", o))
@@ -491,6 +499,9 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
             finish_update(in_flight.pop(0)[0])
         for i in list(grad_of):
             a.free(("g", i))
+        for k, n in enumerate(nodes):
+            for j in range(len(n.held_read_copies)):
+                a.free(("rc", k, j))
         if grads_held:
             for k, n in enumerate(nodes):
                 # one node's update temporaries are alive together, as when its gradients are not held

@@ -16,7 +16,8 @@ from ..errors import ConfigError
 
 __all__ = ["OptimizerInfo", "keras_optimizer", "torch_optimizer", "KERAS_UPDATE_TEMPORARIES",
            "KERAS_UPDATE_TEMPORARIES_BY_OPTIMIZER", "keras_update_temporaries",
-           "KERAS_EARLY_UPDATE_TEMPORARIES", "keras_early_update_temporaries", "keras_major_version",
+           "KERAS_EARLY_UPDATE_TEMPORARIES", "keras_early_update_temporaries", "keras_decays_weights",
+           "keras_major_version",
            "OPTIMIZER_NAMES"]
 
 #: Weight-sized temporaries alive at once while a Keras optimizer updates one variable. Keras
@@ -64,6 +65,28 @@ def _keras_update_key(optimizer: Any) -> str:
 def keras_early_update_temporaries(optimizer: Any) -> int:
     """How many of :func:`keras_update_temporaries` exist from the step's start (see above)."""
     return KERAS_EARLY_UPDATE_TEMPORARIES.get(_keras_update_key(optimizer), 0)
+
+
+def keras_decays_weights(optimizer: Any) -> bool:
+    """Whether a Keras optimizer applies decoupled weight decay (``weight_decay`` set: AdamW's
+    default, or any Keras optimizer given ``weight_decay=``).
+
+    Keras applies it as ``variable.assign_sub(variable * wd * lr)`` (Keras 2 and 3), which does not
+    depend on the gradient: TensorFlow's executor runs it when the step starts. Where the forward's
+    read of the variable is still held for the backward (a kernel, whose input gradient reads it),
+    the assignment copies the variable first, so a second weight-sized buffer lives until that
+    layer's backward. Seen in the profiler's memory trace of ConvNeXtTiny at 64 px under AdamW
+    (TF 2.15 CPU): ``AdamW/AssignSubVariableOp`` temporaries, eighteen 2.25 MiB copies of stage 2's
+    pointwise kernels alive while the backward is at stage 3. A single Dense layer on the model's
+    input (``bench/keras_update_temporaries.py``) shows none: nothing there reads the kernel back.
+    """
+    wd = getattr(optimizer, "weight_decay", None)
+    if wd is None:
+        return False
+    try:
+        return float(wd) != 0.0
+    except (TypeError, ValueError):
+        return True  # a schedule or a tensor: assume it decays
 
 
 def keras_update_temporaries(optimizer: Any, keras_major: int = 2) -> int:
