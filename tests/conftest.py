@@ -16,6 +16,11 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# distmem.init(framework="tensorflow") turns on TensorFlow's CPU allocator statistics by setting this
+# before TensorFlow starts; in one test process TensorFlow starts once, in whichever test imports it
+# first, so the suite sets it up front and the order tests run in cannot decide whether the Keras
+# callback and snapshot tests see real CPU peaks (the fresh-process test of init strips it again)
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 # Whole folders, not just their files: a ranked/ folder's conftest initialises Horovod or MPI and
 # must load only under the launcher.

@@ -25,7 +25,9 @@ from .precision import Precision, dtype_bytes, resolve_precision
 from .table import Estimate, LayerEstimate
 
 __all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "KERAS_UPDATE_OVERLAP", "TF_WHILE_PARALLEL_ITERATIONS", "BOOL_MASK_BYTES", "TF_RNN_PARTIAL_WEIGHT_GRADS",
-           "TF_CPU_UNCOUNTED_BELOW", "XLA_CPU_DEPTHWISE_FILTER_COPIES",
+           "TF_RNN_PARTIALS_BY_CELL",
+           "TF_CPU_UNCOUNTED_BELOW", "XLA_CPU_DEPTHWISE_FILTER_COPIES", "XLA_CPU_GROUPED_CONV_INPUT_TEMPS",
+           "XLA_GROUPED_CONV_INPUT_COPIES",
            "tf_cpu_uncounted_below"]
 
 #: TensorFlow's CPU allocator with oneDNN (on by default on x86 Linux) serves requests below
@@ -64,6 +66,16 @@ BOOL_MASK_BYTES = 1
 #: steps, two GRU(320) over 80 steps, batch 32: 0.9 and 1.6 partials at the median step.
 TF_RNN_PARTIAL_WEIGHT_GRADS = 1
 
+#: An LSTM's backward loop keeps many more of them in flight, and how many changes from step to
+#: step with the executor's scheduling: at the worst of four steps, the allocator trace held 30 per
+#: weight of LSTMText (two LSTM(256) over 100 steps, batch 16; the peak of the same step moved from
+#: 105 to 140 MB between two runs) and 18-20 per weight and direction of a bidirectional LSTM(96)
+#: over 50 steps, where the bound is 32 (:data:`TF_WHILE_PARALLEL_ITERATIONS`). A limit set from a
+#: typical step fails on the worst one, so an LSTM is estimated at the bound (``None``); a GRU's loop
+#: measured 5-7 (GRU(160) over 60 steps) and is counted as the median above, with a warning.
+TF_RNN_PARTIALS_BY_CELL = {"LSTM": None, "GRU": TF_RNN_PARTIAL_WEIGHT_GRADS,
+                           "SimpleRNN": TF_RNN_PARTIAL_WEIGHT_GRADS}
+
 #: How long a weight update outlasts the backward pass beside it (``liveness.Graph.update_overlap``):
 #: until the backward has allocated as many bytes again as the update's gradient and temporaries.
 #: Measured with the profiler's memory trace (MobileNet 64 px, RMSprop, TF 2.15 CPU): at the peak
@@ -97,12 +109,31 @@ _KEEPS_OUTPUT_PLUS = {"swish": 1, "silu": 1}
 #: with several channels per group (RegNet) are not expanded: their temporaries are filter-sized.
 XLA_CPU_DEPTHWISE_FILTER_COPIES = 2
 
+#: Besides, the gradient of any grouped convolution XLA compiles for the CPU holds input-sized
+#: temporaries beside the input gradient: 2.0-3.0 inputs measured at stride 1 and 1.3-2.5 at stride
+#: 2 (one such convolution, 24-368 channels, 3-46 groups, batch 16-32, TF 2.15), counted as 2.
+XLA_CPU_GROUPED_CONV_INPUT_TEMPS = 2
 
-def _grouped_conv_rule(rule: "_Rule", layer, device: str) -> None:
+
+#: And the XLA-compiled function's gradient needs the convolution's input, which the compiled
+#: forward hands back as an output of its own: a copy, kept until the backward (the allocator
+#: trace of RegNetX002 at 64 px: a buffer the size of each grouped convolution's input alive at the
+#: peak beside the ReLU output it was copied from). Counted on every device: it is how TensorFlow
+#: differentiates any compiled function, not a CPU kernel's choice.
+XLA_GROUPED_CONV_INPUT_COPIES = 1
+
+
+def _grouped_conv_rule(rule: "_Rule", layer, node: "_Node", device: str) -> None:
     groups = int(getattr(layer, "groups", 1) or 1)
     kernel = getattr(layer, "kernel", None)
-    if groups <= 1 or kernel is None or device != "cpu":
+    if groups <= 1 or kernel is None:
         return
+    if node.in_sizes:
+        rule.kept_extra.extend([node.in_sizes[0]] * XLA_GROUPED_CONV_INPUT_COPIES)
+    if device != "cpu":
+        return
+    if node.in_sizes:
+        rule.backward_temps.extend([node.in_sizes[0]] * XLA_CPU_GROUPED_CONV_INPUT_TEMPS)
     shape = tuple(int(d) for d in kernel.shape)
     if len(shape) < 3 or shape[-2] != 1:
         return
@@ -281,20 +312,23 @@ def _rnn_rule(rule: _Rule, layer, node: _Node, cb: int, directions: int = 1) -> 
     # the loop's weight gradients are summed step by step: per-step partials of the kernel and the
     # recurrent kernel are in flight beside the accumulators (batch-free, hence ``fixed``)
     cell = cell if cell is not None else layer
+    # how many of those partials are in flight at once depends on the loop's scheduling: at most one
+    # per iteration the loop may run at once; an LSTM is counted at that bound, other cells at the
+    # measured median, with a warning giving the bound
+    most = min(steps, TF_WHILE_PARALLEL_ITERATIONS)
+    family = next((f for f in TF_RNN_PARTIALS_BY_CELL if f in kind), None)
+    counted = TF_RNN_PARTIALS_BY_CELL.get(family, TF_RNN_PARTIAL_WEIGHT_GRADS) if family else TF_RNN_PARTIAL_WEIGHT_GRADS
+    counted = most if counted is None else min(counted, most)
     partial = 0
     for w in _trainable_weights(cell)[:2]:
-        rule.backward_fixed.extend([_numel(w.shape) * 4] * TF_RNN_PARTIAL_WEIGHT_GRADS)
+        rule.backward_fixed.extend([_numel(w.shape) * 4] * counted)
         partial += _numel(w.shape) * 4
-    # how many of those partials are in flight at once depends on the loop's scheduling, which the
-    # rules do not model: measured 5 of 60 steps (GRU(160)) and 25 of 50 (a bidirectional LSTM(96));
-    # say so, with the bound (one per iteration the loop may run at once)
-    most = min(steps, TF_WHILE_PARALLEL_ITERATIONS)
-    if most > TF_RNN_PARTIAL_WEIGHT_GRADS and partial:
+    if most > counted and partial:
         dirs = directions
         rule.note = (f"{kind} backward loop: per-timestep partial weight gradients in flight counted as "
-                     f"{TF_RNN_PARTIAL_WEIGHT_GRADS} per weight, but TensorFlow may run up to {most} iterations "
+                     f"{counted} per weight, but TensorFlow may run up to {most} iterations "
                      f"at once: the peak can be up to "
-                     f"{(most - TF_RNN_PARTIAL_WEIGHT_GRADS) * partial * dirs / 2**20:.1f} MiB higher")
+                     f"{(most - counted) * partial * dirs / 2**20:.1f} MiB higher")
 
 
 def _mha_rule(rule: _Rule, layer, node: _Node, cb: int) -> None:
@@ -363,7 +397,7 @@ def _rule_for(layer, node: _Node, prec: Precision, device: str = "gpu") -> _Rule
                 "Conv3DTranspose", "Convolution2DTranspose", "LocallyConnected1D", "LocallyConnected2D"):
         r.keep_in.add(0)  # the weight gradient (and the input gradient's transpose) read the input
         _activation(r, act, out0, internal_pre=True)
-        _grouped_conv_rule(r, layer, device)
+        _grouped_conv_rule(r, layer, node, device)
     elif kind in ("SeparableConv1D", "SeparableConv2D", "SeparableConvolution2D"):
         r.keep_in.add(0)
         filters = int(getattr(layer, "filters", 1) or 1)
@@ -471,6 +505,14 @@ class _Builder:
         self.notes: List[str] = []
         self.per_row_temps: Dict[int, int] = {}
         self.sizes: Dict[Tuple[str, int, int], Tuple[int, Tuple]] = {}
+        self.trainable_cache: Dict[int, list] = {}
+
+    def trainable_of(self, layer) -> list:
+        """The layer's trainable weights, read once (Keras walks its sublayers on every access)."""
+        key = id(layer)
+        if key not in self.trainable_cache:
+            self.trainable_cache[key] = _trainable_weights(layer)
+        return self.trainable_cache[key]
 
     def tensor_bytes(self, t) -> Tuple[int, Tuple]:
         k = _key(t)
@@ -569,7 +611,7 @@ class _Builder:
             bwd.append(self.g.add(rule.extra_grad_per_sample))
         # weights: the fp32 variables, and under mixed precision their compute-dtype cast copies,
         # which the layer's matmul/conv keeps for the input gradient
-        tw = _trainable_weights(layer)
+        tw = self.trainable_of(layer)
         if self.prec.cast_weights and tw:
             cast = self.g.add(0, sum(_numel(w.shape) for w in tw) * self.prec.compute_bytes)
             temps.append(cast)
@@ -670,7 +712,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
         first_node.setdefault(node.row, k)
     for row, layer in enumerate(b.layer_objs):
         r = b.rows[row]
-        trainable_ids = {id(w) for w in _trainable_weights(layer)}
+        trainable_ids = {id(w) for w in b.trainable_of(layer)}
         # decoupled weight decay copies a variable whose forward read the backward still holds:
         # a kernel (rank >= 2) of a layer whose input gradient is computed (something upstream is
         # trainable) and not an embedding table (its gradient reads only the looked-up rows)

@@ -189,13 +189,21 @@ class BFCAllocator(ExactAllocator):
         self.chunks: Dict[int, Tuple[int, int, bool]] = {}  # address -> (size, region, in_use)
         self.next_addr = 0
         self.where: Dict[object, int] = {}
+        self.free_ending_at: Dict[int, int] = {}  # end address -> address of the free chunk ending there
 
     def _take_free(self, size: int, addr: int, region: int) -> None:
-        self.free_chunks.remove((self.pool_of_region[region], size, addr, region))
+        item = (self.pool_of_region[region], size, addr, region)
+        i = bisect.bisect_left(self.free_chunks, item)
+        if i < len(self.free_chunks) and self.free_chunks[i] == item:
+            del self.free_chunks[i]
+        else:
+            self.free_chunks.remove(item)
+        self.free_ending_at.pop(addr + size, None)
 
     def _add_free(self, size: int, addr: int, region: int) -> None:
         bisect.insort(self.free_chunks, (self.pool_of_region[region], size, addr, region))
         self.chunks[addr] = (size, region, False)
+        self.free_ending_at[addr + size] = addr
 
     def _round(self, size: int) -> int:
         return max(BFC_MIN_ALLOCATION, -(-size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
@@ -257,10 +265,11 @@ class BFCAllocator(ExactAllocator):
         self._add_free(size, addr, region)
 
     def _prev_free(self, addr: int, region: int) -> Optional[int]:
-        for _, size, a, r in self.free_chunks:
-            if r == region and a + size == addr:
-                return a
-        return None
+        a = self.free_ending_at.get(addr)
+        if a is None:
+            return None
+        chunk = self.chunks.get(a)
+        return a if chunk is not None and not chunk[2] and chunk[1] == region else None
 
 
 #: torch's CUDA caching allocator rounds every request up to 512 bytes (kMinBlockSize).
@@ -336,6 +345,46 @@ class Replay:
         return out
 
 
+def _plan(g: Graph, train: bool):
+    """What a replay needs that does not depend on the batch: which tensors need a gradient and
+    which nodes a backward, how long each kept tensor lives, each tensor's last forward reader, the
+    step's held inputs. Cached on the graph (keyed by its size, so a graph still being built is
+    planned again); every estimate replays its graph several times."""
+    key = (bool(train), len(g.nodes), len(g.tensors), tuple(g.inputs))
+    cache = g.__dict__.setdefault("_plans", {})
+    if key in cache:
+        return cache[key]
+    root = g.root
+    nodes = g.nodes
+    needs_grad = set()
+    needs_backward = [False] * len(nodes)
+    if train:
+        for k, n in enumerate(nodes):
+            if n.trainable or any(root(i) in needs_grad for i in n.inputs):
+                needs_backward[k] = True
+                needs_grad.update(root(o) for o in n.outputs)
+    # a kept tensor lives until the backward of its earliest keeper (the backward walks nodes in reverse)
+    kept_until: Dict[int, int] = {}
+    for k, n in enumerate(nodes):
+        if needs_backward[k]:
+            for t in n.saved:
+                r = root(t)
+                kept_until[r] = min(kept_until.get(r, k), k)
+    last_read: Dict[int, int] = {}
+    for k, n in enumerate(nodes):
+        for t in n.inputs:
+            last_read[root(t)] = k
+    held = {root(t) for t in g.inputs}
+    freed_after: Dict[int, List[int]] = {}
+    for t, k in kept_until.items():
+        if t not in held:
+            freed_after.setdefault(k, []).append(t)
+    if len(cache) >= 4:
+        cache.clear()
+    cache[key] = (needs_grad, needs_backward, kept_until, last_read, held, freed_after)
+    return cache[key]
+
+
 def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
            allocator: Optional[ExactAllocator] = None, steps: int = 1, saved_only: bool = False) -> Replay:
     """Replay ``steps`` training steps at ``batch`` and return the largest peak.
@@ -353,30 +402,7 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
     nodes = g.nodes
     a = allocator if allocator is not None else ExactAllocator()
 
-    needs_grad = set()
-    needs_backward = [False] * len(nodes)
-    if train:
-        for k, n in enumerate(nodes):
-            if n.trainable or any(root(i) in needs_grad for i in n.inputs):
-                needs_backward[k] = True
-                needs_grad.update(root(o) for o in n.outputs)
-
-    # a kept tensor lives until the backward of its earliest keeper (the backward walks nodes in reverse)
-    kept_until: Dict[int, int] = {}
-    for k, n in enumerate(nodes):
-        if needs_backward[k]:
-            for t in n.saved:
-                r = root(t)
-                kept_until[r] = min(kept_until.get(r, k), k)
-    last_read: Dict[int, int] = {}
-    for k, n in enumerate(nodes):
-        for t in n.inputs:
-            last_read[root(t)] = k
-    held = {root(t) for t in g.inputs}
-    freed_after: Dict[int, List[int]] = {}
-    for t, k in kept_until.items():
-        if t not in held:
-            freed_after.setdefault(k, []).append(t)
+    needs_grad, needs_backward, kept_until, last_read, held, freed_after = _plan(g, train)
     saved_by_row: Dict[int, int] = {}
     for t, k in kept_until.items():
         if t not in held:

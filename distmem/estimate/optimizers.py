@@ -182,12 +182,30 @@ def _unwrap_keras(opt: Any) -> Any:
     return opt
 
 
+#: Optimizers built from a name, and the probed state of a configuration, per process: a probe
+#: builds copies of the optimizer and variables (~15 ms), which repeated estimates need not repeat.
+_KERAS_BY_NAME: Dict[Tuple[str, int], Any] = {}
+_KERAS_PROBED: Dict[Tuple[Any, str], Tuple[str, float]] = {}
+
+
+def _config_key(opt: Any) -> Optional[Tuple[Any, str]]:
+    try:
+        config = opt.get_config()
+        text = repr(sorted(config.items()))
+    except Exception:
+        return None
+    return None if " at 0x" in text else (type(opt), text)  # an object in the config: no stable key
+
+
 def keras_optimizer(optimizer: Any) -> Tuple[OptimizerInfo, Any]:
     """(OptimizerInfo, the unwrapped optimizer) for a Keras optimizer object or name."""
     if optimizer is None:
         optimizer = "adam"
     if isinstance(optimizer, str):
-        optimizer = _keras_from_name(optimizer)
+        name_key = (optimizer.strip().lower(), keras_major_version())
+        if name_key not in _KERAS_BY_NAME:
+            _KERAS_BY_NAME[name_key] = _keras_from_name(optimizer)
+        optimizer = _KERAS_BY_NAME[name_key]
     loss_scaled = optimizer is not _unwrap_keras(optimizer)
     opt = _unwrap_keras(optimizer)
     cls = type(opt)
@@ -217,7 +235,13 @@ def keras_optimizer(optimizer: Any) -> Tuple[OptimizerInfo, Any]:
             made = [c.get_slot(var, n) for n in c.get_slot_names()]
         return sum(math.prod(v.shape) for v in made if len(v.shape) > 0)
 
-    info = _finish(cls.__name__, probe)
+    key = _config_key(opt)
+    if key is not None and key in _KERAS_PROBED:
+        info = OptimizerInfo(*_KERAS_PROBED[key])
+    else:
+        info = _finish(cls.__name__, probe)
+        if key is not None and info.slots_per_weight is not None:
+            _KERAS_PROBED[key] = (info.name, info.slots_per_weight)
     info.source = "probed (loss-scaled)" if loss_scaled else "probed"
     return info, opt
 
