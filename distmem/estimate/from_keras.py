@@ -28,6 +28,7 @@ __all__ = ["estimate_keras", "LOSS_KEPT_FACTOR", "KERAS_UPDATE_OVERLAP", "TF_WHI
            "TF_RNN_PARTIALS_BY_CELL",
            "TF_CPU_UNCOUNTED_BELOW", "XLA_CPU_DEPTHWISE_FILTER_COPIES", "XLA_CPU_GROUPED_CONV_INPUT_TEMPS",
            "XLA_GROUPED_CONV_INPUT_COPIES",
+           "TF_CPU_CONV_GRAD_WORKING_SET", "onednn_has_16bit",
            "tf_cpu_uncounted_below"]
 
 #: TensorFlow's CPU allocator with oneDNN (on by default on x86 Linux) serves requests below
@@ -123,6 +124,66 @@ XLA_CPU_GROUPED_CONV_INPUT_TEMPS = 2
 XLA_GROUPED_CONV_INPUT_COPIES = 1
 
 
+#: TensorFlow's own CPU kernels for a convolution's gradient (``Conv2DCustomBackpropFilterOp``,
+#: used where oneDNN has no kernel: 16-bit types on a CPU without AVX512) unroll input patches into
+#: a column buffer of ``shard`` images, ``shard = ceil(working set / (sizeof(T) x work unit))``
+#: where the working set is a fixed 30 MiB ("30MB is from ivybridge" in
+#: ``conv_grad_filter_ops.cc``) and the work unit is ``out_img x k x C_in + out_img x C_out +
+#: k x C_in x C_out`` elements; the buffer is ``shard x out_img x k x C_in`` elements (not capped by the
+#: batch). Requests logged by the BFC allocator matched it on every probe (1x1 and 3x3, 16-768
+#: channels, fp32/fp16/bf16 through the same kernel): 20,938,752 bytes for a 1x1 convolution of 32 to
+#: 16 channels on 48x48 maps, 25,878,528 for a 3x3 one of 64 channels on 24x24 in bfloat16.
+TF_CPU_CONV_GRAD_WORKING_SET = 30 << 20
+
+
+def _cpu_flags() -> frozenset:
+    global _CPU_FLAGS
+    if _CPU_FLAGS is None:
+        flags: set = set()
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags.update(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+        _CPU_FLAGS = frozenset(flags)
+    return _CPU_FLAGS
+
+
+_CPU_FLAGS: Optional[frozenset] = None
+
+
+def onednn_has_16bit(compute: str) -> bool:
+    """Whether oneDNN (TensorFlow's x86 CPU kernels) runs ``compute`` ("bfloat16"/"float16")
+    convolutions on this CPU: bfloat16 needs AVX512 (or AVX-NE-CONVERT), float16 AVX512-FP16 (or
+    AMX-FP16 / AVX-NE-CONVERT). Without, TensorFlow falls back to its own kernels."""
+    f = _cpu_flags()
+    if compute == "bfloat16":
+        return bool(f & {"avx512f", "avx_ne_convert"})
+    return bool(f & {"avx512_fp16", "amx_fp16", "avx_ne_convert"})
+
+
+def _cpu_conv_col_buffer(layer, node: "_Node", itemsize: int) -> int:
+    """Bytes of the column buffer TensorFlow's own CPU kernel allocates for the weight gradient of
+    convolution ``layer`` (see :data:`TF_CPU_CONV_GRAD_WORKING_SET`); 0 where it does not apply."""
+    kernel = getattr(layer, "kernel", None)
+    if kernel is None or int(getattr(layer, "groups", 1) or 1) > 1 or not node.out_shapes:
+        return 0
+    kshape = tuple(int(d) for d in kernel.shape)
+    if len(kshape) not in (3, 4):
+        return 0
+    ft, cout = _numel(kshape[:-1]), kshape[-1]
+    out = node.out_shapes[0]
+    fmt = str(getattr(layer, "data_format", "channels_last") or "channels_last")
+    spatial = out[2:] if fmt == "channels_first" else out[1:-1]
+    out_img = _numel(tuple(int(d or 1) for d in spatial))
+    work = out_img * ft + out_img * cout + ft * cout
+    shard = -(-(TF_CPU_CONV_GRAD_WORKING_SET // itemsize) // max(1, work))
+    return shard * out_img * ft * itemsize
+
+
 def _grouped_conv_rule(rule: "_Rule", layer, node: "_Node", device: str) -> None:
     groups = int(getattr(layer, "groups", 1) or 1)
     kernel = getattr(layer, "kernel", None)
@@ -140,6 +201,9 @@ def _grouped_conv_rule(rule: "_Rule", layer, node: "_Node", device: str) -> None
     spatial = _numel(shape[:-2])
     rule.backward_fixed.append(XLA_CPU_DEPTHWISE_FILTER_COPIES * spatial * groups * shape[-1] * 4)
 
+
+#: Layers whose weight gradient is Conv2DBackpropFilter (Conv1D runs as a 2-D convolution)
+_TF_OWN_CPU_GRAD_KINDS = {"Conv1D", "Conv2D", "Convolution1D", "Convolution2D"}
 
 _CONV_KINDS = {"Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv1D",
                "SeparableConv2D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"}
@@ -398,6 +462,10 @@ def _rule_for(layer, node: _Node, prec: Precision, device: str = "gpu") -> _Rule
         r.keep_in.add(0)  # the weight gradient (and the input gradient's transpose) read the input
         _activation(r, act, out0, internal_pre=True)
         _grouped_conv_rule(r, layer, node, device)
+        if device == "cpu" and cb == 2 and kind in _TF_OWN_CPU_GRAD_KINDS and not onednn_has_16bit("bfloat16" if "bfloat16" in prec.name else "float16"):
+            col = _cpu_conv_col_buffer(layer, node, cb)
+            if col:
+                r.backward_fixed.append(col)
     elif kind in ("SeparableConv1D", "SeparableConv2D", "SeparableConvolution2D"):
         r.keep_in.add(0)
         filters = int(getattr(layer, "filters", 1) or 1)
@@ -798,15 +866,16 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     if rows:  # the loss's kept tensors travel with the last layer
         rows[-1].activation_bytes_per_sample += r2.saved_by_row.get(loss_row, 0) - r1.saved_by_row.get(loss_row, 0)
 
-    if device == "cpu" and prec.name in ("mixed_float16", "mixed_bfloat16"):
+    compute16 = "bfloat16" if "bfloat16" in prec.name else "float16"
+    if device == "cpu" and prec.compute_bytes == 2 and not onednn_has_16bit(compute16):
         convs = [r.name for r in b.rows if r.kind in _CONV_KINDS]
         if convs:
             b.notes.append(
-                f"{prec.name[6:]} convolutions on TensorFlow's CPU kernels ({len(convs)} layers, e.g. '{convs[0]}'; "
-                f"oneDNN has no 16-bit kernels without AVX512, and TensorFlow falls back to its own): their "
-                f"gradients (Conv2DBackpropInput/Filter) allocate workspaces the rules do not size (measured about "
-                f"22 MiB per op on MobileNetV2 at 96 px, batch 16, for a 1x1 convolution whose gradient is 0.9 MiB), "
-                f"so this CPU peak can be low by tens of MiB; GPU kernels (cuDNN) are sized by the GPU footprint")
+                f"{compute16} convolutions on TensorFlow's own CPU kernels ({len(convs)} layers, e.g. '{convs[0]}'; "
+                f"oneDNN has no {compute16} kernels on this CPU): each weight gradient's column buffer (up to "
+                f"30 MiB) is counted, but the input gradients' buffers, which run beside them, and the allocator "
+                f"fragmentation they cause are not, so this CPU peak can be low by tens of MiB (measured up to 32% "
+                f"on DenseNet-121 in bfloat16); GPU kernels (cuDNN) are sized by the GPU footprint")
     est = Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=batch_size,
                    precision=prec.name, optimizer=opt_info.to_dict(), layers=rows, method="analytic",
                    device=device, input_bytes_per_sample=input_per_sample, warnings=list(b.notes),

@@ -114,3 +114,42 @@ def test_weight_decay_is_read_from_the_optimizer():
     assert not optimizers.keras_decays_weights(K.optimizers.Adam(1e-3))
     assert optimizers.keras_decays_weights(K.optimizers.Adam(1e-3, weight_decay=0.01))
     assert not optimizers.keras_decays_weights(K.optimizers.SGD(1e-3))
+
+
+COL_CHILD = r'''
+import os, sys
+import tensorflow as tf
+n, h, cin, cout, k = (int(v) for v in sys.argv[1:6])
+x = tf.cast(tf.random.normal([n, h, h, cin]), tf.bfloat16)
+w = tf.cast(tf.random.normal([k, k, cin, cout]), tf.bfloat16)
+dy = tf.cast(tf.random.normal([n, h, h, cout]), tf.bfloat16)
+f = tf.function(lambda x, dy: tf.raw_ops.Conv2DBackpropFilter(
+    input=x, filter_sizes=tf.shape(w), out_backprop=dy, strides=[1, 1, 1, 1], padding="SAME"))
+f(x, dy)
+print("=== MARK", file=sys.stderr, flush=True)
+f(x, dy)
+print("=== END", file=sys.stderr, flush=True)
+'''
+
+
+@pytest.mark.parametrize("shape", [(16, 48, 32, 16, 1), (8, 24, 64, 64, 3), (8, 12, 128, 128, 3)])
+def test_16bit_cpu_conv_gradient_column_buffer(shape):
+    """The weight gradient of a 16-bit convolution on TensorFlow's own CPU kernel requests exactly
+    the column buffer ``_cpu_conv_col_buffer`` sizes (largest request the BFC allocator logs)."""
+    if from_keras.onednn_has_16bit("bfloat16"):
+        pytest.skip("oneDNN runs bfloat16 convolutions on this CPU: TensorFlow's own kernel is not used")
+    import re
+    n, h, cin, cout, k = shape
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="0",
+               TF_CPP_VMODULE="bfc_allocator=3", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", COL_CHILD, *map(str, shape)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = out.stderr.split("=== MARK", 1)[1].split("=== END", 1)[0]
+    requests = [int(m) for m in re.findall(r"AllocateRaw \S+\s+(\d+) ", log)]
+    inp = K.Input((h, h, cin))
+    layer = K.layers.Conv2D(cout, k, padding="same", use_bias=False)
+    K.Model(inp, layer(inp))
+    node = from_keras._Node("c", layer, [0], [0], [h * h * cin * 2], [h * h * cout * 2], [(None, h, h, cin)],
+                            [(None, h, h, cout)])
+    assert max(requests) == from_keras._cpu_conv_col_buffer(layer, node, 2), (sorted(requests)[-3:],)
