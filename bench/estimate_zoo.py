@@ -641,16 +641,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         old = reused.get(row["id"])
         if old and old.get("measured"):
             for k in ("measured", "measured_steps", "measured_spread", "peer", "peer_steps", "peer_error",
-                      "peer_seconds", "step_seconds", "max_reserved", "measured_source"):
+                      "peer_seconds", "step_seconds", "max_reserved", "measured_source", "measured_at"):
                 if k in old:
                     row[k] = old[k]
-            row["measured_reused_from"] = os.path.basename(args.reuse)
+            # the run that measured it, through any number of re-estimates
+            row["measured_reused_from"] = old.get("measured_reused_from") or \
+                (None if old.get("measured_at") else os.path.basename(args.reuse))
             return
         if not measure:
             return
         try:
             m = _subprocess(fw, c, args.steps, args.timeout)
             row["measured"] = max(m["peaks"])
+            row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             row["measured_steps"] = m["peaks"]
             row["measured_spread"] = round((max(m["peaks"]) - min(m["peaks"])) / max(m["peaks"]), 4)
             row["step_seconds"] = m["step_seconds"]
@@ -730,7 +733,7 @@ def write_jsonl(result: Dict[str, Any], path: str) -> None:
     the naive baseline's."""
     keep = ("id", "model", "size", "batch", "optimizer", "precision", "measured", "measured_steps", "ours",
             "ours_err", "baseline", "baseline_err", "peer", "peer_err", "phase", "warnings", "measure_error",
-            "estimate_error", "measured_reused_from")
+            "estimate_error", "measured_reused_from", "measured_at")
     with open(path, "w", encoding="utf-8") as f:
         for row in result["rows"]:
             f.write(json.dumps({k: row[k] for k in keep if k in row}) + "\n")
