@@ -153,3 +153,25 @@ def test_16bit_cpu_conv_gradient_column_buffer(shape):
     node = from_keras._Node("c", layer, [0], [0], [h * h * cin * 2], [h * h * cout * 2], [(None, h, h, cin)],
                             [(None, h, h, cout)])
     assert max(requests) == from_keras._cpu_conv_col_buffer(layer, node, 2), (sorted(requests)[-3:],)
+
+
+def test_bfc_model_reproduces_tensorflows_chunk_peak_in_its_own_order(monkeypatch, tmp_path):
+    """TensorFlow's own allocation sequence (profiler trace of a fresh process: build, three steps),
+    replayed through distmem's BFC model, peaks where TensorFlow's allocator did: the allocator's rules
+    are right, so what an estimate misses in fragmentation comes from the executor's order."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bfc_replay
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", bfc_replay.CHILD, os.path.join(ROOT, "bench"), str(tmp_path),
+                          "Conv1D", "200", "32", "momentum", "float32"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = bfc_replay.events(str(tmp_path))
+    peaks = bfc_replay.replay(evs)
+    assert peaks["tf"] == int(out.stdout.strip().splitlines()[-1])  # the trace saw TensorFlow's peak
+    assert abs(peaks["model"] / peaks["tf"] - 1) < 0.03, peaks
+    assert peaks["tf"] > 1.05 * peaks["requested"]  # and this model's chunks do exceed its requests
+    # a model that never splits a free chunk (every request takes a whole free chunk) is far off
+    from distmem.estimate import liveness
+    monkeypatch.setattr(liveness.BFCAllocator, "_split", lambda self, chunk, rounded: False)
+    assert bfc_replay.replay(evs)["model"] > 1.1 * peaks["tf"]
