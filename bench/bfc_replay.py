@@ -34,12 +34,8 @@ import estimate_zoo as z
 tf, _ = z.keras_ns()
 case = {"model": sys.argv[3], "size": int(sys.argv[4]), "batch": int(sys.argv[5]), "optimizer": sys.argv[6],
         "precision": sys.argv[7]}
-tf.profiler.experimental.start(sys.argv[2])
-model, make = z.keras_build(case)
-model.compile(optimizer=z.keras_optimizer(case["optimizer"]), loss=z._keras_loss(model))
-x, y = make(case["batch"])
-x = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
-y = tf.constant(y)
+tf.profiler.experimental.start(sys.argv[2])  # before the model exists: every allocation is traced
+tf, model, x, y = z.keras_compiled(case)
 for _ in range(3):
     model.train_on_batch(x, y)
 tf.profiler.experimental.stop()
@@ -89,12 +85,9 @@ def replay(evs):
 
 
 def main(argv=None) -> int:
+    import estimate_zoo as z
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model")
-    p.add_argument("size", type=int)
-    p.add_argument("batch", type=int)
-    p.add_argument("optimizer")
-    p.add_argument("precision")
+    z.add_case_arguments(p)
     p.add_argument("--out", default=None, help="append the JSON line to this file")
     p.add_argument("--timeout", type=int, default=900)
     args = p.parse_args(argv)
@@ -110,7 +103,7 @@ def main(argv=None) -> int:
         evs = events(logdir)
     peaks = replay(evs)
     import tensorflow as tf
-    line = {"bench": "bfc_replay", "case": f"{args.model}@{args.size}/b{args.batch}/{args.optimizer}/{args.precision}",
+    line = {"bench": "bfc_replay", "case": z.case_id(z.case_of(args)),
             "tensorflow": tf.__version__, "events": len(evs),
             "tf_chunk_peak": peaks["tf"], "model_chunk_peak_same_order": peaks["model"],
             "requested_peak": peaks["requested"], "get_memory_info_peak": measured,

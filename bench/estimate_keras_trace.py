@@ -33,12 +33,7 @@ MARK = "=== estimate_keras_trace step"
 
 def _child(case, steps):
     import estimate_zoo as z
-    tf, _ = z.keras_ns()
-    model, make = z.keras_build(case)
-    model.compile(optimizer=z.keras_optimizer(case["optimizer"]), loss=z._keras_loss(model))
-    x, y = make(case["batch"])
-    x = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
-    y = tf.constant(y)
+    tf, model, x, y = z.keras_compiled(case)
     for s in range(steps):
         print(f"{MARK} {s}", file=sys.stderr, flush=True)
         tf.config.experimental.reset_memory_stats("CPU:0")
@@ -168,17 +163,14 @@ def estimated_live(case):
 
 
 def main(argv=None):
+    import estimate_zoo as z
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model")
-    p.add_argument("size", type=int)
-    p.add_argument("batch", type=int)
-    p.add_argument("optimizer")
-    p.add_argument("precision")
+    z.add_case_arguments(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    case = {"model": a.model, "size": a.size, "batch": a.batch, "optimizer": a.optimizer, "precision": a.precision}
+    case = z.case_of(a)
     if a.child:
         _child(case, a.steps)
         return 0

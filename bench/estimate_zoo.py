@@ -249,13 +249,33 @@ def _keras_loss(model):
     return K.losses.SparseCategoricalCrossentropy(from_logits=not probs)
 
 
-def keras_measure(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
-    tf, K = keras_ns()
+def keras_compiled(c: Dict[str, Any]):
+    """(tf, the case's model compiled with its optimizer and loss, one batch x, labels y as tensors):
+    what every Keras measuring child (this benchmark's, the trace and the BFC replay) trains on."""
+    tf, _ = keras_ns()
     model, make = keras_build(c)
     model.compile(optimizer=keras_optimizer(c["optimizer"]), loss=_keras_loss(model))
     x, y = make(c["batch"])
     x = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
-    y = tf.constant(y)
+    return tf, model, x, tf.constant(y)
+
+
+def add_case_arguments(p) -> None:
+    """The positional arguments naming one zoo case: MODEL SIZE BATCH OPTIMIZER PRECISION."""
+    p.add_argument("model")
+    p.add_argument("size", type=int)
+    p.add_argument("batch", type=int)
+    p.add_argument("optimizer")
+    p.add_argument("precision")
+
+
+def case_of(args) -> Dict[str, Any]:
+    """The case dict of parsed :func:`add_case_arguments` arguments."""
+    return {k: getattr(args, k) for k in ("model", "size", "batch", "optimizer", "precision")}
+
+
+def keras_measure(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
+    tf, model, x, y = keras_compiled(c)
     info = tf.config.experimental.get_memory_info
     peaks, times = [], []
     for _ in range(steps):

@@ -13,12 +13,13 @@ outputs) and a warning naming them.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
-from .liveness import BFCAllocator, Graph, Node, replay
+from .liveness import BFCAllocator, Graph, Node, needs_gradient, replay
 from .optimizers import (keras_decays_weights, keras_early_update_temporaries, keras_major_version, keras_optimizer,
                          keras_update_temporaries)
 from .precision import Precision, dtype_bytes, resolve_precision
@@ -136,23 +137,22 @@ XLA_GROUPED_CONV_INPUT_COPIES = 1
 TF_CPU_CONV_GRAD_WORKING_SET = 30 << 20
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset:
-    global _CPU_FLAGS
-    if _CPU_FLAGS is None:
-        flags: set = set()
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                for line in f:
-                    if line.startswith("flags"):
-                        flags.update(line.split(":", 1)[1].split())
-                        break
-        except OSError:
-            pass
-        _CPU_FLAGS = frozenset(flags)
-    return _CPU_FLAGS
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere), read once."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
-_CPU_FLAGS: Optional[frozenset] = None
+def _compute16(prec: Precision) -> str:
+    """The 16-bit compute dtype of a mixed precision: "bfloat16" or "float16"."""
+    return "bfloat16" if "bfloat16" in prec.name else "float16"
 
 
 def onednn_has_16bit(compute: str) -> bool:
@@ -462,7 +462,7 @@ def _rule_for(layer, node: _Node, prec: Precision, device: str = "gpu") -> _Rule
         r.keep_in.add(0)  # the weight gradient (and the input gradient's transpose) read the input
         _activation(r, act, out0, internal_pre=True)
         _grouped_conv_rule(r, layer, node, device)
-        if device == "cpu" and cb == 2 and kind in _TF_OWN_CPU_GRAD_KINDS and not onednn_has_16bit("bfloat16" if "bfloat16" in prec.name else "float16"):
+        if device == "cpu" and cb == 2 and kind in _TF_OWN_CPU_GRAD_KINDS and not onednn_has_16bit(_compute16(prec)):
             col = _cpu_conv_col_buffer(layer, node, cb)
             if col:
                 r.backward_fixed.append(col)
@@ -767,13 +767,8 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     weights_alloc: List[int] = []
     slots_alloc: List[int] = []
     # rows whose backward computes an input gradient (something upstream is trainable)
-    needs_grad: set = set()
-    input_grad_rows: set = set()
-    for node in g.nodes:
-        if any(g.root(t) in needs_grad for t in node.inputs):
-            input_grad_rows.add(node.row)
-        if node.trainable or node.row in input_grad_rows:
-            needs_grad.update(g.root(t) for t in node.outputs)
+    grad_tensors = needs_gradient(g)
+    input_grad_rows = {node.row for node in g.nodes if any(g.root(t) in grad_tensors for t in node.inputs)}
     seen_vars = set()
     first_node = {}
     for k, node in enumerate(g.nodes):
@@ -866,7 +861,7 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     if rows:  # the loss's kept tensors travel with the last layer
         rows[-1].activation_bytes_per_sample += r2.saved_by_row.get(loss_row, 0) - r1.saved_by_row.get(loss_row, 0)
 
-    compute16 = "bfloat16" if "bfloat16" in prec.name else "float16"
+    compute16 = _compute16(prec)
     if device == "cpu" and prec.compute_bytes == 2 and not onednn_has_16bit(compute16):
         convs = [r.name for r in b.rows if r.kind in _CONV_KINDS]
         if convs:

@@ -16,7 +16,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["Tensor", "Node", "Graph", "Replay", "replay", "ExactAllocator", "BFCAllocator", "PARTS",
+__all__ = ["needs_gradient", "Tensor", "Node", "Graph", "Replay", "replay", "ExactAllocator", "BFCAllocator", "PARTS",
            "CudaCachingAllocator",
            "BFC_MIN_ALLOCATION", "BFC_FIRST_REGION", "BFC_MAX_INTERNAL_FRAGMENTATION"]
 
@@ -383,6 +383,12 @@ def _plan(g: Graph, train: bool):
         cache.clear()
     cache[key] = (needs_grad, needs_backward, kept_until, last_read, held, freed_after)
     return cache[key]
+
+
+def needs_gradient(g: Graph) -> set:
+    """Tensor ids (roots) whose gradient a training step computes: outputs of trainable nodes and
+    of every node downstream of one."""
+    return _plan(g, True)[0]
 
 
 def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
