@@ -170,7 +170,9 @@ def test_bfc_model_reproduces_tensorflows_chunk_peak_in_its_own_order(monkeypatc
     peaks = bfc_replay.replay(evs)
     assert peaks["tf"] == int(out.stdout.strip().splitlines()[-1])  # the trace saw TensorFlow's peak
     assert abs(peaks["model"] / peaks["tf"] - 1) < 0.03, peaks
-    assert peaks["tf"] > 1.05 * peaks["requested"]  # and this model's chunks do exceed its requests
+    # and the model explains TensorFlow's chunk overhead over the bytes requested (3.6% to 18% on this
+    # case from run to run): closer to TensorFlow's peak than the requests alone
+    assert abs(peaks["model"] - peaks["tf"]) < abs(peaks["requested"] - peaks["tf"]), peaks
     # a model that never splits a free chunk (every request takes a whole free chunk) is far off
     from distmem.estimate import liveness
     monkeypatch.setattr(liveness.BFCAllocator, "_split", lambda self, chunk, rounded: False)
