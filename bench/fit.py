@@ -497,7 +497,7 @@ def summarize(rows: List[Dict[str, Any]], seconds: float, torch: Any) -> Dict[st
 def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], sweep: bool, parallel: int,
             dry: bool = False, merge: Optional[str] = None) -> Dict[str, Any]:
     from distmem.plan.fit import fit
-    from distmem.plan.fit_space import EstimateCosts
+    from distmem.plan.fit.costs import EstimateCosts
     from distmem.estimate import estimate_torch
 
     import torch
@@ -620,7 +620,7 @@ def run_keras(pairs: List[Tuple[str, int, str]]) -> List[Dict[str, Any]]:
     import tensorflow as tf
     from distmem.estimate import estimate_keras
     from distmem.plan.fit import fit
-    from distmem.plan.fit_space import EstimateCosts
+    from distmem.plan.fit.costs import EstimateCosts
 
     rows = []
     for name, B, fleet in pairs:

@@ -51,7 +51,7 @@ def main() -> int:
 
     distmem.init(fleet="1x16GiB", verbose=False)
     import tensorflow as tf
-    from distmem.report.keras import MemoryReport
+    from distmem.keras import MemoryReport
 
     class Noop(tf.keras.callbacks.Callback):
         _supports_tf_logs = True

@@ -31,7 +31,7 @@ from distmem.discover.identity import detect
 from distmem.discover.layout import exchange, LayoutTimeoutError
 w = MPI.COMM_WORLD
 topo = detect()
-inv = fleet_inventory("4x80GiB", topo.node)
+inv = fleet_inventory("4x80GiB", topo.host)
 out = {"rank": w.Get_rank()}
 for rep in range(%(repeats)d):
     w.Barrier()

@@ -365,7 +365,7 @@ def run_speed(emit: Callable[[Dict[str, Any]], None]) -> None:
           "figure": round(sorted(times)[1], 4), "unit": "s (median of 3 runs)", "runs": [round(x, 4) for x in times],
           "peer_name": "target (issue #4)", "peer": 1.0, "ratio": round(sorted(times)[1] / 1.0, 4),
           "largest_stage": part.max_bytes})
-    topo = Topology(rank=0, size=10000, local_size=8, local_rank=0, node="n0", source="bench")
+    topo = Topology(rank=0, size=10000, local_size=8, local_rank=0, host="n0", source="bench")
     inv = fleet_inventory("8x80GiB")
     for strategy, kw in (("data", {}), ("pipeline", dict(layers=[LayerCost(c.name, c.state_bytes // 64,
                                                                             c.activation_bytes // 256,

@@ -139,7 +139,7 @@ def worker_throughput(steps: int, pairs: int, every: int) -> None:
     ])
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01, momentum=0.9)),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    from distmem.report.keras import MemoryReport
+    from distmem.keras import MemoryReport
 
     cb = MemoryReport(every_n_batches=every)
     model.fit(data, steps_per_epoch=every, epochs=1, verbose=0,

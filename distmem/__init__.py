@@ -12,7 +12,7 @@ beside them; :mod:`distmem.api` wires the stages together. README "Layout" shows
 __version__ = "0.1.0"
 
 from . import guard
-from .api import check_plan, current_plan, init, plan_from_env, reset, snapshot
+from .api import check_plan, current_plan, init, plan_from_env, reset, snapshot, use_strategy
 from .errors import ConfigError, DistmemError, DoesNotFitError, GatherTimeoutError, TooLateError
 from .guard import find_batch_size
 from .observe.snapshot import Snapshot
@@ -27,18 +27,18 @@ from .api import report  # after the report package is imported: the name is the
 # (Python falls back to sys.modules under the attribute's ``__name__``).
 report.__name__ = "distmem.report"
 
-__all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "fit", "plan_from_env", "current_plan", "check_plan", "reset",
+__all__ = ["init", "report", "snapshot", "guard", "find_batch_size", "fit", "plan_from_env", "current_plan", "check_plan", "reset", "use_strategy",
            "Plan", "Allocation", "DeviceSlot", "Snapshot", "Report",
            "ReportEvery", "DistmemError", "ConfigError", "DoesNotFitError", "TooLateError", "GatherTimeoutError", "__version__"]
 
-#: Old module paths kept for one release as short re-export modules (README "Layout" lists them).
-COMPAT_MODULES = ("keras", "timeline", "render", "summary", "native", "placement", "comm_tf", "topology", "devices",
-                  "stats")
+#: Public submodules loaded on first access: ``distmem.keras.MemoryReport`` (the Keras callbacks) and
+#: ``distmem.estimate`` (the per-layer estimator) after a plain ``import distmem``, without importing
+#: TensorFlow or torch up front.
+LAZY_MODULES = ("keras", "estimate")
 
 
 def __getattr__(name):
-    # distmem.keras.MemoryReport after a plain `import distmem`, without importing TensorFlow up front.
-    if name in COMPAT_MODULES + ("estimate",):
+    if name in LAZY_MODULES:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

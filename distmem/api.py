@@ -19,7 +19,7 @@ from .plan import Plan, make_plan
 from .plan.foreign import foreign_warnings
 from .report.aggregate import Report
 
-__all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset", "check_plan"]
+__all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset", "check_plan", "use_strategy"]
 
 log = logging.getLogger("distmem")
 
@@ -50,7 +50,7 @@ def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **opti
     """
     settings.validate()
     topo = identity.detect()
-    inv = _inventory(fleet, topo.node)
+    inv = _inventory(fleet, topo.host)
     host_layout = exchange(topo, inv)
     plan = make_plan(strategy, topo, inv, layout=host_layout, **options)
     session.state.topology, session.state.inventory, session.state.layout = topo, inv, host_layout
@@ -264,7 +264,7 @@ def check_plan(timeout: Optional[float] = None) -> List[str]:
     plan = session.current_plan()
     if plan is None:
         raise DistmemError("check_plan() needs distmem.init() first")
-    mine = (session.fingerprint(plan), plan.mine.node, plan.host_fingerprint())
+    mine = (session.fingerprint(plan), plan.mine.host, plan.host_fingerprint())
     rows = get_comm().allgather(mine, resolve_timeout(timeout))
     prints = [r[0] for r in rows]
     if len(set(prints)) > 1:
@@ -280,3 +280,13 @@ def check_plan(timeout: Optional[float] = None) -> List[str]:
                 f"{h}: " + ", ".join(f"ranks {rs} -> {fp}" for fp, rs in fps.items()) for h, fps in split.items())
             + "; every rank of a host must see the same launcher variables and the same DISTMEM_* settings")
     return prints
+
+
+def use_strategy(strategy: Any, *, prefer_mpi: bool = True) -> Any:
+    """Make :func:`report` gather through a ``tf.distribute`` strategy from now on (call it once, after
+    ``init()`` and after creating the strategy); returns the transport in use. Under an MPI launcher
+    with mpi4py installed, MPI is used instead (``prefer_mpi=False`` forces the strategy): its gather
+    names exactly the ranks that did not arrive."""
+    from .comm.tf_strategy import use_strategy as through
+
+    return through(strategy, prefer_mpi=prefer_mpi)

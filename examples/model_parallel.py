@@ -7,7 +7,7 @@ into one group per device; the ranks are data-parallel replicas of that split mo
 Per-layer costs are computed from the layer list before TensorFlow starts and handed to
 ``distmem.init(strategy="model")``: it cuts the layers so the largest group is as small as
 possible, gives each device its group's limit, and returns the placement (layer -> "/GPU:k").
-The model is built inside ``distmem.placement.placement_scope(plan)``, so each layer's variables
+The model is built inside ``distmem.apply.placement.placement_scope(plan)``, so each layer's variables
 (and its optimizer slots and forward ops) land on its device; the example checks that before
 training. Without GPUs the same flow runs over logical CPU devices ("/CPU:k"), which
 ``distmem.init`` creates. Rank 0 prints distmem's report: planned beside measured.

@@ -6,7 +6,7 @@
 
 MultiWorkerMirroredStrategy: every worker is one rank (its TF_CONFIG says which); distmem.init()
 comes first, before the strategy is created (creating it starts TensorFlow's devices), and
-``distmem.comm_tf.use_strategy(strategy)`` lets distmem.report() gather through the strategy's
+``distmem.use_strategy(strategy)`` lets distmem.report() gather through the strategy's
 collectives, bounded by a timeout. Works on the newest TensorFlow (Keras 3), without Horovod.
 
 --mirrored: one process, MirroredStrategy across several logical devices of its GPU, each with its
@@ -65,7 +65,7 @@ def main():
         strategy = tf.distribute.MirroredStrategy(devices=[plan.device(n) for n in names])
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        distmem.comm_tf.use_strategy(strategy)
+        distmem.use_strategy(strategy)
     rank = plan.rank
     replicas = strategy.num_replicas_in_sync
     tf.keras.utils.set_random_seed(1234)

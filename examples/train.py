@@ -70,7 +70,7 @@ def main():
     callbacks = []
     timeline = None
     try:
-        from distmem.report.keras import MemoryReport
+        from distmem.keras import MemoryReport
 
         timeline = MemoryReport(every_n_batches=args.every, path=args.report.replace(".json", "-timeline.json"),
                                 plot=args.plot)

@@ -1,6 +1,6 @@
 """The part of distmem's torch backend protocol (distmem.apply.torch.TorchCuda) every fake shares:
 availability, the device count, whether CUDA started, which devices have a context, the current
-device. tests/unit/test_torch_adapter.py (calls recorded) and tests/gpu/progs/fakegpu/fakecuda.py
+device. tests/unit/apply/test_torch.py (calls recorded) and tests/gpu/progs/fakegpu/fakecuda.py
 (a fake GPU shared between processes) build on it."""
 
 

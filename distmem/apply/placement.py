@@ -2,9 +2,9 @@
 computation) land on the device the plan gave its layer group.
 
     plan = distmem.init(strategy="model", layers=costs, gpus_per_rank=2)
-    with distmem.placement.placement_scope(plan) as placed:
+    with distmem.apply.placement.placement_scope(plan) as placed:
         model = build_model()            # any Keras style; layers are matched by name
-    distmem.placement.check_placement(model, plan)
+    distmem.apply.placement.check_placement(model, plan)
 
 Inside the scope every call of a layer named in the placement runs under ``tf.device(...)``: the
 call that builds the layer creates its variables there, and the layer's ``call`` is wrapped so
@@ -142,7 +142,7 @@ def check_placement(model: Any, placement: PlacementLike) -> None:
     bad = verify_placement(model, placement)
     if bad:
         raise ConfigError(f"{len(bad)} variable(s) are not on their planned device: " + "; ".join(bad[:8])
-                          + "; build the model inside distmem.placement.placement_scope(plan)")
+                          + "; build the model inside distmem.apply.placement.placement_scope(plan)")
 
 
 def logical_cpu_devices(count: int) -> List[str]:

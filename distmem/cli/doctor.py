@@ -180,7 +180,7 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
         topo = from_env(env)
     except DistmemError as exc:
         d.problems.append(f"launcher variables: {exc}")
-    topo = topo or Topology(node=socket.gethostname())
+    topo = topo or Topology(host=socket.gethostname())
     d.facts["launcher"] = {"detected": detected, "checked_as": used, "topology": topo.to_dict()}
     if used in ("mpirun", "horovodrun-mpi", "mpich") and not _has("mpi4py"):
         d.notes.append("launched by MPI but mpi4py is not installed: distmem gathers through Horovod once "
@@ -221,7 +221,7 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
                                            for p in procs[:5]))
         d.facts["nvml"] = {"available": nvml_available(), "source": inv.source, "driver": inv.driver,
                            "note": inv.note, "gpus": gpus}
-        d.facts["stray_contexts"] = stray = stray_contexts(inv, topo.node)
+        d.facts["stray_contexts"] = stray = stray_contexts(inv, topo.host)
         for s in stray:
             d.problems.append(
                 f"rank {s['rank']} (pid {s['pid']}) holds {format_bytes(s['bytes'])} on GPU {s['gpu_index']} "
@@ -259,7 +259,7 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
             d.problems.append(f"--ranks {ranks}: give at least 1 rank")
             ranks = None
         else:
-            topo = Topology(rank=0, size=ranks, local_rank=0, local_size=ranks, node=topo.node, source="doctor --ranks",
+            topo = Topology(rank=0, size=ranks, local_rank=0, local_size=ranks, host=topo.host, source="doctor --ranks",
                             launcher=used)
     if plan_inv is not None:
         try:
@@ -291,7 +291,7 @@ def stray_contexts(inv: Any, host: str, directory: Optional[str] = None) -> List
     out: List[Dict[str, Any]] = []
     for key, layout in live_layouts(host, directory).items():
         topo = Topology(rank=layout.views[0].rank, size=max(layout.world_size, len(layout.views)),
-                        local_size=len(layout.views), node=host)
+                        local_size=len(layout.views), host=host)
         planned = {p.rank: p.gpu.uuid if p.gpu is not None else None for p in places(topo, inv, layout)}
         pid_rank = {v.pid: v.rank for v in layout.views}
         for g in inv.gpus:
@@ -324,7 +324,7 @@ def _print(d: Diagnosis) -> None:
     t = lau["topology"]
     w(f"\nlauncher: {lau['detected']}" + (f" (checked as {lau['checked_as']})" if lau["checked_as"] != lau["detected"]
                                           else ""))
-    w(f"  rank {t['rank']} of {t['size']}, local rank {t['local_rank']} of {t['local_size']}, node {t['node']} "
+    w(f"  rank {t['rank']} of {t['size']}, local rank {t['local_rank']} of {t['local_size']}, host {t['host']} "
       f"(from {t['source']})")
     w(f"\nCUDA_VISIBLE_DEVICES: {f['cuda_visible_devices'] if f['cuda_visible_devices'] is not None else '(unset)'}")
     nv = f.get("nvml")

@@ -1,9 +1,9 @@
 """Kubernetes resources from a plan: a Horovod ``MPIJob`` (kubeflow.org/v2beta1) whose GPU and GPU
 memory requests come from the plan, with three ways of giving GPUs to ranks.
 
-    distmem plan --gpus 4x80GiB --ranks 8 --ranks-per-node 4 --emit k8s
-    distmem plan --gpus 4x80GiB --ranks 16 --ranks-per-node 8 --emit k8s --k8s-sharing time-slicing
-    distmem plan --gpus 2x80GiB --ranks 4 --ranks-per-node 4 --emit k8s --k8s-sharing hami
+    distmem plan --gpus 4x80GiB --ranks 8 --ranks-per-host 4 --emit k8s
+    distmem plan --gpus 4x80GiB --ranks 16 --ranks-per-host 8 --emit k8s --k8s-sharing time-slicing
+    distmem plan --gpus 2x80GiB --ranks 4 --ranks-per-host 4 --emit k8s --k8s-sharing hami
 
 ``whole`` (default): one worker pod per node holding that node's ranks (``slotsPerWorker``) and the
 whole GPUs they use (``nvidia.com/gpu``); distmem inside the pod pins and limits each rank as planned.
@@ -44,7 +44,7 @@ _DEFAULTS = {"k8s_sharing": "whole", "k8s_name": "distmem-train", "k8s_image": "
 def _node_ranks(plan: Plan) -> Dict[str, List[Any]]:
     nodes: Dict[str, List[Any]] = {}
     for a in plan.allocations:
-        nodes.setdefault(a.node, []).append(a)
+        nodes.setdefault(a.host, []).append(a)
     return nodes
 
 
@@ -74,8 +74,8 @@ def manifests(plan: Plan, *, sharing: str = "whole", name: str = "distmem-train"
     if not timeout or int(timeout) <= 0:
         raise ConfigError(f"--k8s-timeout {timeout!r}: the MPIJob needs a positive hard deadline in seconds")
     nodes = _node_ranks(plan)
-    per_node = len(next(iter(nodes.values())))
-    if any(len(v) != per_node for v in nodes.values()):
+    per_host = len(next(iter(nodes.values())))
+    if any(len(v) != per_host for v in nodes.values()):
         raise ConfigError(f"nodes run different numbers of ranks ({ {k: len(v) for k, v in nodes.items()} }); an "
                           "MPIJob gives every worker the same slots")
     has_gpus = any(a.devices for a in plan.allocations)
@@ -91,7 +91,7 @@ def manifests(plan: Plan, *, sharing: str = "whole", name: str = "distmem-train"
         gpus = max(len(_gpus_of(v)) for v in nodes.values())
         if gpus:
             limits["nvidia.com/gpu"] = gpus
-        slots, workers = per_node, len(nodes)
+        slots, workers = per_host, len(nodes)
     else:
         slots, workers = 1, plan.world_size
         gpus_per_rank = max(len({d.index for d in a.devices}) for a in plan.allocations)

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="declared GPUs per node, e.g. 4x80GiB, 2x80GiB,2x40GiB or a=2x80GiB;b=2x16GiB (default: "
                         "DISTMEM_FLEET, else this node's GPUs from NVML)")
     p.add_argument("--ranks", type=int, default=None, help="total ranks (default: one per GPU)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks on each node (default: --ranks)")
+    p.add_argument("--ranks-per-host", type=int, default=None, help="ranks on each node (default: --ranks)")
     p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"],
                    help="auto: growth alone on a GPU, a hard limit when shared; growth: never limit; limit: always")
     p.add_argument("--reserve", default="256MiB", help="kept free on every GPU (bytes, 256MiB, 5%%)")
@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     fleet = args.gpus or settings.fleet()
     what = "--gpus" if args.gpus else "DISTMEM_FLEET"
     inv = fleet_inventory(fleet, what=what) if fleet else inventory()
-    per_node = args.ranks_per_node or args.ranks or max(len(inv.gpus), 1)
-    ranks = args.ranks or per_node
-    topo = Topology(rank=0, size=ranks, local_rank=0, local_size=per_node, node="node0", source="cli")
+    per_host = args.ranks_per_host or args.ranks or max(len(inv.gpus), 1)
+    ranks = args.ranks or per_host
+    topo = Topology(rank=0, size=ranks, local_rank=0, local_size=per_host, host="host0", source="cli")
     plan = make_plan(args.strategy, topo, inv, **_options(args))
     if args.emit == "k8s":
         from .k8s import emit_k8s  # written with the launch templates
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if pipelines and pipelines > 1:
         print(f"{pipelines} pipelines of {plan.extras['pipeline']['num_stages']} stages side by side "
               f"({plan.world_size} ranks); give --ranks {plan.extras['pipeline']['num_stages']} for one")
-    print(f"plan: strategy {plan.strategy}, {_n(plan.world_size, 'rank')}, {per_node} per node, devices from "
+    print(f"plan: strategy {plan.strategy}, {_n(plan.world_size, 'rank')}, {per_host} per node, devices from "
           f"{plan.source}; per-process overhead {format_bytes(plan.overhead_bytes)}, reserve "
           f"{format_bytes(plan.reserve_bytes)} per GPU")
     pipe = plan.extras.get("pipeline") or {}

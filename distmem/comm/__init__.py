@@ -99,7 +99,7 @@ def get_comm() -> Comm:
             raise ConfigError(
                 f"this process is rank {topo.rank} of {topo.size} ({topo.source}) but no transport is ready to "
                 "gather from the other ranks; call hvd.init() first, install mpi4py for mpirun jobs, init "
-                "torch.distributed, or for tf.distribute (TF_CONFIG) call distmem.comm_tf.use_strategy(strategy) "
+                "torch.distributed, or for tf.distribute (TF_CONFIG) call distmem.use_strategy(strategy) "
                 "after creating the strategy")
         comm = SingleComm()
     _current["comm"] = comm

@@ -1,7 +1,7 @@
 """Gather over a tf.distribute strategy: the transport of a ``MultiWorkerMirroredStrategy`` job.
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    distmem.comm_tf.use_strategy(strategy)   # distmem.report() now gathers through the strategy
+    distmem.use_strategy(strategy)   # distmem.report() now gathers through the strategy
     ...
     distmem.report()
 
@@ -67,7 +67,7 @@ def unpack(row: Any, length: int) -> bytes:
 def worker_position(strategy: Any) -> Tuple[int, int]:
     """``(rank, size)`` of this process among the strategy's workers (1 process: ``(0, 1)``).
 
-    Ranks follow TF_CONFIG's order as :mod:`distmem.topology` reads it: a ``chief`` first, then the
+    Ranks follow TF_CONFIG's order as :mod:`distmem.discover.identity` reads it: a ``chief`` first, then the
     workers by index; evaluators and parameter servers hold no rank.
     """
     resolver = getattr(strategy, "cluster_resolver", None)

@@ -299,7 +299,7 @@ def fleet_inventory(spec: str, host: Optional[str] = None, visible: Optional[str
     """An inventory of the declared GPUs of ``host`` for dry runs, filtered by ``visible`` (the
     ``CUDA_VISIBLE_DEVICES`` text: indices, UUIDs or unique UUID prefixes) exactly as NVML's would
     be; nothing is applied to hardware. GPU ``i`` of the host has the UUID :func:`fleet_uuid`."""
-    name = host if host is not None else "node0"
+    name = host if host is not None else "host0"
     totals = parse_fleet(spec, host, what)
     uuids = [fleet_uuid(name, i) for i in range(len(totals))]
     chosen = parse_visible_devices(visible, uuids)

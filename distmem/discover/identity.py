@@ -28,7 +28,7 @@ LAUNCHER_ORDER = ("torchrun", "horovodrun-gloo", "openmpi", "mpich", "slurm", "t
 
 @dataclass(frozen=True)
 class Topology:
-    """One process's place in the job: its rank of ``size``, its host (``node``), and its local
+    """One process's place in the job: its rank of ``size``, its ``host``, and its local
     rank of ``local_size`` on that host as the launcher set them. ``source`` names where the
     figures came from, ``launcher`` which launcher started the process."""
 
@@ -38,19 +38,19 @@ class Topology:
     """The launcher's own local rank (``OMPI_COMM_WORLD_LOCAL_RANK``, ``SLURM_LOCALID``...), never
     ``rank % local_size``: cyclic placements make the two differ."""
     local_size: int = 1
-    node: str = ""
+    host: str = ""
     """The host, as the launcher names it (see :func:`host_name`)."""
     source: str = "single"
     launcher: str = "none"
 
     @property
-    def node_index(self) -> int:
-        """This rank's node under the block mapping (consecutive ranks per node); the real host is
-        ``node``, and the plan follows the observed layout, not this figure."""
+    def host_index(self) -> int:
+        """This rank's host under the block mapping (consecutive ranks per host); the real host is
+        ``host``, and the plan follows the observed layout, not this figure."""
         return self.rank // max(self.local_size, 1)
 
     @property
-    def num_nodes(self) -> int:
+    def num_hosts(self) -> int:
         """Nodes of ``local_size`` ranks the job would fill (a lower bound when hosts differ)."""
         return max(1, -(-self.size // max(self.local_size, 1)))
 
@@ -60,7 +60,7 @@ class Topology:
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
-        d["node_index"] = self.node_index
+        d["host_index"] = self.host_index
         return d
 
 
@@ -157,7 +157,7 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> Optional[int]:
     return None
 
 
-def _from_tf_config(raw: str, node: str) -> Optional[Topology]:
+def _from_tf_config(raw: str, host: str) -> Optional[Topology]:
     try:
         cfg = json.loads(raw)
     except ValueError as exc:
@@ -201,14 +201,14 @@ def _from_tf_config(raw: str, node: str) -> Optional[Topology]:
     my_host = host(order[pos][2])
     same = [p for p, (_, _, addr) in enumerate(order) if host(addr) == my_host]
     return Topology(rank=pos, size=len(order), local_rank=same.index(pos), local_size=len(same),
-                    node=node if my_host in ("localhost", "127.0.0.1") else my_host,
+                    host=host if my_host in ("localhost", "127.0.0.1") else my_host,
                     source="TF_CONFIG", launcher="tf-config")
 
 
-def from_env(env: Mapping[str, str] = os.environ, node: Optional[str] = None) -> Optional[Topology]:
+def from_env(env: Mapping[str, str] = os.environ, host: Optional[str] = None) -> Optional[Topology]:
     """Topology from launcher variables alone (innermost launcher first, see :data:`LAUNCHER_ORDER`),
     or None when no launcher variables are present."""
-    node = node or host_name(env)
+    host = host or host_name(env)
     launcher = launcher_of(env)
     sets = [
         ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
@@ -238,9 +238,9 @@ def from_env(env: Mapping[str, str] = os.environ, node: Optional[str] = None) ->
         if not (0 <= rank < size) or not (0 <= local_rank < local_size):
             raise ConfigError(f"inconsistent launcher variables from {source}: rank={rank} size={size} "
                               f"local_rank={local_rank} local_size={local_size}; check the launch command")
-        return Topology(rank, size, local_rank, local_size, node, source, launcher)
+        return Topology(rank, size, local_rank, local_size, host, source, launcher)
     if "TF_CONFIG" in env:
-        return _from_tf_config(env["TF_CONFIG"], node)
+        return _from_tf_config(env["TF_CONFIG"], host)
     return None
 
 
@@ -278,4 +278,4 @@ def detect(env: Mapping[str, str] = os.environ) -> Topology:
         found = source(env)
         if found is not None:
             return found
-    return Topology(node=host_name(env))
+    return Topology(host=host_name(env))

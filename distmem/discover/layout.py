@@ -94,7 +94,7 @@ class Layout:
 
 def single(topo: Topology, inv: Inventory) -> Layout:
     """This rank alone (one process, or the only rank of its host)."""
-    return Layout(topo.size, [RankView(topo.rank, topo.node, topo.local_rank, list(inv.gpus), os.getpid())],
+    return Layout(topo.size, [RankView(topo.rank, topo.host, topo.local_rank, list(inv.gpus), os.getpid())],
                   "single" if topo.size == 1 else "exchange")
 
 
@@ -105,9 +105,9 @@ def assumed(topo: Topology, inv: Inventory, hosts: Optional[Sequence[str]] = Non
     per = max(topo.local_size, 1)
     views = []
     for r in range(topo.size):
-        node = r // per
-        host = hosts[node] if hosts and node < len(hosts) else (topo.node if topo.size <= per and topo.node
-                                                                   else f"node{node}")
+        index = r // per
+        host = hosts[index] if hosts and index < len(hosts) else (topo.host if topo.size <= per and topo.host
+                                                                    else f"host{index}")
         gpus = (inventories or {}).get(host, inv).gpus
         views.append(RankView(r, host, r % per, list(gpus)))
     return Layout(topo.size, views, "assumed")
@@ -156,17 +156,17 @@ def exchange(topo: Topology, inv: Inventory, *, timeout: Optional[float] = None,
              directory: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> Layout:
     """The ranks of this host and their GPUs, learnt through the node-local folder (see the module
     docstring). Returns at once for a single process or a rank alone on its host."""
-    me = RankView(topo.rank, topo.node, topo.local_rank, list(inv.gpus), os.getpid())
+    me = RankView(topo.rank, topo.host, topo.local_rank, list(inv.gpus), os.getpid())
     if topo.size == 1 or topo.local_size <= 1:
         return Layout(topo.size, [me], "single" if topo.size == 1 else "exchange")
     key = job_key(os.environ if env is None else env)
     if key is None:
         # No launch id to meet under: trust the launcher's local rank, the others assumed to see the same GPUs.
-        return Layout(topo.size, [me] + [RankView(-1 - lr, topo.node, lr, list(inv.gpus)) for lr in
+        return Layout(topo.size, [me] + [RankView(-1 - lr, topo.host, lr, list(inv.gpus)) for lr in
                                          range(topo.local_size) if lr != topo.local_rank], "launcher")
     wait = settings.layout_timeout(env) if timeout is None else settings.positive_seconds(timeout, "timeout")
     root = directory or settings.layout_dir(env)
-    folder = os.path.join(root, f"distmem-layout-{os.getuid()}", key, topo.node.replace(os.sep, "_"))
+    folder = os.path.join(root, f"distmem-layout-{os.getuid()}", key, topo.host.replace(os.sep, "_"))
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
@@ -198,7 +198,7 @@ def exchange(topo: Topology, inv: Inventory, *, timeout: Optional[float] = None,
         if time.monotonic() > deadline:
             missing = [lr for lr in range(topo.local_size) if lr not in found]
             raise LayoutTimeoutError(
-                f"rank {topo.rank} (local rank {topo.local_rank} of {topo.local_size} on {topo.node}) waited "
+                f"rank {topo.rank} (local rank {topo.local_rank} of {topo.local_size} on {topo.host}) waited "
                 f"{wait:.1f} s for the other ranks of its host to publish which GPUs they see, and local rank(s) "
                 f"{', '.join(map(str, missing))} did not arrive (round {rnd} in {folder}); every rank must call "
                 "distmem.init() (or plan_from_env()) as often as the others; if they are slow to start, raise "
@@ -210,7 +210,7 @@ def exchange(topo: Topology, inv: Inventory, *, timeout: Optional[float] = None,
     views = sorted((RankView.from_dict(r) for r in found.values()), key=lambda v: v.local_rank)
     ranks = [v.rank for v in views]
     if len(set(ranks)) != len(ranks):
-        raise LayoutTimeoutError(f"the layout records of host {topo.node} ({folder}) claim rank(s) "
+        raise LayoutTimeoutError(f"the layout records of host {topo.host} ({folder}) claim rank(s) "
                                  f"{sorted({r for r in ranks if ranks.count(r) > 1})} twice: two launches share the "
                                  "job key; set DISTMEM_LAYOUT_DIR to a folder of this launch's own")
     return Layout(topo.size, views, "exchange")

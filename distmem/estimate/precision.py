@@ -1,5 +1,6 @@
 """Numeric precision of a training step: what dtype weights, gradients, optimizer state and
-activations are held in. Pure."""
+activations are held in. Pure. The one table of precision names and their aliases: the estimator,
+``distmem fit`` and its tables all read it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +8,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 
-__all__ = ["Precision", "PRECISIONS", "dtype_bytes", "resolve_precision"]
+__all__ = ["Precision", "PRECISIONS", "PRECISION_ALIASES", "dtype_bytes", "resolve_precision"]
 
 #: Bytes per element of the dtypes a training step holds; keys are the names TensorFlow, Keras 3
 #: and torch print (``tf.float16.name``, ``str(torch.float16)`` without the ``torch.`` prefix).
@@ -46,6 +47,7 @@ class Precision:
     weight_bytes: int = 4
     cast_weights: bool = False
     loss_scaling: bool = False
+    short: str = ""  #: the name tables print: fp32, fp16, bf16
 
     @property
     def mixed(self) -> bool:
@@ -53,11 +55,13 @@ class Precision:
 
 
 PRECISIONS = {
-    "float32": Precision("float32", 4),
-    "mixed_float16": Precision("mixed_float16", 2, 4, cast_weights=True, loss_scaling=True),
-    "mixed_bfloat16": Precision("mixed_bfloat16", 2, 4, cast_weights=True, loss_scaling=False),
+    "float32": Precision("float32", 4, short="fp32"),
+    "mixed_float16": Precision("mixed_float16", 2, 4, cast_weights=True, loss_scaling=True, short="fp16"),
+    "mixed_bfloat16": Precision("mixed_bfloat16", 2, 4, cast_weights=True, loss_scaling=False, short="bf16"),
 }
-_ALIASES = {"fp32": "float32", "32": "float32", "fp16": "mixed_float16", "float16": "mixed_float16",
+#: Other spellings of the names above. ``mixed`` and ``amp`` are float16: torch.autocast's default
+#: dtype on CUDA and the first of Keras's mixed policies.
+PRECISION_ALIASES = {"fp32": "float32", "32": "float32", "fp16": "mixed_float16", "float16": "mixed_float16",
             "mixed": "mixed_float16", "mixed_fp16": "mixed_float16", "amp": "mixed_float16",
             "bf16": "mixed_bfloat16", "bfloat16": "mixed_bfloat16", "mixed_bf16": "mixed_bfloat16"}
 
@@ -72,8 +76,8 @@ def resolve_precision(value: Optional[object]) -> Precision:
     if value is True:
         return PRECISIONS["mixed_float16"]
     name = str(value).strip().lower()
-    name = _ALIASES.get(name, name)
+    name = PRECISION_ALIASES.get(name, name)
     if name not in PRECISIONS:
         raise ConfigError(f"unknown precision {value!r}; use one of {', '.join(PRECISIONS)} "
-                          f"(or fp32, fp16, bf16)")
+                          f"(or {', '.join(sorted(PRECISION_ALIASES))})")
     return PRECISIONS[name]

@@ -243,7 +243,7 @@ def _figures(step: Optional[int]) -> Dict[str, Any]:
             native_status = native.status()
         except Exception as exc:  # noqa: BLE001 - the report must not fail on the optional cap
             native_status = {"error": str(exc)}
-    return dict(rank=mine.rank, size=plan.world_size, local_rank=mine.local_rank, host=mine.node or topo.node,
+    return dict(rank=mine.rank, size=plan.world_size, local_rank=mine.local_rank, host=mine.host or topo.host,
                 pid=pid, framework=fw, strategy=plan.strategy, devices=[d.index for d in mine.devices],
                 allocation=session.allocation_dict(plan),
                 limit_bytes=mine.limit_bytes if mine.limit_bytes is not None else mine.breakdown.get("planned_bytes"),

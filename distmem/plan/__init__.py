@@ -45,7 +45,7 @@ def _tenants() -> Planner:
 
 
 def _auto() -> Planner:
-    from .fit import plan_auto
+    from .auto import plan_auto
 
     return plan_auto
 

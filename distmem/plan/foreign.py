@@ -29,7 +29,7 @@ def foreign_warnings(plan: Plan, inv: Inventory, pid: int) -> List[str]:
         if used <= job_share:
             continue
         if foreign and mine.local_rank == min(a.local_rank for a in plan.allocations
-                                              if a.node == mine.node and any(d.index == slot.index for d in a.devices)):
+                                              if a.host == mine.host and any(d.index == slot.index for d in a.devices)):
             msg = (f"GPU {slot.index} already holds {format_bytes(used)} in {len(foreign)} other process(es) "
                    f"(pid {', '.join(str(p) for p in list(foreign)[:5])}); the plan assumed "
                    f"{format_bytes(plan.options.get('foreign_bytes', 0))} foreign use")

@@ -9,7 +9,7 @@ device's limit is its group's demand plus headroom, in whole MiB.
 
 The placement map (``plan.extras["model"]["placement"]``, layer name -> ``"/GPU:k"``) names
 devices as TensorFlow does once the adapter has made the rank's GPUs visible in slot order, so it
-is the same on every rank; :mod:`distmem.placement` builds a Keras model under it. Without GPUs
+is the same on every rank; :mod:`distmem.apply.placement` builds a Keras model under it. Without GPUs
 the same flow runs over ``gpus_per_rank`` logical CPU devices (``"/CPU:k"``), which the adapter
 creates (``plan.extras["cpu_logical_devices"]``).
 """

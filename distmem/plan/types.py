@@ -49,7 +49,7 @@ class Allocation:
 
     rank: int
     local_rank: int
-    node: str
+    host: str
     strategy: str
     mode: str  # "growth" | "limit" | "cpu"
     devices: List[DeviceSlot] = field(default_factory=list)
@@ -130,7 +130,7 @@ class Plan:
     @property
     def hosts(self) -> List[str]:
         """The hosts of the ranks this plan lists."""
-        return sorted({a.node for a in self.allocations})
+        return sorted({a.host for a in self.allocations})
 
     def device(self, name: str) -> str:
         """The framework device string planned for a named tenant or layer group, e.g. ``"/GPU:1"``.

@@ -2,7 +2,7 @@
 rank 0 (:mod:`.collect`, the one gather path) or all-reduced (:mod:`.summary`) - and returns the
 job's :class:`Report`: aggregates, and warnings from the rules in :mod:`.findings`, written once
 and used by both paths. :mod:`.periodic` repeats it on a schedule (:class:`ReportEvery`),
-:mod:`.keras` drives that from Keras callbacks, and :mod:`.sinks` writes reports out (table, JSON,
+:mod:`distmem.keras` drives that from Keras callbacks, and :mod:`.sinks` writes reports out (table, JSON,
 PNG, TensorBoard, Prometheus).
 
 Import from this package with ``from distmem.report.sinks import ...``: ``distmem.report`` the

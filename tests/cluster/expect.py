@@ -195,8 +195,8 @@ def compare(want: Sequence[Expected], got: Sequence[Mapping[str, object]]) -> Li
         diffs = []
         if row.get("hostname") != w.host:
             diffs.append(f"launcher put it on {row.get('hostname')}, documented {w.host}")
-        if row.get("node") != w.host:
-            diffs.append(f"host {row.get('node')!r} != {w.host!r}")
+        if row.get("host") != w.host:
+            diffs.append(f"host {row.get('host')!r} != {w.host!r}")
         if row.get("local_rank") != w.local_rank:
             diffs.append(f"local_rank {row.get('local_rank')} != {w.local_rank}")
         devs = row.get("devices") or []
@@ -231,7 +231,7 @@ def table(want: Sequence[Expected], got: Sequence[Mapping[str, object]]) -> str:
         d = (r.get("devices") or [{}])[0] if r.get("devices") else {}  # type: ignore[index]
         mib = d.get("planned_bytes")
         lines.append(f"{w.rank:>4} | {w.host}/{w.local_rank}/{w.index}/{w.uuid[:12]}/{w.shared_by}/{w.enforce}/"
-                     f"{w.planned_bytes // MiB} | {r.get('node')}({r.get('hostname')})/{r.get('local_rank')}/"
+                     f"{w.planned_bytes // MiB} | {r.get('host')}({r.get('hostname')})/{r.get('local_rank')}/"
                      f"{d.get('index')}/{str(d.get('uuid'))[:12]}/{d.get('shared_by')}/{d.get('enforce')}/"
                      f"{mib // MiB if isinstance(mib, int) else mib}")
     return "\n".join(lines)

@@ -75,7 +75,7 @@ def test_visible_devices():
 def _row(w, **change):
     d = {"index": w.index, "uuid": w.uuid, "shared_by": w.shared_by, "enforce": w.enforce,
          "planned_bytes": w.planned_bytes}
-    row = {"rank": w.rank, "node": w.host, "hostname": w.host, "local_rank": w.local_rank, "devices": [d], "pid": 1}
+    row = {"rank": w.rank, "host": w.host, "hostname": w.host, "local_rank": w.local_rank, "devices": [d], "pid": 1}
     for k, v in change.items():
         (d if k in d else row)[k] = v
     return row
@@ -96,7 +96,7 @@ def test_compare_flags_every_difference():
 
 @pytest.mark.parametrize("field,value,text", [("shared_by", 2, "shared_by 2 != 1"), ("enforce", True, "enforce"),
                                               ("planned_bytes", 7296 * MiB, "planned 7296 MiB != 15360 MiB"),
-                                              ("node", "node0", "host 'node0'")])
+                                              ("host", "node0", "host 'node0'")])
 def test_compare_names_the_field(field, value, text):
     want = expected(["a"], parse_fleet_spec("1x16GiB", ["a"]))
     problems = compare(want, [_row(want[0], **{field: value})])

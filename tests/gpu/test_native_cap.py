@@ -180,7 +180,7 @@ def _check_capped(name: str, res: dict, *, near: int = 2 * CHUNK) -> None:
     """The framework hit OOM at the cap, not before it and not past it."""
     assert res["preloaded"], f"{name}: the child was not preloaded: {res}"
     st = res.get("native") or {}
-    assert st.get("active"), f"{name}: distmem.native.status() says the cap is not active: {st}"
+    assert st.get("active"), f"{name}: distmem.apply.native.status() says the cap is not active: {st}"
     assert st.get("cap_bytes") == CAP, f"{name}: the library's cap is {st.get('cap_bytes')}, expected {CAP}: {st}"
     assert res["oom"], (f"{name}: reached {res['reached']} bytes of a {res['target']}-byte target under a {CAP}-byte "
                         f"cap without an out-of-memory error; the cap did not hold. status: {st}")
@@ -214,7 +214,7 @@ def test_torch_default_allocator_stops_at_the_cap():
     _say(f"torch: wrapped entry points handed out by dlsym {st['lookups']['dlsym']}, by cuGetProcAddress "
          f"{st['lookups']['cuGetProcAddress']}; cap counts {st['used_bytes']} bytes, torch reserved "
          f"{capped['torch_reserved']}")
-    assert not st.get("import_error"), f"the cap held, but distmem.native could not be imported: {st['import_error']}"
+    assert not st.get("import_error"), f"the cap held, but distmem.apply.native could not be imported: {st['import_error']}"
     _say(f"torch OOM message under the cap: {capped.get('oom_message', '')[:300]}")
     _check_uncapped("torch_uncapped", fill("torch_uncapped", "torch", cap=None, target=target))
 

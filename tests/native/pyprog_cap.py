@@ -1,5 +1,5 @@
 """Child program for test_native_py: a Python process that allocates through the (fake) driver
-with ctypes, as XLA does (dlsym by name), and prints distmem.native's view as JSON lines.
+with ctypes, as XLA does (dlsym by name), and prints distmem.apply.native's view as JSON lines.
 
     python pyprog_cap.py [alloc BYTES]... [status] [require CAP] [require-any]
 """

@@ -319,7 +319,7 @@ def test_the_real_cuda_runtime_takes_the_wrappers(built):
     if not cudart:
         pytest.skip("no libcudart here (pip install nvidia-cuda-runtime-cu12, or set DISTMEM_TEST_CUDART)")
     code = ("import ctypes, json; rt = ctypes.CDLL(%r); n = ctypes.c_int(); rc = rt.cudaGetDeviceCount(ctypes.byref(n));"
-            " from distmem import native; print(json.dumps({'rc': rc, 'status': native.status()}))" % cudart)
+            " from distmem.apply import native; print(json.dumps({'rc': rc, 'status': native.status()}))" % cudart)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMEM_CAP")}
     env.update(LD_PRELOAD=built.lib, DISTMEM_CAP_BYTES="1GiB", LD_LIBRARY_PATH=built.fake_dir, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)

@@ -130,7 +130,7 @@ def test_an_unusable_table_directory_is_reported_once(built, tmp_path):
 def test_status_shows_the_budget(built, tmp_path):
     import sys
     from native_helpers import ROOT
-    code = ("import ctypes, json; from distmem import native; c = ctypes.CDLL('libcuda.so.1'); p = ctypes.c_ulonglong();"
+    code = ("import ctypes, json; from distmem.apply import native; c = ctypes.CDLL('libcuda.so.1'); p = ctypes.c_ulonglong();"
             f" c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t({256 * MiB})); print(json.dumps(native.status()))")
     env = _env(built, tmp_path)
     env["PYTHONPATH"] = ROOT

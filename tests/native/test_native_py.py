@@ -1,4 +1,4 @@
-"""distmem.native: status and require_active in a preloaded Python process, the launch environment,
+"""distmem.apply.native: status and require_active in a preloaded Python process, the launch environment,
 and distmem-exec (dry runs in-process, real execs in subprocesses)."""
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_exec_reports_a_missing_command(built):
 def test_exec_from_the_real_plan_on_a_declared_fleet(built):
     """distmem-exec with no --cap asks distmem.api.plan_from_env; on this CPU machine a declared fleet
     stands in for the GPUs. The child's require_active against the same plan's figure must pass."""
-    code = ("import json, distmem; from distmem import native; p = distmem.plan_from_env('data', fleet='1x16GiB'); "
+    code = ("import json, distmem; from distmem.apply import native; p = distmem.plan_from_env('data', fleet='1x16GiB'); "
             "native.require_active(p.mine.limit_bytes); "
             "print(json.dumps({'limit': p.mine.limit_bytes, 'status': native.status()}))")
     proc = _exec(built, ["--fleet", "1x16GiB", "--", sys.executable, "-c", code], DISTMEM_FLEET="1x16GiB")

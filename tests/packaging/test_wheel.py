@@ -157,7 +157,7 @@ def test_the_wheel_ships_the_cap_and_is_tagged_for_the_platform(installed):
 
 
 def test_the_installed_package_finds_its_own_library(installed):
-    out = _run([installed.python, "-c", "import json, distmem; from distmem import native; "
+    out = _run([installed.python, "-c", "import json, distmem; from distmem.apply import native; "
                 "print(json.dumps([distmem.__file__, native.library_path()]))"],
                timeout=120, cwd=installed.work, env=_clean_env()).stdout
     module, lib = json.loads(out.strip().splitlines()[-1])
@@ -181,7 +181,7 @@ def test_distmem_exec_from_the_venv_caps_the_fake_driver(installed):
 
     # The preloaded library is the wheel's, seen from Python inside the capped process.
     proc = _run([exe, "--cap", "1GiB", "--", installed.python, "-c",
-                 "import json; from distmem import native; print(json.dumps(native.status()))"],
+                 "import json; from distmem.apply import native; print(json.dumps(native.status()))"],
                 timeout=120, cwd=installed.work, env=env)
     st = json.loads(proc.stdout.strip().splitlines()[-1])
     assert st["active"] is True and st["cap_bytes"] == GiB, st

@@ -113,7 +113,7 @@ def test_topology_reads_the_launchers_tf_config():
     from distmem.discover.identity import from_env
 
     for rank, cfg in enumerate(tf_configs(["localhost:1", "localhost:2", "localhost:3"])):
-        topo = from_env({"TF_CONFIG": cfg}, node="me")
-        assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.node) == (rank, 3, rank, 3, "me")
+        topo = from_env({"TF_CONFIG": cfg}, host="me")
+        assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.host) == (rank, 3, rank, 3, "me")
     for rank, cfg in enumerate(tf_configs(["localhost:1", "localhost:2"], chief=True)):
         assert from_env({"TF_CONFIG": cfg}).rank == rank

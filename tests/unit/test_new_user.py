@@ -183,7 +183,7 @@ def test_plan_honours_the_fleet_variable_and_flag_with_plural_wording():
     assert res.returncode == 0 and "devices from fleet:2x16GiB" in res.stdout and "4 ranks," in res.stdout
     one = distmem_cli("plan", "--fleet", "2x16GiB", "--ranks", "1")
     assert one.returncode == 0 and "1 rank," in one.stdout, one.stderr
-    assert "(s)" not in one.stdout and "1 GPU visible on node0 but no rank uses it: it stays idle" in one.stdout
+    assert "(s)" not in one.stdout and "1 GPU visible on host0 but no rank uses it: it stays idle" in one.stdout
 
 
 def test_pipeline_of_stated_bytes_shows_its_headroom_and_zero_keeps_them():
@@ -216,7 +216,7 @@ def test_help_texts_cover_every_option_and_name_distmem_exec():
 
 def test_json_into_a_closed_pipe_ends_quietly():
     code = ("import sys; from distmem.cli import main; sys.exit(main(['plan', '--gpus', '4x16GiB', '--ranks', "
-            "'4096', '--ranks-per-node', '4', '--json']))")
+            "'4096', '--ranks-per-host', '4', '--json']))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=_env(), cwd=ROOT)
     proc.stdout.read(64)  # `| head -c 64`: read a little, then leave

@@ -104,7 +104,7 @@ def main() -> int:
 
         plan = distmem.init(strategy="data", framework="none", verbose=False)
         m = plan.mine
-        row.update(rank=m.rank, size=plan.world_size, local_rank=m.local_rank, node=m.node, mode=m.mode,
+        row.update(rank=m.rank, size=plan.world_size, local_rank=m.local_rank, host=m.host, mode=m.mode,
                    devices=[{"index": d.index, "uuid": d.uuid, "shared_by": d.shared_by, "enforce": d.enforce,
                              "planned_bytes": d.planned_bytes, "total_bytes": d.total_bytes}
                             for d in m.devices])

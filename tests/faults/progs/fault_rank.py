@@ -226,10 +226,10 @@ end_phase("init")
 if transport == "tf":
     import tensorflow as tf  # noqa: E402
 
-    import distmem.comm_tf  # noqa: E402
+    import distmem  # noqa: E402
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    distmem.comm_tf.use_strategy(strategy)
+    distmem.use_strategy(strategy)
 
 # ---- report ---------------------------------------------------------------------------------------
 begin_phase("report")

@@ -7,7 +7,7 @@ FRAMEWORK: torch | cupy | cupy-async (CuPy's cudaMallocAsync pool) | jax.
 --hold FILE  after filling, print the result, then keep the memory until FILE exists (or the
              timeout passes), so a parent can measure the process with NVML
 The result names what the framework saw: bytes reached, whether it hit OOM (and the message), the
-device total the framework was told, and distmem.native.status() when distmem is importable.
+device total the framework was told, and distmem.apply.native.status() when distmem is importable.
 Exit 0 with {"skip": reason} when the framework is not installed.
 """
 import argparse
@@ -38,7 +38,7 @@ def _native_status():
     try:
         from distmem.apply import native
     except Exception as exc:  # noqa: BLE001 - report, don't fail: the parent decides
-        return _raw_status(f"import distmem.native: {type(exc).__name__}: {exc}")
+        return _raw_status(f"import distmem.apply.native: {type(exc).__name__}: {exc}")
     return native.status()
 
 

@@ -36,7 +36,7 @@ def main(comm):
     mine = plan.mine
     slot = mine.devices[0]
     tenants = sorted(a.rank for a in plan.allocations
-                     if a.node == mine.node and a.devices and a.devices[0].index == slot.index)
+                     if a.host == mine.host and a.devices and a.devices[0].index == slot.index)
     pos = tenants.index(rank)
     gpu = gpuprobe.Gpu(slot.index)
     gpu.train_step()

@@ -31,7 +31,7 @@ def test_memory_report_callback_in_horovod_fit():
     import tensorflow as tf
 
     distmem.init(strategy="data", fleet="2x16GiB", framework="tensorflow", verbose=False)
-    from distmem.report.keras import MemoryReport
+    from distmem.keras import MemoryReport
 
     folder = os.path.join(OUT, "callback")
     cb = MemoryReport(every_n_batches=4, path=os.path.join(folder, "timeline.json"),

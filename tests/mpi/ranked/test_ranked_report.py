@@ -2,7 +2,7 @@
 same job, periodic reports stay in step, and ranks put on one planned-exclusive GPU are named.
 
 The only thing faked is NVML's per-GPU process list (no GPU here): ``_fake_nvml`` swaps
-``distmem.devices.inventory`` for declared GPUs whose process lists say which pids run there,
+``distmem.discover.gpus.inventory`` for declared GPUs whose process lists say which pids run there,
 flagged ``source="nvml"`` so that distmem reads them as it reads NVML. Everything else is real:
 the plan, the snapshot code path, MPI transport, aggregation and warnings.
 """

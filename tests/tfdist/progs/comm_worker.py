@@ -15,7 +15,7 @@ plan = distmem.init(strategy="data", verbose=False)  # before the strategy: the 
 import tensorflow as tf  # noqa: E402
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
-comm = distmem.comm_tf.use_strategy(strategy)
+comm = distmem.use_strategy(strategy)
 mode = os.environ.get("MODE", "ok")
 timeout = float(os.environ.get("DISTMEM_TIMEOUT", "60"))
 

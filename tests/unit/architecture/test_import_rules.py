@@ -1,8 +1,9 @@
 """The package's import rule, checked on the source: imports run one way through the stages
 (discover -> comm -> estimate -> plan -> apply -> observe -> report -> guard -> cli), leaves may be
-imported from anywhere, only the package ``__init__`` and ``cli/`` import the facade ``api`` (or the package root),
-nothing imports the old-path re-export modules, and no module cycle exists - lazy imports inside
-functions included (``if TYPE_CHECKING:`` blocks excluded: they never run)."""
+imported from anywhere, only the package ``__init__`` and ``cli/`` import the facade ``api`` (or the package root)
+or the framework integrations (``distmem.keras``), and no module cycle exists - lazy imports inside
+functions included (``if TYPE_CHECKING:`` blocks excluded: they never run). ``tests/unit`` mirrors the
+package: one folder per stage."""
 from __future__ import annotations
 
 import ast
@@ -18,8 +19,9 @@ PKG = os.path.join(ROOT, "distmem")
 LEAVES = {"errors", "units", "costs", "settings", "defaults", "session", "console", "bounded"}
 #: Stages in flow order: a module may import its own stage and earlier ones.
 STAGES = ["discover", "comm", "estimate", "plan", "apply", "observe", "report", "guard", "cli"]
-#: Old import paths kept for one release (distmem.COMPAT_MODULES): nothing inside may import them.
-COMPAT = {"keras", "timeline", "render", "summary", "native", "placement", "comm_tf", "topology", "devices", "stats"}
+#: Public framework integrations over the stages (like the facade): they may import any stage, and only
+#: the package root and cli/ import them.
+INTEGRATIONS = {"keras"}
 
 Edge = Tuple[str, str, str, int]  # (importer, imported, file, line)
 
@@ -102,19 +104,17 @@ def violation(edge: Edge) -> Optional[str]:
     src, dst, path, line = edge
     s, d = top(src), top(dst)
     where = f"{path}:{line} imports {dst}"
-    if d in COMPAT and dst == f"distmem.{d}":
-        return f"{where}: an old-path re-export module; import its new home instead"
-    if s in COMPAT and src == f"distmem.{s}" or s == "__init__":
-        return None  # the facade's re-exports and the compat modules may import anything
-    if d == "api":
-        return None if s == "cli" else f"{where}: only distmem/__init__.py and cli/ may import the facade"
+    if s == "__init__":
+        return None  # the package root re-exports the public API
+    if d == "api" or d in INTEGRATIONS:
+        return None if s == "cli" else f"{where}: only distmem/__init__.py and cli/ may import the facade or {dst}"
     if d == "__init__":
         return None if s == "cli" else f"{where}: a module inside the package must not import the package root"
     if d in LEAVES:
         return None
     if s in LEAVES:
         return f"{where}: leaf module distmem.{s} must not import a stage ({d})"
-    if s == "api":
+    if s == "api" or s in INTEGRATIONS:
         return None
     if s not in STAGES or d not in STAGES:
         return f"{where}: {s} or {d} is not a known stage; add it to STAGES or LEAVES in this test"
@@ -176,7 +176,7 @@ def test_the_package_follows_the_import_rule():
     ("distmem.apply.torch", "from ..api import current_plan", "only distmem/__init__.py and cli/ may import the facade"),
     ("distmem.discover.identity", "from ..plan import make_plan", "stage discover may not import the later stage plan"),
     ("distmem.settings", "from .discover.identity import detect", "leaf module distmem.settings must not import"),
-    ("distmem.report.findings", "from ..stats import Report", "old-path re-export module"),
+    ("distmem.report.findings", "from ..keras import MemoryReport", "may import the facade or distmem.keras"),
     ("distmem.comm.base", "from .. import api", "only distmem/__init__.py and cli/ may import the facade"),
 ])
 def test_a_backward_import_is_named_with_its_file_and_line(module, line, expect):
@@ -211,3 +211,19 @@ def test_every_module_declares_all_and_no_private_name_crosses_modules():
                     if a.name.startswith("_") and not a.name.startswith("__"):
                         problems.append(f"{rel}:{node.lineno} imports the private name {a.name} from another module")
     assert not problems, "\n".join(problems)
+
+
+def test_unit_tests_mirror_the_package():
+    """Every folder of tests/unit is a folder of the package (or this architecture folder), and every
+    test module sits in the folder of the stage it tests: a test moved or a stage renamed shows here."""
+    unit = os.path.join(ROOT, "tests", "unit")
+    stages = {d for d in os.listdir(PKG) if os.path.isdir(os.path.join(PKG, d)) and d != "__pycache__"}
+    folders = {d for d in os.listdir(unit) if os.path.isdir(os.path.join(unit, d)) and d != "__pycache__"}
+    stray = sorted(folders - stages - {"architecture"})
+    assert not stray, f"tests/unit folders {stray} name no folder of distmem/ ({sorted(stages)})"
+    for base, dirs, files in os.walk(unit):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel = os.path.relpath(base, unit)
+        if rel in (".", "architecture"):
+            continue
+        assert os.path.isdir(os.path.join(PKG, rel)), f"tests/unit/{rel} has no distmem/{rel} to mirror"

@@ -1,0 +1,95 @@
+"""``distmem fit``: which layouts of a model fit every rank of a fleet, best first. Pure but for the
+estimator it calls. The search is in four rooms: what is searched (:mod:`.space`), what prices a
+layout (:mod:`.costs`, :mod:`.evaluate`), the search itself (:mod:`.solve`) and its table (:mod:`.render`).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ...discover.gpus import Gpu, Inventory, fleet_inventory
+from ...errors import ConfigError
+from .costs import Costs, EstimateCosts, LayerListCosts
+from .evaluate import Candidate, StageFit, nccl_communicators_of
+from .solve import DEFAULT_FIT_HEADROOM, PRECISION_CHOICES, FitResult, precision_choices, solve_fit
+from .space import ParallelLayout
+
+__all__ = ["fit", "fit_without_costs", "costs_from_model", "solve_fit", "FitResult", "Candidate", "StageFit",
+           "ParallelLayout", "Costs", "EstimateCosts", "LayerListCosts", "DEFAULT_FIT_HEADROOM", "PRECISION_CHOICES",
+           "nccl_communicators_of"]
+
+
+def _gpus_of(gpus: Any) -> Tuple[List[Gpu], str]:
+    if isinstance(gpus, Inventory):
+        return list(gpus.gpus), gpus.source
+    if isinstance(gpus, str):
+        inv = fleet_inventory(gpus)
+        return list(inv.gpus), gpus
+    if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(g, Gpu) for g in gpus):
+        return list(gpus), "gpus"
+    raise ConfigError(f"gpus={gpus!r}: give a fleet such as '8x80GiB' (per host) or an Inventory")
+
+
+def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = "adam", input_shape: Any = None,
+                     batch_size: int = 8, device: Optional[str] = None, **estimate_options: Any) -> Dict[str, Costs]:
+    """One :class:`EstimateCosts` per precision through ``distmem.estimate`` (imported here, not at
+    module level, so the solver stays free of frameworks)."""
+    import importlib
+
+    est_mod = importlib.import_module("distmem.estimate")
+    out: Dict[str, Costs] = {}
+    loaded = est_mod.load_model(model, est_mod.parse_shape(input_shape)) if isinstance(model, str) else model
+    for prec in precisions:
+        opts = dict(estimate_options)
+        if device is not None:
+            opts["device"] = device
+        est = est_mod.estimate(loaded, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
+                               precision=prec, **opts)
+        out[prec] = EstimateCosts(est)
+    return out
+
+
+def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: int = 1,
+        framework: Optional[str] = None, precision: Any = "auto", optimizer: Any = "adam",
+        input_shape: Any = None, layers: Optional[Sequence[Any]] = None, layers_batch_size: Optional[int] = None,
+        costs: Optional[Dict[str, Costs]] = None, estimate_batch_size: Optional[int] = None,
+        device: Optional[str] = None, name: Optional[str] = None, **options: Any) -> FitResult:
+    """Which layouts of ``model`` at ``global_batch_size`` fit every rank of ``hosts`` hosts of
+    ``gpus`` (``"8x80GiB"`` per host, an Inventory, or a list of Gpu), best first.
+
+    The model is a torch module, a Keras model or a spec (``"torchvision:resnet50"``,
+    ``"keras:ResNet50"``, ``"pkg.mod:factory"``), estimated once per precision
+    (``precision="auto"`` tries float32 and mixed_bfloat16); or ``layers=`` a LayerCost list (or
+    dicts) for ONE sample batch of ``layers_batch_size``. Other options go to :func:`solve_fit`
+    (``headroom``, ``reserve``, ``overhead``, ``foreign``, ``schedules``, ``recompute``,
+    ``ranks_per_gpu``, ``pipelines``, ``micro_batches``, ``nccl``, ``nccl_buffsize``, ``top``,
+    ``rejected``)."""
+    gl, source = _gpus_of(gpus)
+    precisions = precision_choices(precision)
+    if costs is None:
+        if (model is None) == (layers is None):
+            raise ConfigError("fit needs exactly one of model= (a torch/Keras model or a spec such as "
+                              "'torchvision:resnet50') or layers=[LayerCost, ...] with layers_batch_size=")
+        if layers is not None:
+            from ..partition import layers_from_dicts
+
+            if len(precisions) != 1:
+                precisions = [precisions[0]]
+            rows = layers_from_dicts(list(layers))
+            costs = {precisions[0]: LayerListCosts(rows, int(layers_batch_size or 1), precision=precisions[0],
+                                                   framework=framework or "torch")}
+        else:
+            b = estimate_batch_size or max(1, min(8, global_batch_size))
+            costs = costs_from_model(model, precisions, optimizer=optimizer, input_shape=input_shape,
+                                     batch_size=b, device=device)
+    fw = framework or next(iter(costs.values())).framework
+    label = name or (model if isinstance(model, str) else type(model).__name__ if model is not None else "layers")
+    return solve_fit(costs, global_batch_size=global_batch_size, gpus=gl, hosts=hosts, model_name=str(label),
+                     framework=fw, fleet=source if not isinstance(gpus, str) else gpus, **options)
+
+
+def fit_without_costs(model: Any = None, **kwargs: Any) -> FitResult:
+    """:func:`fit`, its result without the per-precision costs (they hold the estimator's replay
+    functions): what a child process hands back to ``strategy="auto"``."""
+    result = fit(model, **kwargs)
+    result.costs = {}
+    return result

@@ -1,0 +1,211 @@
+"""What prices a layout in ``distmem fit``: the costs behind a rank's demand, per precision. Pure.
+
+The costs come from a :class:`Costs` per precision: :class:`EstimateCosts` wraps a
+``distmem.estimate`` result (whole-step peaks simulated per micro-batch for data parallel,
+per-layer rows for pipeline stages), :class:`LayerListCosts` scales a ``LayerCost`` list given at
+one batch size (what tools and the speed benchmark pass). Cuts between pipeline stages are made
+between *blocks*: an estimator's rows grouped by top-level module (``layer1.0.conv1`` belongs
+to block ``layer1``), so every cut is one a training loop can make by slicing the model's
+top-level children; wrap a model as ``nn.Sequential`` of its blocks for finer cuts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ...costs import LayerCost
+from ...errors import ConfigError
+
+__all__ = ["Costs", "EstimateCosts", "LayerListCosts", "group_blocks", "TRANSIENT_OUTPUTS"]
+
+#: A stage's backward holds, beyond what its layers keep, the gradient arriving for its output
+#: and the gradient it computes for the input of the layer it is working on: two layer outputs
+#: of the largest layer, for one micro-batch (bytes = 2 x largest output).
+TRANSIENT_OUTPUTS = 2
+
+
+def _block_of(name: str) -> Optional[str]:
+    """Top-level block of an estimator row (``layer1.0.conv1 (own ops)`` -> ``layer1``); None for
+    rows that belong to no child (the model's own ops, unused parameters)."""
+    base = name.replace(" (own ops)", "")
+    if not base or base.startswith("("):
+        return None
+    return base.split(".")[0]
+
+
+def group_blocks(names: Sequence[str]) -> List[Tuple[str, int, int]]:
+    """``(block, first row, stop row)`` runs of consecutive rows sharing a top-level block. Rows of
+    no block join the block before them (the first block when they come first); a block name
+    that comes back after another block gets a ``#2`` suffix so that names stay unique."""
+    groups: List[Tuple[str, int, int]] = []
+    pending: Optional[int] = None
+    seen: Dict[str, int] = {}
+    for i, name in enumerate(names):
+        block = _block_of(name)
+        if block is None:
+            if groups:
+                groups[-1] = (groups[-1][0], groups[-1][1], i + 1)
+            elif pending is None:
+                pending = i
+            continue
+        if groups and groups[-1][0].split("#")[0] == block:
+            groups[-1] = (groups[-1][0], groups[-1][1], i + 1)
+            continue
+        seen[block] = seen.get(block, 0) + 1
+        label = block if seen[block] == 1 else f"{block}#{seen[block]}"
+        start = pending if (not groups and pending is not None) else i
+        groups.append((label, start, i + 1))
+    if not groups and names:
+        groups.append(("(model)", 0, len(names)))
+    return groups
+
+
+class Costs:
+    """Per-precision costs of one model; every figure is bytes for ONE replica at micro-batch ``mb``."""
+
+    precision: str = "float32"
+    framework: str = "torch"
+    block_names: List[str]
+    #: bytes every rank keeps whatever its layers (cuBLAS workspaces inside the allocator)
+    persistent_bytes: int = 0
+
+    def block_costs(self, mb: int) -> List[LayerCost]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def block_state_split(self) -> List[Dict[str, int]]:
+        """Per block ``{"weights", "gradients", "optimizer"}`` bytes (sums to the block's state)."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def input_bytes(self, mb: int) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def transient_bytes(self, mb: int, start: int, stop: int) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def whole_peak(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int]]:  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(b["gradients"] for b in self.block_state_split())
+
+
+class EstimateCosts(Costs):
+    """Costs from a ``distmem.estimate`` :class:`~distmem.estimate.Estimate` (one per precision).
+
+    Data parallel (one stage) uses the estimate's simulated/replayed whole-step peak at each
+    micro-batch, plus, with gradient accumulation, the gradients the single step had not yet
+    made at its peak (they stay alive across micro-steps). Pipeline stages sum the estimate's
+    per-layer rows grouped into blocks, which scale exactly linearly with the micro-batch."""
+
+    def __init__(self, est: Any) -> None:
+        self.est = est
+        self.precision = str(est.precision)
+        self.framework = "torch" if str(est.framework).lower() in ("torch", "pytorch") else "tensorflow"
+        rows = list(est.layers)
+        groups = group_blocks([r.name for r in rows])
+        self.block_names = [g[0] for g in groups]
+        self._rows = [rows[i:j] for _, i, j in groups]
+        self._state = [sum(r.state_bytes for r in g) for g in self._rows]
+        self._split = [{"weights": sum(r.param_bytes for r in g), "gradients": sum(r.grad_bytes for r in g),
+                        "optimizer": sum(r.optimizer_bytes for r in g)} for g in self._rows]
+        self._act_ps = [sum(r.activation_bytes_per_sample for r in g) for g in self._rows]
+        self._act_fixed = [sum(r.activation_fixed_bytes for r in g) for g in self._rows]
+        self._out_ps = [self._block_output(g) for g in self._rows]
+        self._max_out_ps = [max((r.output_bytes_per_sample for r in g), default=0) for g in self._rows]
+        self._work_ps = [max((r.workspace_bytes_per_sample for r in g), default=0) for g in self._rows]
+        self._in_ps = int(getattr(est, "input_bytes_per_sample", 0) or 0)
+        self.persistent_bytes = int(getattr(est, "extra_persistent_bytes", 0) or 0)
+        self._peaks: Dict[Tuple[int, bool], Tuple[int, Dict[str, int]]] = {}
+
+    @staticmethod
+    def _block_output(rows: Sequence[Any]) -> int:
+        """A block's output per sample: its own row's (recorded when the container returns), else the
+        largest of its rows' (an over-estimate, safe for the boundary a stage holds)."""
+        for r in rows:
+            if r.name.endswith(" (own ops)") and r.output_bytes_per_sample:
+                return int(r.output_bytes_per_sample)
+        if len(rows) == 1:
+            return int(rows[0].output_bytes_per_sample)
+        return int(max((r.output_bytes_per_sample for r in rows), default=0))
+
+    def block_costs(self, mb: int) -> List[LayerCost]:
+        return [LayerCost(name=n, state_bytes=int(s), activation_bytes=int(a * mb + f), output_bytes=int(o * mb))
+                for n, s, a, f, o in zip(self.block_names, self._state, self._act_ps, self._act_fixed, self._out_ps)]
+
+    def block_state_split(self) -> List[Dict[str, int]]:
+        return [dict(x) for x in self._split]
+
+    def input_bytes(self, mb: int) -> int:
+        return self._in_ps * mb
+
+    def transient_bytes(self, mb: int, start: int, stop: int) -> int:
+        out = max(self._max_out_ps[start:stop], default=0)
+        work = max(self._work_ps[start:stop], default=0)
+        return int((TRANSIENT_OUTPUTS * out + work) * mb)
+
+    def whole_peak(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int]]:
+        key = (int(mb), bool(accumulate))
+        if key not in self._peaks:
+            detail = self.est.peak_detail(int(mb))
+            peak = int(detail["peak"])
+            parts = {k: int(v) for k, v in self.est.breakdown(int(mb)).items()}
+            if accumulate:
+                # Accumulated gradients are alive during every later micro-step's forward and backward.
+                missing = max(0, int(self.est.grad_bytes) - int(detail.get("grads_at_peak", 0)))
+                peak += missing
+                parts["accumulated gradients"] = missing
+            self._peaks[key] = (peak, parts)
+        return self._peaks[key]
+
+
+class LayerListCosts(Costs):
+    """Costs from a ``LayerCost`` list measured or estimated at ``batch_size``: activations and
+    outputs scale linearly with the micro-batch; a whole-model step (one stage) holds every
+    layer's state and kept activations plus the transient of its largest layer."""
+
+    def __init__(self, layers: Sequence[LayerCost], batch_size: int, *, precision: str = "float32",
+                 framework: str = "torch", input_bytes: int = 0, persistent_bytes: int = 0,
+                 gradient_fraction: float = 0.25) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"layers were given for batch_size={batch_size}; give the batch (>= 1) they were "
+                              "measured at")
+        if not layers:
+            raise ConfigError("fit needs at least one layer cost; pass layers=[LayerCost(...), ...] or model=")
+        self.precision, self.framework = precision, framework
+        self.block_names = [l.name for l in layers]
+        self._state = [int(l.state_bytes) for l in layers]
+        self._act_ps = [l.activation_bytes / batch_size for l in layers]
+        self._out_ps = [l.output_bytes / batch_size for l in layers]
+        self._in_ps = input_bytes / batch_size
+        self.persistent_bytes = int(persistent_bytes)
+        # Without a per-part split, Adam's state (weights + grads + 2 slots) is assumed: grads a quarter.
+        self._frac = float(gradient_fraction)
+
+    def block_costs(self, mb: int) -> List[LayerCost]:
+        return [LayerCost(name=n, state_bytes=s, activation_bytes=int(math.ceil(a * mb)),
+                          output_bytes=int(math.ceil(o * mb)))
+                for n, s, a, o in zip(self.block_names, self._state, self._act_ps, self._out_ps)]
+
+    def block_state_split(self) -> List[Dict[str, int]]:
+        out = []
+        for s in self._state:
+            g = int(s * self._frac)
+            out.append({"weights": g, "gradients": g, "optimizer": s - 2 * g})
+        return out
+
+    def input_bytes(self, mb: int) -> int:
+        return int(math.ceil(self._in_ps * mb))
+
+    def transient_bytes(self, mb: int, start: int, stop: int) -> int:
+        return int(math.ceil(TRANSIENT_OUTPUTS * max(self._out_ps[start:stop], default=0) * mb))
+
+    def whole_peak(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int]]:
+        n = len(self._state)
+        state = sum(self._state)
+        act = int(math.ceil(sum(self._act_ps) * mb))
+        trans = self.transient_bytes(mb, 0, n)
+        inp = self.input_bytes(mb)
+        parts = {"state": state, "activations": act, "transient": trans, "input": inp,
+                 "persistent": self.persistent_bytes}
+        return state + act + trans + inp + self.persistent_bytes, parts

@@ -1,0 +1,263 @@
+"""How ``distmem fit`` prices one layout: every stage's ranks held against their GPU's share. Pure.
+
+For each :class:`~distmem.plan.fit.space.ParallelLayout` the :class:`Evaluator` holds every rank's demand
+against its GPU:
+
+* one stage (data parallel): the estimator's whole-step allocator peak at the micro-batch (plus
+  the gradients accumulation keeps alive between micro-steps);
+* a pipeline: the schedule-aware exact partition of the model's blocks
+  (:mod:`distmem.plan.partition`: weights + gradients + optimizer state held once, activations x
+  the micro-batches each stage holds in flight, the stage inputs), plus the backward's transient
+  (two outputs of the stage's largest layer) and the buffers every rank keeps;
+
+then ``planned = demand x (1 + headroom)`` in whole MiB (the allocator's cache and
+fragmentation under a hard limit) must fit the rank's equal share of its GPU: total - driver
+reserved - reserve - foreign - ranks on the GPU x memory outside the allocator
+(:mod:`distmem.plan.outside`: CUDA context, cuBLAS/cuDNN, NCCL communicators).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ...costs import LayerCost
+from ...discover.gpus import Gpu
+from ...errors import DoesNotFitError
+from ...units import MiB, SizeLike, parse_bytes
+from ..common import equal_share, resolve_options
+from ..outside import outside_allocator_breakdown
+from ..partition import lower_bound, partition_pipeline
+from .costs import Costs
+from .space import ParallelLayout
+
+__all__ = ["Evaluator", "Candidate", "StageFit", "nccl_communicators_of"]
+
+
+def nccl_communicators_of(layout: ParallelLayout) -> int:
+    """NCCL communicators a rank of ``layout`` creates: none alone, the world group for data
+    parallel, world + pipeline group (+ the stage's data-parallel group) for a pipeline."""
+    if layout.ranks == 1:
+        return 0
+    if layout.pipeline == 1:
+        return 1
+    return 2 if layout.data_parallel == 1 else 3
+
+
+@dataclass
+class StageFit:
+    """One stage's ranks against their GPU (bytes). ``allocator_bytes``: the allocator peak the
+    stage reaches; ``planned_bytes``: its limit (peak + headroom, whole MiB); ``share_bytes``: what
+    its GPU offers each rank; ``breakdown``: the parts of the GPU memory a rank of it holds."""
+
+    stage: int
+    first_block: int
+    stop_block: int
+    in_flight: int
+    allocator_bytes: int
+    planned_bytes: int
+    share_bytes: int
+    gpu_total_bytes: int
+    shared_by: int
+    breakdown: Dict[str, int] = field(default_factory=dict)
+    blocks: List[str] = field(default_factory=list)
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.share_bytes - self.planned_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.planned_bytes <= self.share_bytes
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"stage": self.stage, "first_block": self.first_block, "stop_block": self.stop_block,
+                "blocks": list(self.blocks), "in_flight": self.in_flight, "allocator_bytes": self.allocator_bytes,
+                "planned_bytes": self.planned_bytes, "share_bytes": self.share_bytes,
+                "gpu_total_bytes": self.gpu_total_bytes, "shared_by": self.shared_by,
+                "margin_bytes": self.margin_bytes, "fits": self.fits, "breakdown": dict(self.breakdown)}
+
+
+@dataclass
+class Candidate:
+    """A layout with its verdict. ``exact=False``: rejected by a lower bound, stages not computed."""
+
+    layout: ParallelLayout
+    fits: bool
+    stages: List[StageFit] = field(default_factory=list)
+    exact: bool = True
+    outside: Dict[str, Any] = field(default_factory=dict)
+    remedy: List[str] = field(default_factory=list)
+    lower_bound_bytes: int = 0
+
+    @property
+    def binding(self) -> Optional[StageFit]:
+        """The stage whose ranks are closest to (or furthest over) their GPU's share."""
+        return min(self.stages, key=lambda s: s.margin_bytes) if self.stages else None
+
+    @property
+    def heaviest(self) -> Optional[StageFit]:
+        return max(self.stages, key=lambda s: s.planned_bytes) if self.stages else None
+
+    def allreduce_bytes(self, costs: Costs) -> int:
+        """Gradient bytes one rank all-reduces per step (ring: ``2 (d - 1) / d`` x its stage's gradients)."""
+        d = self.layout.data_parallel
+        if d == 1:
+            return 0
+        split = costs.block_state_split()
+        if self.stages and self.layout.pipeline > 1:
+            grads = max(sum(b["gradients"] for b in split[s.first_block:s.stop_block]) for s in self.stages)
+        else:
+            grads = sum(b["gradients"] for b in split)
+        return int(2 * (d - 1) / d * grads)
+
+    def to_dict(self) -> Dict[str, Any]:
+        b = self.binding
+        return {"layout": self.layout.to_dict(), "fits": self.fits, "exact": self.exact,
+                "step_units": round(self.layout.step_units(), 3),
+                "binding_stage": b.stage if b else None,
+                "margin_bytes": b.margin_bytes if b else None,
+                "stages": [s.to_dict() for s in self.stages], "outside": self.outside,
+                "remedy": list(self.remedy)}
+
+
+class Evaluator:
+    """Prices layouts; caches partitions, outside-allocator figures and shares."""
+
+    def __init__(self, costs: Dict[str, Costs], gpus: List[Gpu], *, headroom: float, reserve: SizeLike,
+                 overhead: Any, foreign: SizeLike, framework: str, nccl: Any, nccl_buffsize: Any) -> None:
+        self.costs = costs
+        self.gpus = gpus
+        self.headroom = headroom
+        self.framework = framework
+        self.nccl = nccl
+        self.nccl_buffsize = nccl_buffsize
+        self.reserve, self.foreign, self.overhead = reserve, foreign, overhead
+        self._outside: Dict[int, Dict[str, Any]] = {}
+        self._shares: Dict[Tuple[int, int, int], int] = {}
+        self._parts: Dict[Tuple[Any, ...], Any] = {}
+        self._blocks: Dict[Tuple[str, int], List[LayerCost]] = {}
+        self._stage_gpus: Dict[Tuple[int, int, int], List[List[Gpu]]] = {}
+        self._split: Dict[str, List[Dict[str, int]]] = {}
+        self.evaluated = 0
+
+    def outside(self, layout: ParallelLayout) -> Dict[str, Any]:
+        comms = nccl_communicators_of(layout) if self.nccl in (None, "auto", True) else 0
+        if comms not in self._outside:
+            if self.overhead is not None:
+                nbytes = parse_bytes(self.overhead, what="overhead")
+                self._outside[comms] = {"total_bytes": nbytes, "parts": {"given": nbytes}, "assumed": [],
+                                        "warnings": [], "sources": {"given": "overhead= argument"}}
+            else:
+                self._outside[comms] = outside_allocator_breakdown(
+                    self.framework, nccl_communicators=comms, nccl_buffsize=self.nccl_buffsize,
+                    nccl_peers=2 if comms else 0)
+        return self._outside[comms]
+
+    def share(self, gpu: Gpu, k: int, outside_bytes: int) -> int:
+        key = (gpu.index, k, outside_bytes)
+        if key not in self._shares:
+            opts = resolve_options([gpu], reserve=self.reserve, overhead=outside_bytes, foreign=self.foreign)
+            try:
+                self._shares[key] = equal_share(gpu, k, opts)
+            except DoesNotFitError:
+                self._shares[key] = 0
+        return self._shares[key]
+
+    def stage_gpus(self, layout: ParallelLayout, local_size: int) -> List[List[Gpu]]:
+        """The GPUs each stage's ranks run on: rank ``r`` is stage ``r % p`` on its node's GPU
+        ``(r % local_size) % gpus`` (launchers' block mapping, local rank ``i`` on GPU ``i % n``)."""
+        p, n = layout.pipeline, len(self.gpus)
+        key = (p, local_size, layout.ranks)
+        if key not in self._stage_gpus:
+            out: List[List[Gpu]] = [[] for _ in range(p)]
+            # the mapping repeats after lcm(p, local_size) ranks
+            period = min(layout.ranks, p * local_size // math.gcd(p, local_size))
+            for r in range(period):
+                gpu = self.gpus[(r % local_size) % n]
+                if gpu not in out[r % p]:
+                    out[r % p].append(gpu)
+            self._stage_gpus[key] = out
+        return self._stage_gpus[key]
+
+    def split(self, precision: str) -> List[Dict[str, int]]:
+        """Per block weights / gradients / optimizer bytes, computed once per precision."""
+        if precision not in self._split:
+            self._split[precision] = self.costs[precision].block_state_split()
+        return self._split[precision]
+
+    def blocks(self, precision: str, mb: int) -> List[LayerCost]:
+        key = (precision, mb)
+        if key not in self._blocks:
+            self._blocks[key] = self.costs[precision].block_costs(mb)
+        return self._blocks[key]
+
+    def _planned(self, nbytes: int) -> int:
+        """The limit for an allocator peak of ``nbytes``: ``peak x (1 + headroom)`` in whole MiB."""
+        return int(math.ceil(nbytes * (1.0 + self.headroom) / MiB)) * MiB
+
+    def lower_bound(self, layout: ParallelLayout) -> int:
+        """A bound on the heaviest stage's allocator peak (bytes) that needs no partition."""
+        c = self.costs[layout.precision]
+        if layout.pipeline == 1:
+            return 0
+        m_eff = min(layout.accumulation, layout.pipeline) if layout.schedule == "1f1b" else layout.accumulation
+        return lower_bound(self.blocks(layout.precision, layout.micro_batch), layout.pipeline, kind="pipeline",
+                           schedule=layout.schedule, num_micro_batches=m_eff, recompute=layout.recompute,
+                           input_bytes=c.input_bytes(layout.micro_batch)) + c.persistent_bytes
+
+    def evaluate(self, layout: ParallelLayout, local_size: int, *, bound_only: bool = False) -> Candidate:
+        c = self.costs[layout.precision]
+        out = self.outside(layout)
+        outside_bytes = int(out["total_bytes"])
+        k = layout.ranks_per_gpu
+        gpus = self.stage_gpus(layout, local_size)
+        shares = [min(((self.share(g, k, outside_bytes), g) for g in gs), key=lambda x: x[0]) for gs in gpus]
+        if bound_only and layout.pipeline > 1:
+            lb = self.lower_bound(layout)
+            best = max(s for s, _ in shares)
+            if self._planned(lb) > best:
+                return Candidate(layout, False, exact=False, outside=out, lower_bound_bytes=lb)
+        self.evaluated += 1
+        split = self.split(layout.precision)
+        stages: List[StageFit] = []
+        if layout.pipeline == 1:
+            peak, parts = c.whole_peak(layout.micro_batch, layout.accumulation > 1)
+            share, gpu = shares[0]
+            planned = self._planned(peak)
+            bd = dict(parts)
+            bd["allocator cache"] = planned - peak
+            bd["outside allocator"] = outside_bytes
+            stages.append(StageFit(0, 0, len(split), 1, peak, planned, share, gpu.total_bytes, k, bd,
+                                   blocks=list(c.block_names)))
+        else:
+            m_eff = min(layout.accumulation, layout.pipeline) if layout.schedule == "1f1b" else layout.accumulation
+            key = (layout.precision, layout.pipeline, layout.micro_batch, layout.schedule, m_eff, layout.recompute)
+            part = self._parts.get(key)
+            if part is None:
+                part = partition_pipeline(self.blocks(layout.precision, layout.micro_batch), layout.pipeline,
+                                          num_micro_batches=m_eff, schedule=layout.schedule or "1f1b",
+                                          recompute=layout.recompute, input_bytes=c.input_bytes(layout.micro_batch))
+                self._parts[key] = part
+            for sd in part.stages:
+                trans = c.transient_bytes(layout.micro_batch, sd.start, sd.stop)
+                peak = sd.total_bytes + trans + c.persistent_bytes
+                planned = self._planned(peak)
+                share, gpu = shares[sd.stage]
+                ss = split[sd.start:sd.stop]
+                bd = {"weights": sum(b["weights"] for b in ss), "gradients": sum(b["gradients"] for b in ss),
+                      "optimizer": sum(b["optimizer"] for b in ss)}
+                if sd.recompute:
+                    bd["stage inputs"] = sd.in_flight * sd.boundary_bytes
+                    bd["recomputed activations"] = sd.activation_bytes
+                else:
+                    bd["activations"] = sd.in_flight * sd.activation_bytes
+                    bd["stage inputs"] = sd.in_flight * sd.boundary_bytes
+                bd["transient"] = trans
+                bd["persistent buffers"] = c.persistent_bytes
+                bd["allocator cache"] = planned - peak
+                bd["outside allocator"] = outside_bytes
+                stages.append(StageFit(sd.stage, sd.start, sd.stop, sd.in_flight, peak, planned, share,
+                                       gpu.total_bytes, k, bd, blocks=c.block_names[sd.start:sd.stop]))
+        fits = all(s.fits for s in stages)
+        return Candidate(layout, fits, stages, exact=True, outside=out)

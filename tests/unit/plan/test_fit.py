@@ -1,0 +1,340 @@
+"""distmem fit: the layout search, its verdicts, the outside-allocator model and strategy='auto'."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distmem.costs import LayerCost
+from distmem.errors import ConfigError, DoesNotFitError
+from distmem.plan.auto import plan_auto
+from distmem.plan.fit import fit, nccl_communicators_of, solve_fit
+from distmem.plan.fit.costs import LayerListCosts, group_blocks
+from distmem.plan.fit.evaluate import Evaluator
+from distmem.plan.fit.space import ParallelLayout, enumerate_layouts
+from distmem.plan.outside import nccl_env, outside_allocator_breakdown, outside_allocator_bytes
+
+MiB = 1024 ** 2
+GiB = 1024 ** 3
+
+
+def layers(n=24, state=512 * MiB, act=64 * MiB, out=16 * MiB):
+    """n equal blocks, costs for ONE sample."""
+    return [LayerCost(f"l{i}", state, act, out) for i in range(n)]
+
+
+def costs(n=24, **kw):
+    return {"float32": LayerListCosts(layers(n, **kw), 1)}
+
+
+def gpus(spec):
+    from distmem.discover.gpus import fleet_inventory
+
+    return fleet_inventory(spec).gpus
+
+
+# ------------------------------------------------------------------ layouts
+
+
+def test_layout_arithmetic_and_proxy():
+    lay = ParallelLayout(data_parallel=2, pipeline=4, micro_batch=3, accumulation=8, precision="float32", recompute=False,
+                 ranks_per_gpu=1, schedule="1f1b")
+    assert lay.ranks == 8 and lay.global_batch == 48
+    assert lay.bubble == pytest.approx(3 / 11)
+    # (m + p - 1) x (mb + 2) / p sample-passes per GPU
+    assert lay.step_units() == pytest.approx(11 * 5 / 4)
+    rc = ParallelLayout(2, 4, 3, 8, "mixed_bfloat16", True, 2, "1f1b")
+    assert rc.step_units() == pytest.approx(2 * 11 * 5 / 4 * (4 / 3) / 2)
+
+
+def test_enumeration_uses_every_gpu_and_splits_the_batch_exactly():
+    out, _ = enumerate_layouts(24, 64, 8, 2, precisions=["float32"], schedules=["1f1b", "gpipe"], recompute=[False, True],
+                        ranks_per_gpu=[1, 2], pipelines=None, micro_batches=None)
+    assert out
+    for lay, local in out:
+        assert lay.global_batch == 64
+        assert lay.ranks == local * 2  # two hosts
+        assert local == 8 * lay.ranks_per_gpu
+        assert lay.pipeline <= 24
+        assert (lay.schedule is None) == (lay.pipeline == 1)
+    seen = {(l.data_parallel, l.pipeline) for l, _ in out}
+    assert {(16, 1), (8, 2), (4, 4), (2, 8), (1, 16), (32, 1), (16, 2)} <= seen
+
+
+def test_batch_no_degree_divides_is_a_config_error_with_the_degrees_and_a_remedy():
+    with pytest.raises(ConfigError) as exc:
+        solve_fit(costs(4), global_batch_size=7, gpus=gpus("8x16GiB"))
+    msg = str(exc.value)
+    assert "global batch 7" in msg and "[2, 4, 8, 16]" in msg and "nearby" in msg
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_global_batch(bad):
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        solve_fit(costs(), global_batch_size=bad, gpus=gpus("2x16GiB"))
+
+
+def test_bad_precision_names_the_choices():
+    with pytest.raises(ConfigError, match="float32"):
+        fit(layers=layers(), layers_batch_size=1, global_batch_size=8, gpus="2x16GiB", precision="fp8")
+
+
+# ------------------------------------------------------------------ verdicts
+
+
+def _exhaustive(c, B, fleet, hosts=1, **kw):
+    """Every layout priced, ranked the way solve_fit ranks: the reference the best-first walk must match."""
+    g = gpus(fleet)
+    out, _ = enumerate_layouts(len(next(iter(c.values())).block_names), B, len(g), hosts, precisions=list(c),
+                        schedules=["1f1b", "gpipe"], recompute=[False, True], ranks_per_gpu=[1, 2],
+                        pipelines=None, micro_batches=None)
+    ev = Evaluator(c, g, headroom=0.10, reserve="256MiB", overhead=None, foreign=0, framework="torch",
+                    nccl="auto", nccl_buffsize=None)
+    return [(lay, ev.evaluate(lay, L)) for lay, L in out]
+
+
+def test_best_first_walk_finds_the_same_best_fits_as_pricing_everything():
+    c = costs(24)
+    res = solve_fit(c, global_batch_size=64, gpus=gpus("8x16GiB"), top=5, rejected=3)
+    allc = _exhaustive(c, 64, "8x16GiB")
+    best = min(x.layout.step_units() for _, x in allc if x.fits)
+    assert res.chosen is not None and res.chosen.layout.step_units() == pytest.approx(best)
+    fitting_units = sorted(x.layout.step_units() for _, x in allc if x.fits)[:5]
+    assert [round(f.layout.step_units(), 6) for f in res.fits] == [round(u, 6) for u in fitting_units]
+    # fewer priced than searched: the walk stopped early
+    assert res.evaluated < res.searched
+
+
+def test_every_rank_of_a_fit_fits_and_every_rejected_has_a_rank_over():
+    res = solve_fit(costs(24), global_batch_size=64, gpus=gpus("8x16GiB"), top=10, rejected=5)
+    assert res.fits and res.rejected
+    for f in res.fits:
+        assert all(s.planned_bytes <= s.share_bytes for s in f.stages)
+        assert len(f.stages) == f.layout.pipeline
+    for r in res.rejected:
+        b = r.binding
+        assert b.planned_bytes > b.share_bytes
+        assert b.margin_bytes == min(s.margin_bytes for s in r.stages)
+        assert r.remedy and "short" in r.remedy[0]
+    # rejected layouts ranked above the chosen one are the ones a memory-blind search would pick
+    assert res.rejected[0].layout.step_units() <= res.chosen.layout.step_units()
+
+
+def test_a_layout_with_one_stage_over_its_gpu_is_rejected_and_that_stage_binds():
+    # the first block's activations dwarf the rest: under 1F1B stage 0 holds p micro-batches of them
+    rows = [LayerCost("big", 64 * MiB, 1536 * MiB, 8 * MiB)] + [LayerCost(f"l{i}", 64 * MiB, 8 * MiB, 8 * MiB)
+                                                                  for i in range(7)]
+    c = {"float32": LayerListCosts(rows, 1)}
+    ev = Evaluator(c, gpus("4x16GiB"), headroom=0.1, reserve="256MiB", overhead=None, foreign=0,
+                    framework="torch", nccl="auto", nccl_buffsize=None)
+    cand = ev.evaluate(ParallelLayout(1, 4, 4, 4, "float32", False, 1, "1f1b"), 4)
+    assert not cand.stages[0].fits and all(s.fits for s in cand.stages[1:])
+    assert not cand.fits and cand.binding.stage == 0
+    res = solve_fit(c, global_batch_size=16, gpus=gpus("4x16GiB"), top=50, rejected=50)
+    for f in res.fits:
+        assert all(s.fits for s in f.stages), f.layout.describe()
+    assert any(r.layout.pipeline > 1 and r.binding.stage == 0 for r in res.rejected)
+
+
+def test_binding_breakdown_adds_up_to_limit_plus_outside():
+    res = solve_fit(costs(24), global_batch_size=64, gpus=gpus("8x16GiB"), top=3, rejected=3)
+    for cand in res.fits + res.rejected:
+        for s in cand.stages:
+            bd = dict(s.breakdown)
+            outside = bd.pop("outside allocator")
+            assert outside == cand.outside["total_bytes"]
+            assert sum(bd.values()) == s.planned_bytes
+
+
+def test_gpipe_first_stage_holds_all_micro_batches_and_1f1b_fewer():
+    c = costs(8)
+    ev = Evaluator(c, gpus("4x80GiB"), headroom=0.1, reserve=0, overhead=0, foreign=0, framework="torch",
+                    nccl=False, nccl_buffsize=None)
+    g = ev.evaluate(ParallelLayout(1, 4, 2, 8, "float32", False, 1, "gpipe"), 4)
+    f = ev.evaluate(ParallelLayout(1, 4, 2, 8, "float32", False, 1, "1f1b"), 4)
+    assert [s.in_flight for s in g.stages] == [8, 8, 8, 8]
+    assert [s.in_flight for s in f.stages] == [4, 3, 2, 1]
+    assert g.heaviest.planned_bytes > f.heaviest.planned_bytes
+
+
+def test_accumulation_keeps_gradients_alive_in_a_whole_model_step():
+    torch = pytest.importorskip("torch")
+    from distmem.estimate import estimate_torch
+    from distmem.plan.fit.costs import EstimateCosts
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    est = estimate_torch(model, input_shape=(64,), batch_size=4, optimizer="adam", device="cuda")
+    c = EstimateCosts(est)
+    one, _ = c.whole_peak(4, False)
+    acc, parts = c.whole_peak(4, True)
+    assert acc - one == parts["accumulated gradients"] >= 0
+    assert parts["accumulated gradients"] <= est.grad_bytes
+    assert c.block_names == ["0", "1", "2"]
+
+
+def test_group_blocks_by_top_level_module():
+    names = ["(model) (own ops)", "stem.0", "stem.1", "layer1.0.conv1", "layer1.0.bn1", "layer1.1.conv1",
+             "fc", "(unused parameters)"]
+    assert group_blocks(names) == [("stem", 0, 3), ("layer1", 3, 6), ("fc", 6, 8)]
+    assert [g[0] for g in group_blocks(["a.x", "b", "a.y"])] == ["a", "b", "a#2"]
+
+
+def test_mixed_fleet_holds_each_stage_against_its_own_gpu():
+    c = costs(16, state=256 * MiB, act=32 * MiB)
+    ev = Evaluator(c, gpus("2x40GiB,2x16GiB"), headroom=0.1, reserve="256MiB", overhead=None, foreign=0,
+                    framework="torch", nccl="auto", nccl_buffsize=None)
+    p4 = ev.evaluate(ParallelLayout(1, 4, 2, 8, "float32", False, 1, "1f1b"), 4)
+    assert [s.gpu_total_bytes // GiB for s in p4.stages] == [40, 40, 16, 16]
+    assert p4.stages[2].share_bytes < p4.stages[0].share_bytes
+    # with two stages, each stage has one rank on a 40 GiB GPU and one on a 16 GiB GPU: the small one binds
+    p2 = ev.evaluate(ParallelLayout(2, 2, 2, 8, "float32", False, 1, "1f1b"), 4)
+    assert [s.gpu_total_bytes // GiB for s in p2.stages] == [16, 16]
+    dp = ev.evaluate(ParallelLayout(4, 1, 2, 4, "float32", False, 1), 4)
+    assert dp.stages[0].gpu_total_bytes == 16 * GiB
+
+
+def test_fits_nowhere_names_the_smallest_fleet_that_would_and_it_is_minimal():
+    c = costs(24)
+    res = solve_fit(c, global_batch_size=64, gpus=gpus("2x8GiB"), top=3, rejected=2)
+    assert not res.fits and res.suggestion
+    assert "smallest fleet that fits is 3 such GPUs" in res.suggestion
+    ev = Evaluator(c, gpus("2x8GiB"), headroom=0.10, reserve="256MiB", overhead=None, foreign=0,
+                    framework="torch", nccl="auto", nccl_buffsize=None)
+    assert not ev.evaluate(ParallelLayout(1, 2, 1, 64, "float32", True, 1, "1f1b"), 2).fits
+    assert ev.evaluate(ParallelLayout(1, 3, 1, 64, "float32", True, 1, "1f1b"), 3).fits
+
+
+def test_a_block_larger_than_any_gpu_says_so_with_its_size():
+    c = {"float32": LayerListCosts([LayerCost("emb", 30 * GiB, MiB, MiB), LayerCost("x", MiB, MiB, MiB)], 1)}
+    res = solve_fit(c, global_batch_size=4, gpus=gpus("2x16GiB"), top=1, rejected=1)
+    assert not res.fits
+    assert "block 'emb' alone holds 30.0 GiB" in res.suggestion
+
+
+def test_table_and_json_show_fits_rejections_and_the_proxy():
+    res = fit(layers=layers(), layers_batch_size=1, global_batch_size=64, gpus="8x16GiB", top=3, rejected=2)
+    text = res.table()
+    assert "fits (best first)" in text and "best rejected" in text and "would fit with" in text
+    assert "ranks/GPU x (m + p - 1)" in text
+    d = json.loads(json.dumps(res.to_dict()))
+    lay = d["chosen"]["layout"]
+    assert lay["data_parallel"] * lay["accumulation"] * lay["micro_batch"] == 64
+    assert d["chosen"]["stages"][0]["planned_bytes"] <= d["chosen"]["stages"][0]["share_bytes"]
+    assert d["rejected"][0]["fits"] is False
+
+
+# ------------------------------------------------------------------ outside the allocator
+
+
+def test_outside_model_parts_and_nccl_warning():
+    bare = outside_allocator_breakdown("torch")
+    assert set(bare["parts"]) == {"cuda_context", "cublas", "cudnn"} and not bare["warnings"]
+    one = outside_allocator_breakdown("torch", nccl_communicators=1)
+    three = outside_allocator_breakdown("torch", nccl_communicators=3)
+    assert one["total_bytes"] > bare["total_bytes"]
+    assert three["parts"]["nccl_communicators"] > one["parts"]["nccl_communicators"]
+    assert any("two GPUs" in w for w in one["warnings"])
+    peers = outside_allocator_breakdown("torch", nccl_communicators=1, nccl_peers=2, nccl_buffsize="2MiB")
+    peers4 = outside_allocator_breakdown("torch", nccl_communicators=1, nccl_peers=2)
+    assert "nccl_peer_buffers" in peers["assumed"]
+    assert peers4["parts"]["nccl_peer_buffers"] > peers["parts"]["nccl_peer_buffers"]
+    assert outside_allocator_bytes("torch") == bare["total_bytes"]
+    assert bare["total_bytes"] % (2 * MiB) == 0
+    assert outside_allocator_bytes("torch", cuda=False) == 0
+
+
+def test_outside_model_bad_input():
+    with pytest.raises(ConfigError, match="framework"):
+        outside_allocator_breakdown("mxnet")
+    with pytest.raises(ConfigError, match="nccl_communicators"):
+        outside_allocator_breakdown("torch", nccl_communicators=-1)
+    with pytest.raises(ConfigError, match="NCCL_BUFFSIZE"):
+        nccl_env({"NCCL_BUFFSIZE": "lots"})
+    assert nccl_env({"NCCL_BUFFSIZE": "2097152"})["buffsize"] == 2097152
+
+
+def test_communicators_per_layout():
+    assert nccl_communicators_of(ParallelLayout(1, 1, 8, 1, "float32", False, 1)) == 0
+    assert nccl_communicators_of(ParallelLayout(8, 1, 8, 1, "float32", False, 1)) == 1
+    assert nccl_communicators_of(ParallelLayout(1, 4, 8, 1, "float32", False, 1, "1f1b")) == 2
+    assert nccl_communicators_of(ParallelLayout(2, 4, 8, 1, "float32", False, 1, "1f1b")) == 3
+
+
+# ------------------------------------------------------------------ strategy="auto"
+
+
+def _topo(rank, size, local):
+    from distmem.discover.identity import Topology
+
+    return Topology(rank=rank, size=size, local_rank=rank % local, local_size=local, host=f"n{rank // local}")
+
+
+def test_plan_auto_hands_the_loop_its_layout_and_is_identical_on_every_rank():
+    from distmem.discover.gpus import fleet_inventory
+
+    inv = fleet_inventory("8x16GiB")
+    plans = [plan_auto(_topo(r, 8, 8), inv, layers=layers(), layers_batch_size=1, global_batch_size=64)
+             for r in (0, 5)]
+    p0, p5 = plans
+    assert p0.fingerprint() == p5.fingerprint()
+    f = p0.extras["fit"]
+    assert f["data_parallel"] * f["accumulation"] * f["micro_batch"] == 64
+    assert f["data_parallel"] * f["pipeline"] == 8
+    assert f["guard_start_batch"] == f["micro_batch"]
+    assert p0.strategy == "auto" and len(p0.allocations) == 8
+    # each rank's limit is its stage's planned bytes from the fit
+    by_stage = {s["stage"]: s["planned_bytes"] for s in f["stages"]}
+    for a in p0.allocations:
+        stage = a.stage if a.stage is not None else 0
+        assert a.limit_bytes == by_stage[stage]
+    assert sum(s["stop_block"] - s["first_block"] for s in f["stages"]) == 24
+
+
+def test_plan_auto_that_fits_nowhere_raises_with_the_remedy():
+    from distmem.discover.gpus import fleet_inventory
+
+    with pytest.raises(DoesNotFitError) as exc:
+        plan_auto(_topo(0, 2, 2), fleet_inventory("2x8GiB"), layers=layers(), layers_batch_size=1,
+                  global_batch_size=64)
+    assert "smallest fleet" in str(exc.value) and "needs" in str(exc.value)
+
+
+def test_plan_auto_uses_the_launched_rank_count():
+    from distmem.discover.gpus import fleet_inventory
+
+    plan = plan_auto(_topo(0, 16, 16), fleet_inventory("8x40GiB"), layers=layers(), layers_batch_size=1,
+                     global_batch_size=64)
+    f = plan.extras["fit"]
+    assert f["ranks_per_gpu"] == 2 and f["data_parallel"] * f["pipeline"] == 16
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_table_json_and_exit_codes(tmp_path, capsys):
+    from distmem.cli.fit import main
+
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps([l.to_dict() for l in layers()]))
+    assert main(["--layers", str(path), "--global-batch-size", "64", "--gpus", "8x16GiB", "--top", "2"]) == 0
+    assert "fits (best first)" in capsys.readouterr().out
+    assert main(["--layers", str(path), "--global-batch-size", "64", "--gpus", "8x16GiB", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["chosen"] and d["fits"]
+    assert main(["--layers", str(path), "--global-batch-size", "64", "--gpus", "2x8GiB"]) == 3
+    assert "smallest fleet" in capsys.readouterr().out
+    assert main(["--layers", str(path), "--global-batch-size", "7", "--gpus", "8x16GiB", "--pipelines", "1,2"]) == 1
+    assert "global batch 7" in capsys.readouterr().err
+
+
+def test_plan_auto_from_a_torch_module():
+    torch = pytest.importorskip("torch")
+    from distmem.discover.gpus import fleet_inventory
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)], torch.nn.Linear(256, 10))
+    plan = plan_auto(_topo(0, 4, 4), fleet_inventory("4x2GiB"), model=model, input_shape=(256,),
+                     global_batch_size=64, precision="float32")
+    f = plan.extras["fit"]
+    assert f["precision"] == "float32"
+    assert f["data_parallel"] * f["accumulation"] * f["micro_batch"] == 64
+    assert [s["blocks"] for s in f["stages"]][0][0] == "0"
