@@ -186,7 +186,7 @@ def keras_direct(name: str, size: int) -> List[LayerCost]:
 
 def estimator_costs(name: str, size: int) -> Optional[List[LayerCost]]:
     try:
-        from distmem.plan.pipeline import layers_from_model
+        from distmem.plan.layers import layers_from_model
         import distmem.estimate  # noqa: F401
     except ImportError:
         return None

@@ -6,95 +6,48 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
-from . import defaults, session, settings
+from . import session, settings
 from .apply import adapter, detect_framework
 from .comm import get_comm, resolve_timeout, set_comm
 from .console import say
 from .discover import gpus as discover_gpus
-from .discover import identity
-from .discover.layout import exchange
+from .discover import identity, runtime
 from .errors import ConfigError, DistmemError, DoesNotFitError
 from .observe.snapshot import Snapshot, take
-from .plan import Plan, make_plan
+from .plan import Plan, PlanRequest
+from .plan import get as get_strategy
 from .plan.foreign import foreign_warnings
 from .report.aggregate import Report
 
-__all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset", "check_plan", "use_strategy"]
+__all__ = ["init", "plan_from_env", "snapshot", "report", "current_plan", "reset", "check_plan", "use_strategy",
+           "resolve_overhead"]
 
 log = logging.getLogger("distmem")
 
 
-def _inventory(fleet: Optional[str], host: str) -> discover_gpus.Inventory:
-    """This rank's GPUs: NVML's after ``CUDA_VISIBLE_DEVICES``; else the declared fleet of its host,
-    filtered by ``CUDA_VISIBLE_DEVICES`` the same way (so a dry run shows what the node would do)."""
-    fleet = fleet or settings.fleet()
-    what = "fleet" if fleet and fleet != settings.fleet() else "DISTMEM_FLEET"
-    if fleet:
-        discover_gpus.parse_fleet(fleet, host, what)  # a bad fleet is an error on every machine
-    inv = discover_gpus.inventory(quiet=True)
-    if inv.gpus:
-        return inv
-    if fleet:
-        return discover_gpus.fleet_inventory(fleet, host, os.environ.get("CUDA_VISIBLE_DEVICES"), what)
-    return inv
-
-
-def plan_from_env(strategy: str = "data", *, fleet: Optional[str] = None, **options: Any) -> Plan:
-    """Compute this job's plan from the launcher environment and NVML, without applying anything.
-
-    The plan follows the layout the job really has: every rank's host and local rank from its
-    launcher, its GPUs after ``CUDA_VISIBLE_DEVICES``, and what the other ranks of its host see,
-    learnt through a bounded node-local exchange (:mod:`distmem.discover.layout`).
-    ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"`` or ``"a=2x80GiB;b=2x16GiB"``) declares GPUs
-    for a dry run on a machine without them; real GPUs found through NVML take precedence.
-    """
-    settings.validate()
-    topo = identity.detect()
-    inv = _inventory(fleet, topo.host)
-    host_layout = exchange(topo, inv)
-    plan = make_plan(strategy, topo, inv, layout=host_layout, **options)
-    session.state.topology, session.state.inventory, session.state.layout = topo, inv, host_layout
-    return plan
-
-
-def _nccl_communicators() -> int:
-    """NCCL communicators this process holds now: 1 when torch.distributed runs the NCCL backend
-    (its default group; more groups are the user's), else 0."""
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-            return 1
-    except Exception:  # noqa: BLE001 - a half-initialised group is "no NCCL yet"
-        return 0
-    return 0
-
-
-def _measured_overhead(fw: str, how: str) -> Any:
-    """overhead="measure": this machine's per-process overhead (a short PyTorch probe on its GPU);
-    "auto": that measurement where it can run, else the model of memory outside the allocator
-    (distmem.plan.outside: CUDA context, cuBLAS/cuDNN workspaces), plus NCCL's buffers when the job
-    runs NCCL."""
-    from .plan.outside import nccl_env, outside_allocator_bytes
-
-    nccl = _nccl_communicators()
-    buffsize = nccl_env(os.environ)["buffsize"]
-    modelled = outside_allocator_bytes(fw if fw in ("torch", "tensorflow") else "torch", nccl_communicators=nccl,
-                                       nccl_buffsize=buffsize)
+def resolve_overhead(value: Any, framework: str) -> Any:
+    """``overhead`` as the plan takes it: ``"measure"`` probes this machine's per-process overhead with
+    PyTorch on its GPU (a short subprocess; every rank of a job takes the largest), ``"auto"`` does
+    where that can run and otherwise uses the measured model (distmem.plan.outside: CUDA context,
+    cuBLAS/cuDNN workspaces), NCCL's buffers included when the job runs NCCL; anything else as given.
+    The one place every door resolves it."""
+    if value not in ("measure", "auto"):
+        return value
+    fw = detect_framework(framework)
     inv = discover_gpus.inventory(quiet=True)
     if not (inv.real and inv.gpus and fw == "torch"):
-        if how == "measure":
-            raise ConfigError("overhead='measure' needs a GPU seen by NVML and framework='torch' (it runs a short "
-                              "PyTorch probe); pass overhead='768MiB', your own figure, or overhead='auto'")
-        return modelled
+        return value  # the plan models it (distmem.plan.request), or refuses 'measure' with the remedy
+    from .plan.outside import nccl_env, outside_allocator_bytes
+
+    nccl = runtime.nccl_communicators()
+    modelled = outside_allocator_bytes("torch", nccl_communicators=nccl, nccl_buffsize=nccl_env(os.environ)["buffsize"])
     from .apply.torch_probe import measure_context_overhead
 
     topo = identity.detect()
     try:
         measured = measure_context_overhead(topo.local_rank % len(inv.gpus))
     except ConfigError:  # no transport yet to agree over (torchrun/horovodrun before their init)
-        if how == "measure":
+        if value == "measure":
             raise
         return modelled
     if nccl:  # the probe runs without NCCL: add what its communicators hold
@@ -102,52 +55,72 @@ def _measured_overhead(fw: str, how: str) -> Any:
     return measured
 
 
+def _request(strategy: str, framework: Optional[str], memory: Optional[str], reserve: Any, limit: Any, overhead: Any,
+             foreign: Any, fleet: Optional[str], options: Dict[str, Any]) -> PlanRequest:
+    settings.validate()
+    if overhead is None:
+        overhead = settings.overhead()
+    return PlanRequest(strategy=strategy, options=dict(options), framework=framework,
+                       memory=None if memory in (None, "auto") else memory, reserve=reserve, limit=limit,
+                       overhead=resolve_overhead(overhead, framework), foreign=foreign, fleet=fleet)
+
+
+def _planned(request: PlanRequest) -> Plan:
+    ctx, strategy, opts = request.context()
+    plan = strategy.plan(ctx, opts)
+    session.state.topology, session.state.inventory, session.state.layout = ctx.topo, ctx.inventory, ctx.layout
+    return plan
+
+
+def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, memory: Optional[str] = None,
+                  reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
+                  fleet: Optional[str] = None, **options: Any) -> Plan:
+    """The plan :func:`init` would apply, computed the same way (one :class:`~distmem.plan.PlanRequest`:
+    the same defaults, ``DISTMEM_*`` settings, fleet and layout), without applying anything.
+
+    The plan follows the layout the job really has: every rank's host and local rank from its
+    launcher, its GPUs after ``CUDA_VISIBLE_DEVICES``, and what the other ranks of its host see,
+    learnt through a bounded host-local exchange (:mod:`distmem.discover.layout`).
+    ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"`` or ``"a=2x80GiB;b=2x16GiB"``) declares GPUs
+    for a dry run on a machine without them; real GPUs found through NVML take precedence.
+    """
+    return _planned(_request(strategy, framework, memory, reserve, limit, overhead, foreign, fleet, options))
+
+
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
-         reserve: Any = defaults.RESERVE, limit: Any = None, overhead: Any = None, foreign: Any = 0,
+         reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
          fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, **strategy_options: Any) -> Plan:
     """Plan this job's GPU memory and apply this rank's share to the framework. Returns the Plan.
 
     Call it first, before the framework touches a GPU (before or after ``hvd.init()``).
 
-    strategy: ``"data"`` (equal split), ``"pipeline"``, ``"model"``, ``"tenants"``, or ``"auto"``
+    strategy: ``"data"`` (equal split), ``"pipeline"``, ``"model"``, ``"tenants"``, ``"auto"``
     (``model=``, ``global_batch_size=``: the best layout that fits, see :func:`distmem.fit`; the
-    training loop reads ``plan.extras["fit"]``: micro-batch, accumulation, stage map).
+    training loop reads ``plan.extras["fit"]``: micro-batch, accumulation, stage map), or any
+    registered one (``distmem.plan.names()``).
     framework: ``"tensorflow"``, ``"torch"`` or ``"none"``; detected when omitted.
-    memory: ``"auto"`` (growth alone on a GPU, a hard limit when shared), ``"growth"`` or ``"limit"``.
-    reserve: kept free on every GPU (bytes, ``"256MiB"`` or ``"5%"``).
-    limit: an explicit per-rank limit (bytes, ``"6GiB"``, ``"45%"`` or a fraction of the GPU).
-    overhead: per-process memory outside the framework allocator (default 768 MiB, see DESIGN);
-    ``"measure"`` probes it with PyTorch on this GPU, ``"auto"`` measures where that is possible and
-    otherwise uses the measured model (distmem.plan.outside), NCCL's buffers included when the job
-    runs NCCL.
+    memory: ``"auto"`` (growth alone on a GPU, a hard limit when shared; ``DISTMEM_MEMORY`` when
+    set), ``"growth"`` or ``"limit"``.
+    reserve: kept free on every GPU (bytes, ``"256MiB"`` or ``"5%"``; default 256 MiB).
+    limit: an explicit per-rank limit for strategy="data" (bytes, ``"6GiB"``, ``"45%"`` or a fraction
+    of the GPU; default ``DISTMEM_LIMIT``).
+    overhead: per-process memory outside the framework allocator (default ``DISTMEM_OVERHEAD``, else
+    768 MiB, see DESIGN); ``"measure"`` probes it with PyTorch on this GPU, ``"auto"`` measures where
+    that is possible and otherwise uses the measured model (distmem.plan.outside), NCCL's buffers
+    included when the job runs NCCL.
     foreign: memory other jobs hold on each GPU that the plan must leave alone.
     fleet: ``"4x16GiB"`` to plan against declared GPUs where none are present (dry run).
     enforce: ``"framework"`` (the framework's own limit) or ``"native"`` (also require distmem's
     LD_PRELOAD cap, launched through ``distmem-exec``).
+    The strategy's own options (``stages=``, ``tenants=``, ``headroom=``...) follow; an unknown one
+    is an error naming what the strategy takes. ``plan_from_env`` with the same arguments returns
+    the same plan without applying it.
     """
     if enforce not in ("framework", "native"):
         raise ConfigError(f"enforce={enforce!r} is not 'framework' or 'native'")
-    settings.validate()
-    # Per-rank settings from the environment (Kubernetes pods, launch wrappers); arguments win.
-    if memory == "auto":
-        memory = settings.memory() or memory
-    if overhead is None:
-        overhead = settings.overhead()
-    if limit is None and strategy == "data":
-        limit = settings.limit()
-    fw = detect_framework(framework)
-    options = dict(memory=memory, reserve=reserve, limit=limit, overhead=overhead, foreign=foreign)
-    if strategy != "data":
-        options.pop("limit")
-        if limit is not None:
-            raise ConfigError(f"limit= applies to strategy='data'; strategy={strategy!r} derives limits from "
-                              "its own inputs (stages, layers or tenants)")
-    options.update(strategy_options)
-    if strategy in ("pipeline", "model") and "headroom" not in options:
-        # Limits come from allocator peaks; the allocator's own cache sits on top of them.
-        options["headroom"] = defaults.headroom_for(fw)
-    if strategy in ("model", "tenants", "auto"):
-        options.setdefault("framework", fw)
+    # The options are checked first: a wrong one is named, whatever this process did before.
+    PlanRequest(strategy=strategy, options=dict(strategy_options), framework=framework, limit=limit).strategy_options(
+        get_strategy(strategy))
     asked = dict(strategy=strategy, framework=framework, memory=memory, reserve=reserve, limit=limit,
                  overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, **strategy_options)
     earlier = session.state.options
@@ -161,14 +134,13 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
             + "; ".join(f"{k}={old!r} then {new!r}" for k, (old, new) in changed.items())
             + ". A process applies one plan (the framework keeps the first configuration); call init() once, "
             "first, with the options you want (distmem.reset() exists for tests only)")
+    fw = detect_framework(framework)
     fw_adapter = adapter(fw)
     # Read before planning (the estimator may build a model): what the framework started on its own.
     live = None if session.was_reset else fw_adapter.started()
-    if options.get("overhead") in ("measure", "auto"):
-        options["overhead"] = _measured_overhead(fw, options["overhead"])
-    plan = plan_from_env(strategy, fleet=fleet, **options)
+    plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, strategy_options))
     inv = session.state.inventory
-    assert inv is not None  # set by plan_from_env
+    assert inv is not None  # set by _planned
     plan.warnings.extend(foreign_warnings(plan, inv, os.getpid()))
     if enforce == "native":
         from .apply import native
@@ -224,13 +196,15 @@ def snapshot(step: Optional[int] = None) -> Snapshot:
 
 
 def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detail: str = "full",
-           step: Optional[int] = None, print_table: bool = True) -> Optional[Report]:
+           step: Optional[int] = None, print_table: bool = True, snapshot: Optional[Snapshot] = None) -> Optional[Report]:
     """Collective: every rank calls it; rank 0 gets the job's Report, prints the table and writes JSON
     to ``path`` (or ``DISTMEM_REPORT``); the other ranks get None.
 
     ``timeout`` (seconds, default ``DISTMEM_TIMEOUT`` or 60) bounds the wait for other ranks; ranks
     that do not arrive are listed as missing. ``detail="summary"`` reduces a fixed-size vector with
-    all-reduce instead of gathering every row, for jobs of thousands of ranks.
+    all-reduce instead of gathering every row, for jobs of thousands of ranks. ``snapshot``: report
+    this rank's snapshot taken earlier (:func:`snapshot`, e.g. at a step's peak) instead of one
+    taken now; reporting one snapshot in both details gives figures that agree to the byte.
     """
     from .report.collect import collect  # the one gather path (it validates detail), shared with periodic reports
     from .report.sinks import print_report, write_json
@@ -239,7 +213,7 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
     if path and os.path.isdir(path):
         raise ConfigError(f"report path {path!r} is a folder; give a file name such as "
                           f"{os.path.join(path, 'report.json')!r} (checked on every rank, before the collective)")
-    rep = collect(step=step, timeout=timeout, detail=detail)
+    rep = collect(step=step, timeout=timeout, detail=detail, snapshot=snapshot)
     if rep is None:
         return None
     if not rep.timeline and session.state.extra.get("timeline"):

@@ -1,8 +1,8 @@
 """The numbers a plan assumes when the user does not say, each with where it comes from. A leaf."""
 from __future__ import annotations
 
-__all__ = ["OVERHEAD_BYTES", "RESERVE", "HEADROOM", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
-           "headroom_for", "MIN_LIMIT_BYTES"]
+__all__ = ["OVERHEAD_BYTES", "RESERVE", "LIMIT_HEADROOM", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
+           "headroom", "MIN_LIMIT_BYTES", "MAX_LIMIT_BYTES"]
 
 _MiB = 1024**2
 
@@ -15,8 +15,13 @@ OVERHEAD_BYTES = 768 * _MiB
 #: Kept free on every GPU for the driver and for fragmentation between processes' pools.
 RESERVE = "256MiB"
 
-#: Headroom added to a computed demand (pipeline stages, model groups) when none is given.
-HEADROOM = "5%"
+#: Headroom a hard limit derived from an allocator peak needs (pipeline stages, model groups, the
+#: layouts ``fit`` and ``strategy="auto"`` choose). A capped allocator frees its cache and retries
+#: before it fails, so the limit covers the peak plus fragmentation, not the cache an unconstrained
+#: one keeps. Measured on an H200 for torch (bench/results/fit_h200.json: the smallest limit each
+#: workload ran under without an OOM); TensorFlow's BFC allocator coalesces and rounds to 256 B,
+#: so the same figure is kept for it (not measured on a GPU: the GPU machine has no TensorFlow).
+LIMIT_HEADROOM = 0.10
 
 #: torch's caching allocator keeps freed blocks reserved; after one Adam step of eight torchvision
 #: models at batch 32 on an H200, reserved ran 7% to 52% above the allocated peak. A footprint must
@@ -32,6 +37,16 @@ TF_GPU_ALLOCATOR_HEADROOM = 0.10
 MIN_LIMIT_BYTES = 1 * _MiB
 
 
-def headroom_for(framework: str) -> float:
-    """The allocator-cache headroom a limit derived from allocator peaks needs under ``framework``."""
+#: The largest limit, reserve or budget anything may carry: 2**63 - 1 bytes (what a signed 64-bit
+#: counter holds; no GPU comes near it).
+MAX_LIMIT_BYTES = 2**63 - 1
+
+
+def headroom(framework: str, enforced: bool = True) -> float:
+    """The headroom (a ratio of the demand) a limit derived from an allocator peak gets when none is
+    given: :data:`LIMIT_HEADROOM` under a hard limit; a budget that is not enforced (memory growth)
+    must also hold the cache an unconstrained allocator keeps (:data:`TORCH_CACHE_HEADROOM` for
+    torch, :data:`TF_GPU_ALLOCATOR_HEADROOM` otherwise). The one place every door reads it."""
+    if enforced:
+        return LIMIT_HEADROOM
     return TORCH_CACHE_HEADROOM if framework == "torch" else TF_GPU_ALLOCATOR_HEADROOM

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
-from distmem.plan.tenants import tenant_table  # noqa: E402
+from distmem.plan.strategies.tenants import tenant_table  # noqa: E402
 
 
 def parse_args():

@@ -111,7 +111,7 @@ def main():
     rep = distmem.report(path=args.report, timeout=args.timeout)  # collective: every rank calls it
     if rep is not None:
         if args.mirrored:
-            from distmem.plan.tenants import tenant_table
+            from distmem.plan.strategies.tenants import tenant_table
 
             usage = {}
             for t in plan.extras["tenants"]:

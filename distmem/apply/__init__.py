@@ -9,11 +9,10 @@ dry runs), found through the registry:
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+from ..discover import runtime
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -107,6 +106,7 @@ def register(name: str, factory: Callable[[], Any]) -> None:
     """Add (or replace) the adapter for framework ``name``; ``factory()`` builds it on first use."""
     _REGISTRY[name] = factory
     _LOADED.pop(name, None)
+    runtime.add_framework(name)
 
 
 def adapter(name: str) -> Any:
@@ -119,17 +119,6 @@ def adapter(name: str) -> Any:
 
 
 def detect_framework(explicit: Optional[str] = None) -> str:
-    """The framework to configure: the explicit choice, else one already imported, else installed."""
-    if explicit is not None:
-        name = {"tf": "tensorflow", "pytorch": "torch", "keras": "tensorflow"}.get(explicit, explicit)
-        if name not in _REGISTRY:
-            raise ConfigError(f"framework={explicit!r} is not one of {', '.join(_REGISTRY)}")
-        return name
-    for mod, name in (("tensorflow", "tensorflow"), ("horovod.tensorflow", "tensorflow"), ("keras", "tensorflow"),
-                      ("torch", "torch"), ("horovod.torch", "torch")):
-        if mod in sys.modules:
-            return name
-    for name in ("tensorflow", "torch"):
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return "none"
+    """The framework to configure: the explicit choice, else one already imported, else installed
+    (:func:`distmem.discover.runtime.detect_framework`, the one detector every door uses)."""
+    return runtime.detect_framework(explicit)

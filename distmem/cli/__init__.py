@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 from typing import List, Optional
 
@@ -42,7 +43,10 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
             except ImportError as exc:
                 p.set_defaults(_error=f"'distmem {name}' is not available: {exc}")
                 continue
-            mod.add_arguments(p)
+            if len(inspect.signature(mod.add_arguments).parameters) > 1:
+                mod.add_arguments(p, argv[1:])  # its options depend on the words given (distmem plan --strategy X)
+            else:
+                mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
     return parser
 

@@ -23,14 +23,19 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from .. import settings
 from ..errors import DistmemError
+from ..plan import JobLayout, PlanRequest
 from ..units import format_bytes, plural
+from .request_args import add_request_arguments, request_from_args
 
 __all__ = ["add_arguments", "run", "diagnose", "Diagnosis", "probe_horovod", "horovod_problems", "LAUNCHERS"]
 
+#: Seconds doctor waits for the other ranks of its host (when they run doctor too) before it plans
+#: as if they saw its GPUs.
+DOCTOR_EXCHANGE_SECONDS = 5.0
 LAUNCHERS = ("auto", "none", "mpirun", "horovodrun-gloo", "horovodrun-mpi", "mpich", "slurm", "torchrun",
              "tf-config")
 _PACKAGES = ("tensorflow", "tensorflow-cpu", "keras", "tf-keras", "torch", "horovod", "mpi4py", "nvidia-ml-py",
@@ -60,14 +65,8 @@ print("DISTMEM_PROBE " + json.dumps(out))
 """
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--strategy", default="data", choices=["data", "pipeline", "model", "tenants"],
-                   help="the strategy init() would use (default data); pipeline/model/tenants need their options "
-                        "in DISTMEM_* or are reported as not checked")
-    p.add_argument("--ranks", type=int, default=None, help="check a node running this many ranks (default: the "
-                                                           "launcher's local size, or 1)")
-    p.add_argument("--fleet", default=None, help="declared GPUs when NVML finds none, e.g. 4x80GiB "
-                                                 "(default DISTMEM_FLEET)")
+def add_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> None:
+    add_request_arguments(p, argv)
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                    help="check against this launcher instead of the detected one (e.g. before horovodrun --gloo)")
     p.add_argument("--no-horovod-probe", action="store_true", help="skip the Horovod build-flag subprocess")
@@ -159,13 +158,15 @@ def _process_name(pid: int) -> str:
 
 def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optional[str] = None,
              launcher: str = "auto", env: Optional[Mapping[str, str]] = None,
-             probe: Optional[Callable[[], Dict[str, Any]]] = probe_horovod) -> Diagnosis:
-    """Everything doctor reports, as data. ``probe`` returns Horovod's flags (None skips it)."""
+             probe: Optional[Callable[[], Dict[str, Any]]] = probe_horovod,
+             request: Optional[PlanRequest] = None, options: Optional[Dict[str, Any]] = None) -> Diagnosis:
+    """Everything doctor reports, as data. ``probe`` returns Horovod's flags (None skips it).
+    ``request``: the plan request to check (``distmem doctor``'s flags); else ``strategy`` with
+    ``options``, ``fleet`` and, with ``ranks``, a declared host of that many ranks."""
     from .. import __version__
     from ..comm import mpi_launched
-    from ..discover.gpus import fleet_inventory, inventory, nvml_available
+    from ..discover.gpus import inventory, nvml_available
     from ..apply import detect_framework
-    from ..plan import make_plan
     from ..discover.identity import Topology, from_env, launcher_of
 
     env = dict(os.environ if env is None else env)
@@ -244,36 +245,29 @@ def diagnose(strategy: str = "data", ranks: Optional[int] = None, fleet: Optiona
                            "distmem itself still gathers with mpi4py")
         if hv.get("error"):
             d.notes.append(f"Horovod probe: {hv['error']}")
-    # The plan init() would compute.
-    fleet = fleet or settings.fleet(env)
-    plan_inv = inv if (inv is not None and inv.gpus) else None
-    if plan_inv is None and fleet:
-        try:
-            plan_inv = fleet_inventory(fleet)
-        except DistmemError as exc:
-            d.problems.append(f"DISTMEM_FLEET / --fleet: {exc}")
-    if plan_inv is None and inv is not None:
-        plan_inv = inv
-    if ranks is not None:
-        if ranks < 1:
-            d.problems.append(f"--ranks {ranks}: give at least 1 rank")
-            ranks = None
-        else:
-            topo = Topology(rank=0, size=ranks, local_rank=0, local_size=ranks, host=topo.host, source="doctor --ranks",
-                            launcher=used)
-    if plan_inv is not None:
-        try:
-            plan = make_plan(strategy, topo, plan_inv)
-            d.facts["plan"] = {"summary": plan.summary(), "warnings": list(plan.warnings),
-                               "fingerprint": plan.fingerprint(), "source": plan.source}
-            d.notes += [f"plan: {w}" for w in plan.warnings]
-            if not plan_inv.gpus:
-                d.notes.append("no GPU found and no fleet declared: init() runs in CPU mode (pass --fleet 4x80GiB or "
-                               "set DISTMEM_FLEET to check a plan for a GPU node)")
-        except DistmemError as exc:
-            d.problems.append(f"init(strategy={strategy!r}) would fail on {plural(topo.local_size, 'rank')} per node: {exc}")
-        except TypeError as exc:
-            d.notes.append(f"plan for strategy {strategy!r} not checked: it needs options doctor does not have ({exc})")
+    # The plan init() would compute: the same request, from the same environment.
+    req = request
+    if req is None:
+        job = JobLayout.declare(ranks=ranks, fleet=fleet or settings.fleet(env)) if ranks is not None else None
+        req = PlanRequest(strategy=strategy, options=dict(options or {}), fleet=fleet, env=env, job=job)
+    if req.job is None:
+        # The host's other ranks may not run doctor: wait a little, unless DISTMEM_LAYOUT_TIMEOUT says how long.
+        given = settings.raw("DISTMEM_LAYOUT_TIMEOUT", env) is not None
+        req.exchange_timeout = settings.layout_timeout(env) if given else DOCTOR_EXCHANGE_SECONDS
+        req.assume_on_timeout = True
+    try:
+        plan = req.plan()
+        d.facts["plan"] = {"summary": plan.summary(), "warnings": list(plan.warnings),
+                           "fingerprint": plan.fingerprint(), "source": plan.source,
+                           "allocations": [a.to_dict() for a in plan.allocations]}
+        d.notes += [f"plan: {w}" for w in plan.warnings] + list(req.notes)
+        if not any(a.devices for a in plan.allocations):
+            d.notes.append("no GPU found and no fleet declared: init() runs in CPU mode (pass --fleet 4x80GiB or "
+                           "set DISTMEM_FLEET to check a plan for a GPU node)")
+    except DistmemError as exc:
+        where = (f"{plural(req.job.size, 'rank')} on {plural(len(req.job.hosts), 'host')}" if req.job is not None
+                 else f"rank {topo.rank} of {topo.size}")
+        d.problems.append(f"init(strategy={req.strategy!r}) would fail for {where}: {exc}")
     return d
 
 
@@ -285,14 +279,11 @@ def stray_contexts(inv: Any, host: str, directory: Optional[str] = None) -> List
     """Processes of a running distmem job on this host (known from the layout exchange) that NVML
     shows on a GPU their plan did not give them: rank, pid, GPU, bytes, and the GPU planned."""
     from ..discover.layout import live_layouts
-    from ..plan.common import places
-    from ..discover.identity import Topology
+    from ..plan.places import places
 
     out: List[Dict[str, Any]] = []
     for key, layout in live_layouts(host, directory).items():
-        topo = Topology(rank=layout.views[0].rank, size=max(layout.world_size, len(layout.views)),
-                        local_size=len(layout.views), host=host)
-        planned = {p.rank: p.gpu.uuid if p.gpu is not None else None for p in places(topo, inv, layout)}
+        planned = {p.rank: p.gpu.uuid if p.gpu is not None else None for p in places(layout)}
         pid_rank = {v.pid: v.rank for v in layout.views}
         for g in inv.gpus:
             for pid, used in g.holders().items():
@@ -366,11 +357,14 @@ def _print(d: Diagnosis) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    d = diagnose(strategy=args.strategy, ranks=args.ranks, fleet=args.fleet, launcher=args.launcher,
+    declared = any(getattr(args, k, None) is not None for k in ("ranks", "ranks_per_host", "hosts"))
+    request = request_from_args(args, job=declared)
+    d = diagnose(strategy=args.strategy, fleet=args.gpus, launcher=args.launcher, request=request,
                  probe=None if args.no_horovod_probe else probe_horovod)
     if args.json:
-        json.dump(d.to_dict(), sys.stdout, indent=1, default=str)
-        sys.stdout.write("\n")
+        # One write: under a launcher that tags each write (horovodrun), many small ones shred the document.
+        sys.stdout.write(json.dumps(d.to_dict(), indent=1, default=str) + "\n")
+        sys.stdout.flush()
     else:
         _print(d)
     return 1 if d.problems else 0

@@ -12,6 +12,8 @@ import sys
 import warnings
 from typing import Any, Dict, List, Optional
 
+from .. import defaults, settings
+from ..discover.runtime import FRAMEWORK_ALIASES, FRAMEWORKS
 from ..errors import ConfigError
 
 __all__ = ["add_arguments", "run", "main"]
@@ -26,6 +28,15 @@ def _ints(text: Optional[str], what: str) -> Optional[List[int]]:
         raise ConfigError(f"--{what} {text!r}: give whole numbers separated by commas, e.g. 1,2,4") from None
 
 
+def _overhead(given: Optional[str]) -> Optional[str]:
+    """--overhead, else DISTMEM_OVERHEAD; ``auto`` (and no value) lets fit model it per layout."""
+    value = given if given is not None else settings.overhead()
+    if value == "measure":
+        raise ConfigError("--overhead measure probes a GPU in init(); distmem fit models the overhead per layout: "
+                          "give a size (768MiB) or auto")
+    return None if value in (None, "auto") else value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``distmem fit``'s options to ``p``."""
     src = p.add_mutually_exclusive_group(required=True)
@@ -36,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers-batch-size", type=int, default=1, help="the batch --layers was measured at (default 1)")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, whole job")
     p.add_argument("--gpus", required=True, help="GPUs of each host, e.g. 8x80GiB or 4x80GiB,4x40GiB")
-    p.add_argument("--hosts", type=int, default=1, help="hosts with --gpus each (default 1)")
-    p.add_argument("--framework", choices=["torch", "tensorflow"], default=None,
+    p.add_argument("--hosts", type=int, default=None,
+                   help="hosts with --gpus each (default 1; a per-host fleet a=...;b=... names its hosts)")
+    p.add_argument("--framework", choices=FRAMEWORKS + sorted(FRAMEWORK_ALIASES), default=None,
                    help="whose allocator and overhead to model (default: the model's)")
     p.add_argument("--precision", default="auto",
                    help="auto (tries fp32 and bf16), float32, mixed_bfloat16 or mixed_float16")
@@ -49,13 +61,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-gpu", default="1,2", help="ranks sharing one GPU to try (default 1,2)")
     p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
                    help="activation recomputation in pipelines (default: try both)")
-    p.add_argument("--headroom", type=float, default=None,
-                   help="allocator margin over its peak under a hard limit, a ratio (default 0.10)")
-    p.add_argument("--reserve", default="256MiB", help="kept free on every GPU (default 256MiB)")
+    p.add_argument("--headroom", default=None,
+                   help="allocator margin over its peak under a hard limit: 10%% or 0.1 (default 10%%)")
+    p.add_argument("--reserve", default=None, help="kept free on every GPU (default 256MiB)")
     p.add_argument("--overhead", default=None,
                    help="memory outside the allocator per process (default: modelled per layout, NCCL included)")
     p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
     p.add_argument("--nccl-buffsize", default=None, help="NCCL_BUFFSIZE the job runs with (default NCCL's 4 MiB)")
+    p.add_argument("--ranks-per-host", type=int, default=None,
+                   help="ranks each host already runs (what strategy='auto' searches for a launched job); default: "
+                        "every layout that keeps the GPUs busy")
+    p.add_argument("--memory", default=None, choices=["auto", "growth", "limit"],
+                   help="how limits are applied (default DISTMEM_MEMORY, else auto): under growth the default "
+                        "headroom also holds torch's cache")
     p.add_argument("--top", type=int, default=10, help="layouts that fit to list (default 10)")
     p.add_argument("--rejected", type=int, default=5, help="best rejected layouts to list (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
@@ -64,8 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
     if args.global_batch_size < 1:
         raise ConfigError(f"--global-batch-size {args.global_batch_size}: give the samples per step, at least 1")
-    if args.hosts < 1:
-        raise ConfigError(f"--hosts {args.hosts}: at least one host")
+    if args.hosts is not None and args.hosts < 1:
+        raise ConfigError(f"--hosts {args.hosts}: give at least one host")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: list at least one layout that fits (default 10)")
+    if args.rejected < 0:
+        raise ConfigError(f"--rejected {args.rejected}: give 0 or more rejected layouts to list (default 5)")
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     opts: Dict[str, Any] = dict(global_batch_size=args.global_batch_size, gpus=args.gpus, hosts=args.hosts,
                                 framework=args.framework, precision=args.precision, optimizer=args.optimizer,
@@ -73,16 +95,14 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
                                 micro_batches=_ints(args.micro_batches, "micro-batches"),
                                 ranks_per_gpu=_ints(args.ranks_per_gpu, "ranks-per-gpu"),
                                 recompute={"auto": "auto", "on": True, "off": False}[args.recompute],
-                                headroom=args.headroom, reserve=args.reserve, overhead=args.overhead,
+                                headroom=args.headroom, reserve=args.reserve if args.reserve is not None else
+                                defaults.RESERVE, overhead=_overhead(args.overhead), memory=args.memory or settings.memory(),
                                 foreign=args.foreign, nccl_buffsize=args.nccl_buffsize, top=args.top,
-                                rejected=args.rejected)
+                                rejected=args.rejected, fixed_local_size=args.ranks_per_host)
     if args.layers:
-        try:
-            with open(args.layers, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--layers {args.layers}: cannot read a JSON list of layer costs ({exc})") from None
-        opts["layers"] = data["layers"] if isinstance(data, dict) and "layers" in data else data
+        from ..plan.strategies.text import layers_file
+
+        opts["layers"] = layers_file(args.layers)
         opts["layers_batch_size"] = args.layers_batch_size
         opts["name"] = args.layers
     else:

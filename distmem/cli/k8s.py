@@ -41,7 +41,7 @@ _DEFAULTS = {"k8s_sharing": "whole", "k8s_name": "distmem-train", "k8s_image": "
              "k8s_host_memory": None}
 
 
-def _node_ranks(plan: Plan) -> Dict[str, List[Any]]:
+def _host_ranks(plan: Plan) -> Dict[str, List[Any]]:
     nodes: Dict[str, List[Any]] = {}
     for a in plan.allocations:
         nodes.setdefault(a.host, []).append(a)
@@ -73,11 +73,22 @@ def manifests(plan: Plan, *, sharing: str = "whole", name: str = "distmem-train"
         raise ConfigError(f"--k8s-sharing {sharing!r} is not one of {', '.join(SHARING_MODES)}")
     if not timeout or int(timeout) <= 0:
         raise ConfigError(f"--k8s-timeout {timeout!r}: the MPIJob needs a positive hard deadline in seconds")
-    nodes = _node_ranks(plan)
+    nodes = _host_ranks(plan)
     per_host = len(next(iter(nodes.values())))
     if any(len(v) != per_host for v in nodes.values()):
-        raise ConfigError(f"nodes run different numbers of ranks ({ {k: len(v) for k, v in nodes.items()} }); an "
-                          "MPIJob gives every worker the same slots")
+        raise ConfigError(f"hosts run different numbers of ranks ({', '.join(f'{k}: {len(v)}' for k, v in nodes.items())});"
+                          " an MPIJob gives every worker the same slots: give every host the same ranks")
+    # An MPIJob has one worker template: every pod it makes must be right for the rank it holds.
+    host_gpus = {h: len(_gpus_of(v)) for h, v in nodes.items()}
+    if len(set(host_gpus.values())) > 1:
+        raise ConfigError(f"hosts use different numbers of GPUs ({', '.join(f'{h}: {n}' for h, n in host_gpus.items())});"
+                          " an MPIJob gives every worker the same template: emit one MPIJob per kind of host")
+    limits_seen = sorted({a.limit_bytes for a in plan.allocations if a.devices})
+    if sharing != "whole" and len(limits_seen) > 1:
+        by = ", ".join(f"rank {a.rank}: {_limit_env(a.limit_bytes or 0)}" for a in plan.allocations[:8])
+        raise ConfigError(f"--k8s-sharing {sharing} makes one pod per rank from one template, but the plan gives "
+                          f"ranks different limits ({by}); a pod on a smaller GPU would get a larger rank's limit: "
+                          "emit one MPIJob per kind of host (--gpus with one size), or use --k8s-sharing whole")
     has_gpus = any(a.devices for a in plan.allocations)
     if sharing != "whole" and not has_gpus:
         raise ConfigError(f"--k8s-sharing {sharing} shares GPUs, but this plan has none (devices from {plan.source}); "

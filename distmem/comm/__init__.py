@@ -11,10 +11,10 @@ one process.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Optional
 
 from .. import settings
+from ..discover import runtime
 from ..errors import ConfigError
 from .base import (REDUCE_OPS, Comm, CommFlags, FlagReducer, SingleComm, SingleFlags, check_op, mpi_launched,
                    reduce_rows, resolve_timeout)
@@ -50,23 +50,6 @@ def set_comm(comm: Optional[Comm]) -> None:
     _current["comm"] = comm
 
 
-def _initialised_horovod() -> Any:
-    for name in ("horovod.tensorflow", "horovod.torch"):
-        hvd = sys.modules.get(name)
-        if hvd is not None:
-            try:
-                if hvd.is_initialized():
-                    return hvd
-            except Exception:  # noqa: BLE001
-                continue
-    return None
-
-
-def _initialised_torch_dist() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return bool(dist is not None and dist.is_available() and dist.is_initialized())
-
-
 def get_comm() -> Comm:
     """The transport for this process, detected once and cached."""
     if _current["comm"] is not None:
@@ -82,12 +65,12 @@ def get_comm() -> Comm:
         else:
             _current["comm"] = comm
             return comm
-    hvd = _initialised_horovod()
+    hvd = runtime.horovod()
     if hvd is not None:
         from .horovod import HorovodComm
 
         comm = HorovodComm(hvd)
-    elif _initialised_torch_dist():
+    elif runtime.torch_distributed() is not None:
         from .torch_dist import TorchDistComm
 
         comm = TorchDistComm()

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..errors import ConfigError
+from . import runtime
 
 __all__ = ["Topology", "detect", "from_env", "launcher_of", "host_name", "job_key", "LAUNCHER_ORDER",
            "slurm_tasks_on_node"]
@@ -245,22 +245,19 @@ def from_env(env: Mapping[str, str] = os.environ, host: Optional[str] = None) ->
 
 
 def _from_horovod(env: Mapping[str, str]) -> Optional[Topology]:
-    for name in ("horovod.tensorflow", "horovod.torch", "horovod.keras", "horovod.tensorflow.keras"):
-        hvd = sys.modules.get(name)
-        if hvd is None:
-            continue
-        try:
-            if hvd.is_initialized():
-                return Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(),
-                                host_name(env), "horovod", launcher_of(env))
-        except Exception:  # noqa: BLE001 - an uninitialised or broken Horovod is "not Horovod"
-            continue
-    return None
+    hvd = runtime.horovod()
+    if hvd is None:
+        return None
+    try:
+        return Topology(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), host_name(env), "horovod",
+                        launcher_of(env))
+    except Exception:  # noqa: BLE001 - a Horovod that cannot answer is "not Horovod"
+        return None
 
 
 def _from_mpi4py() -> Optional[Topology]:
-    mpi_mod = sys.modules.get("mpi4py.MPI")
-    if mpi_mod is None or not mpi_mod.Is_initialized() or mpi_mod.Is_finalized():
+    mpi_mod = runtime.mpi()
+    if mpi_mod is None:
         return None
     comm = mpi_mod.COMM_WORLD
     local = comm.Split_type(mpi_mod.COMM_TYPE_SHARED, key=comm.Get_rank())

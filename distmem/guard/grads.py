@@ -7,10 +7,10 @@ after every rank reported OK, so these are the frameworks' ordinary blocking col
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..comm import Comm, MPIComm, SingleComm, get_comm
+from ..discover import runtime
 from ..errors import ConfigError
 
 __all__ = ["gradient_reducer", "Reducer", "kind_of"]
@@ -26,22 +26,6 @@ def kind_of(value: Any) -> str:
     if mod.startswith("tensorflow") or mod.startswith("keras"):
         return "tensorflow"
     return "numpy"
-
-
-def _horovod(kind: str) -> Any:
-    name = {"torch": "horovod.torch", "tensorflow": "horovod.tensorflow"}.get(kind)
-    hvd = sys.modules.get(name) if name else None
-    try:
-        return hvd if hvd is not None and hvd.is_initialized() else None
-    except Exception:  # noqa: BLE001 - a half-imported Horovod is no transport
-        return None
-
-
-def _torch_dist() -> Any:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist
-    return None
 
 
 def _dense(g: Any) -> Any:
@@ -155,11 +139,12 @@ def gradient_reducer(comm: Optional[Comm] = None, sample: Optional[Sequence[Any]
     kind = kind_of(present[0]) if present else "numpy"
     if c.size == 1:
         return lambda grads: list(grads)
-    hvd = _horovod(kind)
+    hvd = runtime.horovod(kind) if kind in ("torch", "tensorflow") else None
     if hvd is not None:
         return _hvd_reducer(hvd)
-    if kind == "torch" and _torch_dist() is not None:
-        return _torch_dist_reducer(_torch_dist())
+    dist = runtime.torch_distributed() if kind == "torch" else None
+    if dist is not None:
+        return _torch_dist_reducer(dist)
     if isinstance(c, MPIComm):
         return _mpi_reducer(c)
     if isinstance(c, SingleComm):

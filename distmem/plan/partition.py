@@ -35,7 +35,7 @@ import numpy as np
 
 from ..costs import LayerCost
 from ..errors import ConfigError
-from ..units import format_bytes
+from ..units import format_bytes, parse_bytes
 
 __all__ = ["SCHEDULES", "in_flight", "StageDemand", "Partition", "solve", "stage_demands",
            "partition_pipeline", "partition_model", "partition_plain", "lower_bound", "bounds_from_cuts",
@@ -170,23 +170,39 @@ class Partition:
                 **self.info}
 
 
-def layers_from_dicts(items: Sequence[Any]) -> List[LayerCost]:
-    """Accept LayerCost objects or dicts with LayerCost's fields (JSON files, the CLI's ``--layers``)."""
+def layers_from_dicts(items: Sequence[Any], what: str = "layers") -> List[LayerCost]:
+    """Accept LayerCost objects or dicts with LayerCost's fields (JSON files, the CLI's ``--layers``,
+    the rows ``distmem estimate --per-layer --json`` writes). Byte figures may be integers or sizes
+    (``"1GiB"``); anything else is a ConfigError naming the layer, the field and the value."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise ConfigError(f"{what}: expected a list of layer costs, got {type(items).__name__} {items!r}")
     out: List[LayerCost] = []
     for k, item in enumerate(items):
         if isinstance(item, LayerCost):
             out.append(item)
             continue
         if not isinstance(item, dict):
-            raise ConfigError(f"layer {k}: expected a LayerCost or a dict with name, state_bytes, "
+            raise ConfigError(f"{what}: layer {k}: expected a LayerCost or a dict with name, state_bytes, "
                               f"activation_bytes, output_bytes; got {type(item).__name__}")
+        name = str(item.get("name", f"layer_{k}"))
         missing = [f for f in ("state_bytes", "activation_bytes") if f not in item]
         if missing:
-            raise ConfigError(f"layer {k} ({item.get('name', '?')}): missing {', '.join(missing)}; each layer "
-                              "needs state_bytes (weights+grads+optimizer) and activation_bytes (one micro-batch)")
-        known = {f: item[f] for f in ("name", "state_bytes", "activation_bytes", "output_bytes", "params", "kind")
-                 if f in item}
-        known.setdefault("name", f"layer_{k}")
+            raise ConfigError(f"{what}: layer {k} ({name}): missing {', '.join(missing)}; each layer needs "
+                              "state_bytes (weights+grads+optimizer) and activation_bytes (one micro-batch)")
+        known: Dict[str, Any] = {"name": name}
+        for f in ("state_bytes", "activation_bytes", "output_bytes"):
+            if f in item:
+                try:
+                    known[f] = parse_bytes(item[f], what=f"{what}: layer {k} ({name}) {f}")
+                except ConfigError as exc:
+                    raise ConfigError(f"{exc}; give bytes as a whole number or a size such as '1GiB'") from None
+        if "params" in item:
+            params = item["params"]
+            if isinstance(params, bool) or not isinstance(params, int) or params < 0:
+                raise ConfigError(f"{what}: layer {k} ({name}) params={params!r}: give a whole number >= 0")
+            known["params"] = params
+        if "kind" in item:
+            known["kind"] = str(item["kind"])
         out.append(LayerCost(**known))
     return out
 

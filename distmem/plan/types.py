@@ -58,6 +58,8 @@ class Allocation:
     demand_bytes: Optional[int] = None
     breakdown: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: The headroom ratio the limit was derived with (pipeline stages, layer groups), as stated.
+    headroom: Optional[float] = None
 
     @property
     def limit_bytes(self) -> Optional[int]:
@@ -83,7 +85,9 @@ class Allocation:
             how = "hard limit" if d.enforce else "growth, budget"
             lab = f" [{d.label}]" if d.label else ""
             # A limit above the demand says by how much (a pipeline stage's headroom for the allocator's cache).
-            derived = (f" ({format_bytes(self.demand_bytes)} + {head / self.demand_bytes:.0%} headroom)"
+            ratio = self.headroom if self.headroom is not None else (head / self.demand_bytes if head and
+                                                                      self.demand_bytes else 0)
+            derived = (f" ({format_bytes(self.demand_bytes)} + {ratio:.0%} headroom)"
                        if head and self.demand_bytes and len(self.devices) == 1 else "")
             parts.append(f"GPU {d.index}{lab} {how} {format_bytes(d.planned_bytes)}{derived}"
                          + (f" shared by {d.shared_by}" if d.shared_by > 1 else ""))

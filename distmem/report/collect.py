@@ -17,20 +17,22 @@ __all__ = ["collect", "DETAILS"]
 DETAILS = ("full", "summary")
 
 
-def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail: str = "full") -> Optional[Report]:
-    """Collective: gather (``"full"``) or all-reduce (``"summary"``) every rank's snapshot; rank 0 gets
-    the Report, the others None. Prints and writes nothing."""
+def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail: str = "full",
+            snapshot: Optional[Snapshot] = None) -> Optional[Report]:
+    """Collective: gather (``"full"``) or all-reduce (``"summary"``) every rank's snapshot - ``snapshot``
+    when given (one taken earlier: both details see the same figures), else one taken now; rank 0
+    gets the Report, the others None. Prints and writes nothing."""
     if detail not in DETAILS:
         raise ConfigError(f"detail={detail!r} is not 'full' or 'summary'")
     timeout = resolve_timeout(timeout)
     c = get_comm()
     if detail == "summary":
-        return summary_report(take(step), c, timeout)
+        return summary_report(snapshot if snapshot is not None else take(step), c, timeout)
     t0 = time.monotonic()
     if c.rank != 0:  # the row alone: no Snapshot to build and convert on the sending ranks
-        c.gather(take_row(step), 0, timeout)
+        c.gather(snapshot.to_dict() if snapshot is not None else take_row(step), 0, timeout)
         return None
-    snap = take(step)
+    snap = snapshot if snapshot is not None else take(step)
     rows, missing = c.gather(snap.to_dict(), 0, timeout)
     if rows is None:
         return None

@@ -92,7 +92,7 @@ def test_overhead_auto_uses_the_outside_model_and_counts_nccl(monkeypatch):
     plain = distmem.init(framework="torch", overhead="auto", fleet="1x16GiB").overhead_bytes
     assert plain == outside_allocator_bytes("torch") and plain != 768 * 1024**2
     distmem.reset()
-    monkeypatch.setattr(api, "_nccl_communicators", lambda: 1)
+    monkeypatch.setattr(api.runtime, "nccl_communicators", lambda: 1)
     nccl = distmem.init(framework="torch", overhead="auto", fleet="1x16GiB").overhead_bytes
     assert nccl == outside_allocator_bytes("torch", nccl_communicators=1) > plain + 256 * 1024**2
     distmem.reset()

@@ -6,27 +6,42 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ...discover.gpus import Gpu, Inventory, fleet_inventory
+from ...discover.gpus import Gpu, Inventory, fleet_hosts, fleet_inventory
 from ...errors import ConfigError
 from .costs import Costs, EstimateCosts, LayerListCosts
 from .evaluate import Candidate, StageFit, nccl_communicators_of
-from .solve import DEFAULT_FIT_HEADROOM, PRECISION_CHOICES, FitResult, precision_choices, solve_fit
+from .solve import PRECISION_CHOICES, FitResult, precision_choices, solve_fit
 from .space import ParallelLayout
 
 __all__ = ["fit", "fit_without_costs", "costs_from_model", "solve_fit", "FitResult", "Candidate", "StageFit",
-           "ParallelLayout", "Costs", "EstimateCosts", "LayerListCosts", "DEFAULT_FIT_HEADROOM", "PRECISION_CHOICES",
+           "ParallelLayout", "Costs", "EstimateCosts", "LayerListCosts", "PRECISION_CHOICES",
            "nccl_communicators_of"]
 
 
-def _gpus_of(gpus: Any) -> Tuple[List[Gpu], str]:
+def _gpus_of(gpus: Any, hosts: Optional[int]) -> Tuple[List[Gpu], str, int]:
+    """(one host's GPUs to hold layouts against, the fleet's name, the number of hosts). A per-host
+    fleet (``a=2x80GiB;b=2x40GiB``) holds every GPU position to its smallest across the hosts
+    (:func:`distmem.plan.request.worst_host`), so a layout that fits fits every host."""
+    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1):
+        raise ConfigError(f"hosts={hosts!r}: give a whole number of hosts >= 1")
     if isinstance(gpus, Inventory):
-        return list(gpus.gpus), gpus.source
-    if isinstance(gpus, str):
-        inv = fleet_inventory(gpus)
-        return list(inv.gpus), gpus
+        return list(gpus.gpus), gpus.source, hosts or 1
     if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(g, Gpu) for g in gpus):
-        return list(gpus), "gpus"
-    raise ConfigError(f"gpus={gpus!r}: give a fleet such as '8x80GiB' (per host) or an Inventory")
+        return list(gpus), "gpus", hosts or 1
+    if not isinstance(gpus, str):
+        raise ConfigError(f"gpus={gpus!r}: give a fleet such as '8x80GiB' (per host) or an Inventory")
+    from ..request import job_hosts, worst_host
+
+    parts = fleet_hosts(gpus, "gpus")
+    named = [h for h in parts if h != "*"]
+    if not named:
+        return list(fleet_inventory(gpus, what="gpus").gpus), gpus, hosts or 1
+    count = hosts if hosts is not None else len(named)
+    if count > len(named) and "*" not in parts:
+        raise ConfigError(f"--hosts {count} but the fleet {gpus!r} declares {len(named)} host(s) ({', '.join(named)}) "
+                          "and no default; add *=COUNTxSIZE for the others or name every host")
+    names = job_hosts(gpus, count)
+    return worst_host([list(fleet_inventory(gpus, h, what="gpus").gpus) for h in names]), gpus, count
 
 
 def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = "adam", input_shape: Any = None,
@@ -48,7 +63,7 @@ def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = 
     return out
 
 
-def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: int = 1,
+def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional[int] = None,
         framework: Optional[str] = None, precision: Any = "auto", optimizer: Any = "adam",
         input_shape: Any = None, layers: Optional[Sequence[Any]] = None, layers_batch_size: Optional[int] = None,
         costs: Optional[Dict[str, Costs]] = None, estimate_batch_size: Optional[int] = None,
@@ -63,7 +78,7 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: int = 1,
     (``headroom``, ``reserve``, ``overhead``, ``foreign``, ``schedules``, ``recompute``,
     ``ranks_per_gpu``, ``pipelines``, ``micro_batches``, ``nccl``, ``nccl_buffsize``, ``top``,
     ``rejected``)."""
-    gl, source = _gpus_of(gpus)
+    gl, source, hosts = _gpus_of(gpus, hosts)
     precisions = precision_choices(precision)
     if costs is None:
         if (model is None) == (layers is None):
@@ -74,7 +89,7 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: int = 1,
 
             if len(precisions) != 1:
                 precisions = [precisions[0]]
-            rows = layers_from_dicts(list(layers))
+            rows = layers_from_dicts(layers)
             costs = {precisions[0]: LayerListCosts(rows, int(layers_batch_size or 1), precision=precisions[0],
                                                    framework=framework or "torch")}
         else:

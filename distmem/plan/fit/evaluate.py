@@ -23,9 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ...costs import LayerCost
 from ...discover.gpus import Gpu
-from ...errors import DoesNotFitError
-from ...units import MiB, SizeLike, parse_bytes
-from ..common import equal_share, resolve_options
+from ...units import parse_bytes
+from ..budget import Budget
 from ..outside import outside_allocator_breakdown
 from ..partition import lower_bound, partition_pipeline
 from .costs import Costs
@@ -124,15 +123,16 @@ class Candidate:
 class Evaluator:
     """Prices layouts; caches partitions, outside-allocator figures and shares."""
 
-    def __init__(self, costs: Dict[str, Costs], gpus: List[Gpu], *, headroom: float, reserve: SizeLike,
-                 overhead: Any, foreign: SizeLike, framework: str, nccl: Any, nccl_buffsize: Any) -> None:
+    def __init__(self, costs: Dict[str, Costs], gpus: List[Gpu], *, budget: Budget, overhead: Any, framework: str,
+                 nccl: Any, nccl_buffsize: Any) -> None:
         self.costs = costs
         self.gpus = gpus
-        self.headroom = headroom
+        self.budget = budget
+        self.headroom = budget.headroom
         self.framework = framework
         self.nccl = nccl
         self.nccl_buffsize = nccl_buffsize
-        self.reserve, self.foreign, self.overhead = reserve, foreign, overhead
+        self.overhead = overhead
         self._outside: Dict[int, Dict[str, Any]] = {}
         self._shares: Dict[Tuple[int, int, int], int] = {}
         self._parts: Dict[Tuple[Any, ...], Any] = {}
@@ -157,15 +157,11 @@ class Evaluator:
     def share(self, gpu: Gpu, k: int, outside_bytes: int) -> int:
         key = (gpu.index, k, outside_bytes)
         if key not in self._shares:
-            opts = resolve_options([gpu], reserve=self.reserve, overhead=outside_bytes, foreign=self.foreign)
-            try:
-                self._shares[key] = equal_share(gpu, k, opts)
-            except DoesNotFitError:
-                self._shares[key] = 0
+            self._shares[key] = self.budget.share_or_zero(gpu, k, outside_bytes)
         return self._shares[key]
 
     def stage_gpus(self, layout: ParallelLayout, local_size: int) -> List[List[Gpu]]:
-        """The GPUs each stage's ranks run on: rank ``r`` is stage ``r % p`` on its node's GPU
+        """The GPUs each stage's ranks run on: rank ``r`` is stage ``r % p`` on its host's GPU
         ``(r % local_size) % gpus`` (launchers' block mapping, local rank ``i`` on GPU ``i % n``)."""
         p, n = layout.pipeline, len(self.gpus)
         key = (p, local_size, layout.ranks)
@@ -194,7 +190,7 @@ class Evaluator:
 
     def _planned(self, nbytes: int) -> int:
         """The limit for an allocator peak of ``nbytes``: ``peak x (1 + headroom)`` in whole MiB."""
-        return int(math.ceil(nbytes * (1.0 + self.headroom) / MiB)) * MiB
+        return self.budget.limit_for(nbytes)
 
     def lower_bound(self, layout: ParallelLayout) -> int:
         """A bound on the heaviest stage's allocator peak (bytes) that needs no partition."""

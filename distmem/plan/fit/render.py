@@ -2,18 +2,12 @@
 rejected layouts with their binding rank, its breakdown and what would make it fit. Pure."""
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List
 
+from ...console import text_table
 from ...units import format_bytes, plural
 
 __all__ = ["render_fit"]
-
-
-def _table(head: Sequence[str], rows: List[Sequence[str]], right: Sequence[bool]) -> List[str]:
-    widths = [max(len(str(r[k])) for r in [head] + rows) for k in range(len(head))]
-    fmt = lambda r: "  ".join(str(c).rjust(w) if rt else str(c).ljust(w)  # noqa: E731
-                              for c, w, rt in zip(r, widths, right)).rstrip()
-    return [fmt(head)] + [fmt(r) for r in rows]
 
 
 def _prec(name: str) -> str:
@@ -56,7 +50,7 @@ def render_fit(res: Any) -> str:
                                                 format_bytes(h.planned_bytes), format_bytes(b.share_bytes),
                                                 format_bytes(b.margin_bytes),
                                                 f"{b.margin_bytes / max(b.share_bytes, 1):.0%}"])
-        lines += ["  " + x for x in _table(_HEAD + ["heaviest", "limit", "GPU share", "margin", "margin%"], rows,
+        lines += ["  " + x for x in text_table(_HEAD + ["heaviest", "limit", "GPU share", "margin", "margin%"], rows,
                                             _RIGHT + [False, True, True, True, True])]
         ch = res.fits[0]
         lines.append("")
@@ -75,7 +69,7 @@ def render_fit(res: Any) -> str:
             rows.append([str(i)] + _cells(c) + [f"stage {b.stage}" if b else "-",
                                                 format_bytes(b.planned_bytes) if b else "-",
                                                 format_bytes(b.share_bytes) if b else "-"])
-        lines += ["  " + x for x in _table(_HEAD + ["binding", "needs", "GPU share"], rows,
+        lines += ["  " + x for x in text_table(_HEAD + ["binding", "needs", "GPU share"], rows,
                                             _RIGHT + [False, True, True])]
         for i, c in enumerate(res.rejected, 1):
             b = c.binding

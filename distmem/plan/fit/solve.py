@@ -19,21 +19,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...discover.gpus import Gpu
 from ...errors import ConfigError
 from ...units import MiB, SizeLike, format_bytes, plural
-from ..common import resolve_options
+from ... import defaults
+from ..budget import Budget, parse_headroom, resolve_budget
 from ..partition import SCHEDULES
-from ..types import DEFAULT_RESERVE
 from .costs import Costs
 from .evaluate import Candidate, Evaluator
 from .space import PROXY_TEXT, ParallelLayout, enumerate_layouts
 
-__all__ = ["solve_fit", "FitResult", "DEFAULT_FIT_HEADROOM", "PRECISION_CHOICES", "precision_choices"]
+__all__ = ["solve_fit", "FitResult", "PRECISION_CHOICES", "precision_choices"]
 
-#: Allocator headroom over the allocator peak under a hard limit. A capped caching allocator frees
-#: its cache and retries before it fails, so the limit must cover the peak plus fragmentation, not
-#: the 7-52% cache it keeps when unconstrained. Measured on an H200 (bench/results/fit_h200.json):
-#: the smallest limit each bench workload ran under without an OOM.
-DEFAULT_FIT_HEADROOM = {"torch": 0.10, "tensorflow": 0.10}
-
+#: The headroom over the allocator peak is :data:`distmem.defaults.LIMIT_HEADROOM` (measured on an
+#: H200: bench/results/fit_h200.json), the one every door uses.
 #: Not in the limit: a margin sized by the model's largest block. A capped caching allocator can
 #: strand blocks it split (vgg16 at micro-batch 64, 784 MiB activations, ran out of memory on the
 #: H200 under limits 8% and 15% above its true peak, with 2.5 GiB reserved but unallocated:
@@ -121,15 +117,15 @@ def _int_choices(value: Any, what: str, default: Sequence[int]) -> List[int]:
     return sorted(set(out))
 
 
-def _remedies(cand: Candidate, fits: List[Candidate], headroom: float, reserve_bytes: int,
-              foreign_bytes: int) -> List[str]:
+def _remedies(cand: Candidate, fits: List[Candidate], headroom: float, budget: Budget) -> List[str]:
     b = cand.binding
     if b is None:
         return [f"its lightest possible partition already needs {format_bytes(cand.lower_bound_bytes)} per rank"]
     over = b.planned_bytes - b.share_bytes
     lay = cand.layout
     k = lay.ranks_per_gpu
-    need_total = k * (b.planned_bytes + int(cand.outside.get("total_bytes", 0))) + reserve_bytes + foreign_bytes
+    need = k * (b.planned_bytes + int(cand.outside.get("total_bytes", 0))) + budget.reserve_bytes + budget.foreign_bytes
+    need_total = int(need / max(1e-9, 1.0 - budget.reserve_fraction - budget.foreign_fraction))
     out = [f"{format_bytes(over)} short on stage {b.stage}'s GPU: a GPU of {format_bytes(need_total)} or more "
            f"would hold it"]
     same = [f for f in fits if f.layout.data_parallel == lay.data_parallel and f.layout.pipeline == lay.pipeline
@@ -198,21 +194,22 @@ def lay_bubble(p: int, m: int) -> float:
 
 def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence[Gpu], hosts: int = 1,
               model_name: str = "model", framework: str = "torch", fleet: str = "", headroom: Optional[float] = None,
-              reserve: SizeLike = DEFAULT_RESERVE, overhead: Any = None, foreign: SizeLike = 0,
+              reserve: SizeLike = defaults.RESERVE, overhead: Any = None, foreign: SizeLike = 0,
               schedules: Sequence[str] = SCHEDULES, recompute: Any = "auto", ranks_per_gpu: Any = (1, 2),
               pipelines: Any = None, micro_batches: Any = None, nccl: Any = "auto", nccl_buffsize: Any = None,
               top: int = 10, rejected: int = 5, fixed_local_size: Optional[int] = None,
-              idle_gpus: bool = False, max_evaluations: int = 50000) -> FitResult:
+              idle_gpus: bool = False, max_evaluations: int = 50000, memory: Optional[str] = None) -> FitResult:
     """The layouts of ``global_batch_size`` samples per step on ``hosts`` hosts of ``gpus`` that fit
     every rank, best first (see the module docstring), and the best rejected ones.
 
     ``costs``: precision name -> :class:`~distmem.plan.fit.costs.Costs`. ``headroom``: the
-    allocator's margin over its peak (default :data:`DEFAULT_FIT_HEADROOM`). ``overhead``: bytes
+    allocator's margin over its peak (default :data:`distmem.defaults.LIMIT_HEADROOM`). ``overhead``: bytes
     outside the allocator per process (default: :mod:`distmem.plan.outside`'s model for the
     layout's NCCL communicators). ``recompute``: ``"auto"`` tries both (pipelines only),
     True/False fixes it. ``pipelines`` / ``micro_batches`` / ``ranks_per_gpu``: restrict the
     search. ``fixed_local_size``: ranks per host already launched (``strategy="auto"``).
     ``idle_gpus``: also try layouts that leave GPUs idle (default: every GPU runs a rank).
+    ``memory``: how the limits are applied (``"growth"``: the default headroom also holds the cache).
     """
     import time
 
@@ -232,9 +229,9 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         if s not in SCHEDULES:
             raise ConfigError(f"schedule {s!r} is not one of {', '.join(SCHEDULES)}")
     fw = "torch" if str(framework).lower() in ("torch", "pytorch") else "tensorflow"
-    h = DEFAULT_FIT_HEADROOM[fw] if headroom is None else float(headroom)
-    if not 0 <= h < 10:
-        raise ConfigError(f"headroom={headroom!r}: give a ratio such as 0.10 (10% over the allocator peak)")
+    # the one default every door uses: under memory growth the limit also holds the cache
+    h = defaults.headroom(fw, enforced=memory != "growth") if headroom is None else parse_headroom(headroom)
+    budget = resolve_budget(reserve=reserve, foreign=foreign, headroom=h)
     if recompute in ("auto", None):
         rc_choices: List[bool] = [False, True]
     elif isinstance(recompute, bool):
@@ -265,8 +262,8 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             f"every layout has a data-parallel degree in {ok}{detail} and none divides {global_batch_size} into "
             f"whole micro-batches; use a global batch that one of them divides (nearby: "
             f"{', '.join(map(str, near))}), or other --hosts / ranks per host")
-    ev = Evaluator(costs, gpus, headroom=h, reserve=reserve, overhead=overhead, foreign=foreign, framework=fw,
-                    nccl=nccl, nccl_buffsize=nccl_buffsize)
+    ev = Evaluator(costs, gpus, budget=budget, overhead=overhead, framework=fw, nccl=nccl,
+                   nccl_buffsize=nccl_buffsize)
 
     grad_bytes = {p: costs[p].gradient_bytes for p in costs}
 
@@ -305,9 +302,8 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             if not cand.exact:
                 cand = ev.evaluate(lay, L)
             rej.append(cand)
-    opts = resolve_options(gpus, reserve=reserve, foreign=foreign)
     for cand in rej:
-        cand.remedy = _remedies(cand, fits, h, opts["reserve_bytes"], opts["foreign_bytes"])
+        cand.remedy = _remedies(cand, fits, h, budget)
     warnings: List[str] = []
     for cand in (fits or rej)[:1]:
         for w in cand.outside.get("warnings", []):

@@ -5,6 +5,7 @@ import sys
 from typing import IO, Any, List, Optional
 
 from ... import settings
+from ...console import text_table
 from ...units import format_bytes, plural
 from ..aggregate import Report
 
@@ -103,12 +104,9 @@ def table(report: Report) -> str:
     Plain text with aligned columns, so it reads the same in a terminal and in a job log.
     """
     rows = _rows(report)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(_HEAD)]
-    line = lambda cells: "  ".join(c.rjust(w) if i >= 6 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     out = [_title(report)]
     if rows:
-        out += [line(_HEAD), line(["-" * w for w in widths])]
-        out += [line(r) for r in rows]
+        out += text_table(_HEAD, rows, [i >= 6 for i in range(len(_HEAD))], rule=True)
     out += _footer(report)
     for w in report.warnings:
         out.append(f"WARNING: {w}")

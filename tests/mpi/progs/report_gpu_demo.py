@@ -34,8 +34,9 @@ def shared(out: str) -> None:
     stray = torch.ones(128, 1024, 1024, device="cuda:0") if rank == 1 else None  # rank 1: 512 MiB on GPU 0
     torch.cuda.synchronize()
     MPI.COMM_WORLD.Barrier()
-    full = distmem.report(timeout=60, print_table=rank == 0)
-    summ = distmem.report(timeout=60, detail="summary", print_table=rank == 0)
+    snap = distmem.snapshot()  # one read of the live figures, seen through both paths
+    full = distmem.report(timeout=60, print_table=rank == 0, snapshot=snap)
+    summ = distmem.report(timeout=60, detail="summary", print_table=rank == 0, snapshot=snap)
     del x, stray
     if rank == 0:
         with open(os.path.join(out, "shared.json"), "w") as f:

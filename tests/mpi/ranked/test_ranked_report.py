@@ -35,8 +35,9 @@ def test_summary_equals_full_on_real_snapshots():
 
     distmem.init(strategy="data", fleet="2x16GiB", framework="tensorflow", verbose=False)
     held = tf.zeros((256 * (1 + RANK % 3), 1024))  # 1, 2, 3, 1 MiB: ties between ranks 0 and 3
-    full = distmem.report(timeout=30, detail="full", print_table=False)
-    summ = distmem.report(timeout=30, detail="summary", print_table=RANK == 0)
+    snap = distmem.snapshot()  # one read of the live allocator, seen through both paths
+    full = distmem.report(timeout=30, detail="full", print_table=False, snapshot=snap)
+    summ = distmem.report(timeout=30, detail="summary", print_table=RANK == 0, snapshot=snap)
     del held
     if RANK != 0:
         assert full is None and summ is None

@@ -190,7 +190,7 @@ def test_a_backward_import_is_named_with_its_file_and_line(module, line, expect)
 
 def test_a_cycle_is_found():
     modules = all_modules()
-    src = open(modules["distmem.plan.types"], encoding="utf-8").read() + "\n\ndef _x():\n    from .data import plan_data\n"
+    src = open(modules["distmem.plan.types"], encoding="utf-8").read() + "\n\ndef _x():\n    from .budget import slot\n"
     problems = check(modules, {"distmem.plan.types": src})
     assert any(p.startswith("import cycle:") and "distmem.plan.types" in p for p in problems), problems
 

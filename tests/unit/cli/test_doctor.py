@@ -40,7 +40,7 @@ def test_malformed_cuda_visible_devices_is_a_problem():
 def test_more_ranks_than_a_gpu_can_hold():
     d = run(ranks=24, fleet="1x16GiB")
     (p,) = d.problems
-    assert "24 ranks per node" in p and "cannot hold 24 ranks" in p and "fewer ranks per GPU" in p
+    assert "24 ranks on 1 host" in p and "cannot hold 24 ranks" in p and "fewer ranks per GPU" in p
     assert run(ranks=8, fleet="1x16GiB").problems == []
 
 

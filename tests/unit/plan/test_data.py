@@ -79,7 +79,7 @@ def test_every_rank_computes_the_same_plan():
 def test_unknown_strategy_and_layout():
     with pytest.raises(ConfigError, match="unknown strategy 'zero'"):
         make_plan("zero", topo(1, 1), fleet_inventory("1x16GiB"))
-    with pytest.raises(ConfigError, match="do not divide into nodes"):
+    with pytest.raises(ConfigError, match="do not divide into hosts"):
         make_plan("data", topo(6, 4), fleet_inventory("4x16GiB"))
 
 

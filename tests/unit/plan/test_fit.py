@@ -7,7 +7,8 @@ import pytest
 
 from distmem.costs import LayerCost
 from distmem.errors import ConfigError, DoesNotFitError
-from distmem.plan.auto import plan_auto
+from distmem.plan import make_plan
+from distmem.plan.budget import resolve_budget
 from distmem.plan.fit import fit, nccl_communicators_of, solve_fit
 from distmem.plan.fit.costs import LayerListCosts, group_blocks
 from distmem.plan.fit.evaluate import Evaluator
@@ -88,7 +89,7 @@ def _exhaustive(c, B, fleet, hosts=1, **kw):
     out, _ = enumerate_layouts(len(next(iter(c.values())).block_names), B, len(g), hosts, precisions=list(c),
                         schedules=["1f1b", "gpipe"], recompute=[False, True], ranks_per_gpu=[1, 2],
                         pipelines=None, micro_batches=None)
-    ev = Evaluator(c, g, headroom=0.10, reserve="256MiB", overhead=None, foreign=0, framework="torch",
+    ev = Evaluator(c, g, budget=resolve_budget(reserve="256MiB", foreign=0, headroom=0.10), overhead=None, framework="torch",
                     nccl="auto", nccl_buffsize=None)
     return [(lay, ev.evaluate(lay, L)) for lay, L in out]
 
@@ -125,7 +126,7 @@ def test_a_layout_with_one_stage_over_its_gpu_is_rejected_and_that_stage_binds()
     rows = [LayerCost("big", 64 * MiB, 1536 * MiB, 8 * MiB)] + [LayerCost(f"l{i}", 64 * MiB, 8 * MiB, 8 * MiB)
                                                                   for i in range(7)]
     c = {"float32": LayerListCosts(rows, 1)}
-    ev = Evaluator(c, gpus("4x16GiB"), headroom=0.1, reserve="256MiB", overhead=None, foreign=0,
+    ev = Evaluator(c, gpus("4x16GiB"), budget=resolve_budget(reserve="256MiB", foreign=0, headroom=0.1), overhead=None,
                     framework="torch", nccl="auto", nccl_buffsize=None)
     cand = ev.evaluate(ParallelLayout(1, 4, 4, 4, "float32", False, 1, "1f1b"), 4)
     assert not cand.stages[0].fits and all(s.fits for s in cand.stages[1:])
@@ -148,7 +149,7 @@ def test_binding_breakdown_adds_up_to_limit_plus_outside():
 
 def test_gpipe_first_stage_holds_all_micro_batches_and_1f1b_fewer():
     c = costs(8)
-    ev = Evaluator(c, gpus("4x80GiB"), headroom=0.1, reserve=0, overhead=0, foreign=0, framework="torch",
+    ev = Evaluator(c, gpus("4x80GiB"), budget=resolve_budget(reserve=0, foreign=0, headroom=0.1), overhead=0, framework="torch",
                     nccl=False, nccl_buffsize=None)
     g = ev.evaluate(ParallelLayout(1, 4, 2, 8, "float32", False, 1, "gpipe"), 4)
     f = ev.evaluate(ParallelLayout(1, 4, 2, 8, "float32", False, 1, "1f1b"), 4)
@@ -181,7 +182,7 @@ def test_group_blocks_by_top_level_module():
 
 def test_mixed_fleet_holds_each_stage_against_its_own_gpu():
     c = costs(16, state=256 * MiB, act=32 * MiB)
-    ev = Evaluator(c, gpus("2x40GiB,2x16GiB"), headroom=0.1, reserve="256MiB", overhead=None, foreign=0,
+    ev = Evaluator(c, gpus("2x40GiB,2x16GiB"), budget=resolve_budget(reserve="256MiB", foreign=0, headroom=0.1), overhead=None,
                     framework="torch", nccl="auto", nccl_buffsize=None)
     p4 = ev.evaluate(ParallelLayout(1, 4, 2, 8, "float32", False, 1, "1f1b"), 4)
     assert [s.gpu_total_bytes // GiB for s in p4.stages] == [40, 40, 16, 16]
@@ -198,7 +199,7 @@ def test_fits_nowhere_names_the_smallest_fleet_that_would_and_it_is_minimal():
     res = solve_fit(c, global_batch_size=64, gpus=gpus("2x8GiB"), top=3, rejected=2)
     assert not res.fits and res.suggestion
     assert "smallest fleet that fits is 3 such GPUs" in res.suggestion
-    ev = Evaluator(c, gpus("2x8GiB"), headroom=0.10, reserve="256MiB", overhead=None, foreign=0,
+    ev = Evaluator(c, gpus("2x8GiB"), budget=resolve_budget(reserve="256MiB", foreign=0, headroom=0.10), overhead=None,
                     framework="torch", nccl="auto", nccl_buffsize=None)
     assert not ev.evaluate(ParallelLayout(1, 2, 1, 64, "float32", True, 1, "1f1b"), 2).fits
     assert ev.evaluate(ParallelLayout(1, 3, 1, 64, "float32", True, 1, "1f1b"), 3).fits
@@ -273,7 +274,7 @@ def test_plan_auto_hands_the_loop_its_layout_and_is_identical_on_every_rank():
     from distmem.discover.gpus import fleet_inventory
 
     inv = fleet_inventory("8x16GiB")
-    plans = [plan_auto(_topo(r, 8, 8), inv, layers=layers(), layers_batch_size=1, global_batch_size=64)
+    plans = [make_plan("auto", _topo(r, 8, 8), inv, layers=layers(), layers_batch_size=1, global_batch_size=64)
              for r in (0, 5)]
     p0, p5 = plans
     assert p0.fingerprint() == p5.fingerprint()
@@ -294,7 +295,7 @@ def test_plan_auto_that_fits_nowhere_raises_with_the_remedy():
     from distmem.discover.gpus import fleet_inventory
 
     with pytest.raises(DoesNotFitError) as exc:
-        plan_auto(_topo(0, 2, 2), fleet_inventory("2x8GiB"), layers=layers(), layers_batch_size=1,
+        make_plan("auto", _topo(0, 2, 2), fleet_inventory("2x8GiB"), layers=layers(), layers_batch_size=1,
                   global_batch_size=64)
     assert "smallest fleet" in str(exc.value) and "needs" in str(exc.value)
 
@@ -302,7 +303,7 @@ def test_plan_auto_that_fits_nowhere_raises_with_the_remedy():
 def test_plan_auto_uses_the_launched_rank_count():
     from distmem.discover.gpus import fleet_inventory
 
-    plan = plan_auto(_topo(0, 16, 16), fleet_inventory("8x40GiB"), layers=layers(), layers_batch_size=1,
+    plan = make_plan("auto", _topo(0, 16, 16), fleet_inventory("8x40GiB"), layers=layers(), layers_batch_size=1,
                      global_batch_size=64)
     f = plan.extras["fit"]
     assert f["ranks_per_gpu"] == 2 and f["data_parallel"] * f["pipeline"] == 16
@@ -332,7 +333,7 @@ def test_plan_auto_from_a_torch_module():
     from distmem.discover.gpus import fleet_inventory
 
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)], torch.nn.Linear(256, 10))
-    plan = plan_auto(_topo(0, 4, 4), fleet_inventory("4x2GiB"), model=model, input_shape=(256,),
+    plan = make_plan("auto", _topo(0, 4, 4), fleet_inventory("4x2GiB"), model=model, input_shape=(256,),
                      global_batch_size=64, precision="float32")
     f = plan.extras["fit"]
     assert f["precision"] == "float32"

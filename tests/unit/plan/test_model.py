@@ -63,7 +63,7 @@ def test_cpu_mode_uses_logical_cpu_devices():
 
 
 def test_too_many_gpus_per_rank():
-    with pytest.raises(DoesNotFitError, match=r"2 ranks per node x 3 GPUs per rank need 6 GPUs but the node "
+    with pytest.raises(DoesNotFitError, match=r"2 ranks per host x 3 GPUs per rank need 6 GPUs but the host "
                                               r"shows 4; use gpus_per_rank=2"):
         make_plan("model", topo(2, 2), fleet_inventory("4x80GiB"), layers=layers(), gpus_per_rank=3)
 

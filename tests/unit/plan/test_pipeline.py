@@ -11,9 +11,9 @@ from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
 from distmem.plan.types import DEFAULT_OVERHEAD_BYTES
 from distmem.plan.partition import partition_pipeline
-from distmem.cli.strategy_args import (add_model_arguments, add_pipeline_arguments, pipeline_options,
-                                      pipeline_plan)
-from distmem.plan.pipeline import planned_bytes, stage_of_rank
+from distmem import cli
+from distmem.plan.budget import ceil_mib
+from distmem.plan.strategies.pipeline import stage_of_rank
 from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 
@@ -59,8 +59,8 @@ def test_limits_are_demand_plus_headroom_in_whole_mib():
 
 
 def test_default_headroom_is_five_percent():
-    assert planned_bytes(100 * MiB, 0.05) == 105 * MiB
-    assert planned_bytes(100 * MiB + 1, 0.0) == 101 * MiB
+    assert ceil_mib(100 * MiB * 1.05) == 105 * MiB
+    assert ceil_mib(100 * MiB + 1) == 101 * MiB
 
 
 def test_first_stage_holds_most_under_1f1b_and_all_under_gpipe():
@@ -153,12 +153,12 @@ def test_growth_mode_only_budgets():
 @pytest.mark.parametrize("kwargs,needle", [
     ({}, "exactly one of"),
     ({"stages": ["1GiB"], "layers": [LayerCost("a", 1, 1)]}, "exactly one of"),
-    ({"stages": []}, "stages= is empty"),
+    ({"stages": []}, "is empty"),
     ({"stages": ["1GiB", "1GiB"], "num_stages": 3}, "lists 2 stage"),
     ({"stages": ["1GiB", "1GiB", "1GiB"]}, "do not divide"),
     ({"layers": [LayerCost("a", 1, 1)], "num_stages": 4}, "cannot fill 4 parts"),
     ({"layers": [LayerCost(f"l{k}", 1, 1) for k in range(4)], "schedule": "zb"}, "schedule='zb'"),
-    ({"layers": [LayerCost(f"l{k}", 1, 1) for k in range(4)], "num_micro_batches": 0}, "at least one micro-batch"),
+    ({"layers": [LayerCost(f"l{k}", 1, 1) for k in range(4)], "num_micro_batches": 0}, "num_micro_batches=0: give a whole number"),
     ({"stages": ["0"]}, "positive size"),
 ])
 def test_bad_input(kwargs, needle):
@@ -186,26 +186,22 @@ def test_model_without_estimator_is_a_clear_error(monkeypatch):
         make_plan("pipeline", topo(2, 2), CPU, model=object())
 
 
-def test_cli_options(tmp_path):
+def test_cli_options(tmp_path, capsys):
     path = tmp_path / "layers.json"
     path.write_text(json.dumps([l.to_dict() for l in layers(8)]))
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--memory", default="auto")
-    parser.add_argument("--reserve", default="256MiB")
-    parser.add_argument("--overhead", default=None)
-    parser.add_argument("--foreign", default="0")
-    add_pipeline_arguments(parser)
-    add_model_arguments(parser)  # both strategies register on one parser without a clash
-    args = parser.parse_args(["--layers", str(path), "--num-stages", "2", "--num-micro-batches", "4",
-                              "--schedule", "gpipe", "--recompute"])
-    opts = pipeline_options(args)
-    assert opts["num_stages"] == 2 and opts["schedule"] == "gpipe" and opts["recompute"] is True
-    plan = pipeline_plan(args, topo(2, 2), fleet_inventory("2x80GiB"))
-    assert plan.extras["pipeline"]["num_micro_batches"] == 4 and [a.stage for a in plan.allocations] == [0, 1]
-    args = parser.parse_args(["--stages", "3GiB,2GiB"])
-    assert pipeline_options(args)["stages"] == ["3GiB", "2GiB"]
-    with pytest.raises(ConfigError, match="--stages"):
-        pipeline_options(parser.parse_args([]))
+    assert cli.main(["plan", "--gpus", "2x80GiB", "--ranks", "2", "--strategy", "pipeline", "--layers", str(path),
+                     "--num-stages", "2", "--num-micro-batches", "4", "--schedule", "gpipe", "--recompute",
+                     "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    pipe = plan["extras"]["pipeline"]
+    assert (pipe["num_stages"], pipe["schedule"], pipe["recompute"], pipe["num_micro_batches"]) == (2, "gpipe", True, 4)
+    assert [a["stage"] for a in plan["allocations"]] == [0, 1]
+    assert cli.main(["plan", "--gpus", "2x80GiB", "--ranks", "2", "--strategy", "pipeline", "--stages", "3GiB,2GiB",
+                     "--json"]) == 0
+    assert [s["demand_bytes"] for s in json.loads(capsys.readouterr().out)["extras"]["pipeline"]["stages"]] == \
+        [3 * GiB, 2 * GiB]
+    assert cli.main(["plan", "--gpus", "2x80GiB", "--ranks", "2", "--strategy", "pipeline"]) == 1
+    assert "needs exactly one of stages=" in capsys.readouterr().err
 
 
 def test_model_goes_through_the_estimator(monkeypatch):

@@ -10,7 +10,7 @@ from distmem.discover.gpus import Inventory, fleet_inventory
 from distmem.errors import ConfigError, DoesNotFitError
 from distmem.plan import make_plan
 from distmem.plan.types import DEFAULT_OVERHEAD_BYTES
-from distmem.plan.tenants import DEFAULT_MAX_TENANTS, MIN_TENANT_BYTES, parse_tenants, tenant_table
+from distmem.plan.strategies.tenants import DEFAULT_MAX_TENANTS, MIN_TENANT_BYTES, parse_tenants, tenant_table
 from distmem.discover.identity import Topology
 from distmem.units import GiB, MiB
 

@@ -1,7 +1,7 @@
 """Model parallel: each rank owns several devices; its layers are cut into one group per device.
 
-A node runs ``local_size`` ranks and each owns ``gpus_per_rank`` GPUs (default: visible GPUs //
-ranks per node): local rank ``r`` gets GPUs ``r*g .. r*g + g - 1``. The model's layers are cut
+A host runs ``local_size`` ranks and each owns ``gpus_per_rank`` GPUs (default: visible GPUs //
+ranks per host): local rank ``r`` gets GPUs ``r*g .. r*g + g - 1``. The model's layers are cut
 into ``g`` contiguous groups so that the largest group's demand (weights + gradients + optimizer
 state + activations at the batch + the input it receives from the previous device, in bytes) is
 as small as possible — exactly, ties broken toward the fewest bytes crossing devices. Each
@@ -9,25 +9,47 @@ device's limit is its group's demand plus headroom, in whole MiB.
 
 The placement map (``plan.extras["model"]["placement"]``, layer name -> ``"/GPU:k"``) names
 devices as TensorFlow does once the adapter has made the rank's GPUs visible in slot order, so it
-is the same on every rank; :mod:`distmem.apply.placement` builds a Keras model under it. Without GPUs
+is the same on every rank; the apply stage (:mod:`distmem.apply.placement`) builds a Keras model under it. Without GPUs
 the same flow runs over ``gpus_per_rank`` logical CPU devices (``"/CPU:k"``), which the adapter
 creates (``plan.extras["cpu_logical_devices"]``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
 
-from ..discover.gpus import Inventory
-from ..discover.layout import Layout
-from ..errors import ConfigError, DoesNotFitError
-from ..discover.identity import Topology
-from ..units import SizeLike, format_bytes, parse_bytes, plural
-from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
-from .common import equal_share, idle_gpus, places, resolve_options
-from .partition import Partition, layers_from_dicts, partition_model
-from .pipeline import layers_from_model, planned_bytes
+from ...errors import ConfigError, DoesNotFitError
+from ...units import SizeLike, format_bytes, parse_bytes, plural
+from ..budget import idle_warnings, slot
+from ..layers import layers_from_model
+from ..partition import Partition, layers_from_dicts, partition_model
+from ..strategy import Strategy, option
+from ..types import Allocation, Plan
+from .text import layers_file, shape, whole_number
 
-__all__ = ["plan_model", "device_name"]
+if TYPE_CHECKING:
+    from ..request import Context
+
+__all__ = ["ModelOptions", "STRATEGY", "device_name"]
+
+
+@dataclass
+class ModelOptions:
+    layers: Optional[Sequence[Any]] = option(
+        None, metavar="FILE.json", parse=layers_file,
+        help="per-layer costs at the training batch: a JSON list of {name, state_bytes, activation_bytes, "
+             "output_bytes} (or what `distmem estimate --per-layer --json` writes)")
+    model: Any = option(None, metavar="SPEC", help="model to estimate per layer, e.g. keras:ResNet50")
+    gpus_per_rank: Optional[int] = option(None, parse=whole_number("gpus_per_rank"),
+                                          help="devices each rank owns (default: visible GPUs // ranks per host)")
+    batch_size: Optional[int] = option(None, parse=whole_number("batch_size"), help="batch size for the estimate")
+    optimizer: Optional[str] = option(None, help="optimizer for the estimate (sgd, momentum, adam)")
+    input_shape: Optional[Sequence[int]] = option(None, metavar="H,W,C", parse=shape,
+                                                  help="model input shape without the batch axis, e.g. 96,96,3")
+    input_bytes: SizeLike = option(0, metavar="SIZE", help="model input per batch, held by the first device")
+    headroom: Optional[SizeLike] = option(
+        None, metavar="PCT", help="added to each group's demand for the allocator (default 10%%; 52%% for torch under "
+                                  "memory growth); 0 keeps the bytes as they are")
 
 
 def device_name(kind: str, k: int) -> str:
@@ -41,52 +63,43 @@ def _gpus_per_rank(requested: Optional[int], visible: int, local_size: int) -> i
             raise ConfigError(f"gpus_per_rank={requested!r}: give a whole number of devices per rank, at least 1")
         if visible and requested * local_size > visible:
             raise DoesNotFitError(
-                f"{plural(local_size, 'rank')} per node x {plural(requested, 'GPU')} per rank need {requested * local_size} "
+                f"{plural(local_size, 'rank')} per host x {plural(requested, 'GPU')} per rank need {requested * local_size} "
                 f"GPUs but "
-                f"the node shows {visible}; use gpus_per_rank={max(visible // local_size, 1)} or fewer ranks per node")
+                f"the host shows {visible}; use gpus_per_rank={max(visible // local_size, 1)} or fewer ranks per host")
         return requested
     if not visible:
         return 1
     if visible < local_size:
         raise DoesNotFitError(
-            f"model parallel gives every rank its own GPUs, but {plural(local_size, 'rank')} per node share "
-            f"{plural(visible, 'visible GPU')}; run at most {plural(visible, 'rank')} per node or use "
+            f"model parallel gives every rank its own GPUs, but {plural(local_size, 'rank')} per host share "
+            f"{plural(visible, 'visible GPU')}; run at most {plural(visible, 'rank')} per host or use "
             "strategy='data'/'pipeline'")
     return visible // local_size
 
 
-def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]] = None, model: Any = None,
-               gpus_per_rank: Optional[int] = None, batch_size: Optional[int] = None,
-               optimizer: Optional[str] = None, input_shape: Optional[Sequence[int]] = None,
-               input_bytes: SizeLike = 0, headroom: SizeLike = "5%", memory: str = "auto",
-               reserve: SizeLike = DEFAULT_RESERVE, overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
-               framework: Optional[str] = None, layout: Optional[Layout] = None) -> Plan:
-    """Every rank's devices, per-device limits and the layer placement under model parallelism.
-
-    layers: per-layer costs at the training batch (``LayerCost`` or dicts), or model: a model /
-    spec estimated by ``distmem.estimate`` at ``batch_size``. gpus_per_rank: devices each rank
-    owns (default visible GPUs // ranks per node; on CPU, logical CPU devices, default 1).
-    input_bytes: the model input per batch, held by the first device. headroom: added to each
-    group's demand; a group that does not fit its GPU raises DoesNotFitError with its breakdown.
-    memory: ``"auto"``/``"limit"`` apply hard limits (growth inside), ``"growth"`` only budgets.
-    """
+def plan(ctx: "Context", opts: ModelOptions) -> Plan:
+    layers, model, gpus_per_rank, batch_size = opts.layers, opts.model, opts.gpus_per_rank, opts.batch_size
+    budget = ctx.budget
     if (layers is None) == (model is None):
         raise ConfigError("strategy='model' needs exactly one of layers=[LayerCost, ...] (per-layer costs) or "
-                          "model= (a Keras model or 'keras:ResNet50', estimated per layer)")
-    gpus = inv.gpus
-    opts = resolve_options(gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign,
-                           headroom=headroom)
-    all_places = places(topo, inv, layout)
-    me = next((pl for pl in all_places if pl.rank == topo.rank), all_places[0])
-    # The GPUs this rank sees and the ranks of its host that see the same set decide the split.
+                          "model= (a Keras model or 'keras:ResNet50', estimated per layer) - on the command line "
+                          "--layers FILE.json or --model SPEC")
+    all_places = ctx.places
+    me = next((pl for pl in all_places if pl.rank == ctx.topo.rank), all_places[0])
+    # The GPUs a rank sees and the ranks of its host that see the same set decide the split; the
+    # default is one number for the whole job: the fewest any known host offers per rank.
     g = _gpus_per_rank(gpus_per_rank, len(me.gpus), me.group_size)
+    if gpus_per_rank is None and me.gpus:
+        offers = [_gpus_per_rank(None, len(pl.gpus), pl.group_size) for pl in all_places if pl.gpus]
+        offers += [_gpus_per_rank(None, len(gpus), ctx.topo.local_size) for gpus in ctx.host_gpus if gpus]
+        g = min([g] + offers)
     if model is not None:
-        layers = layers_from_model(model, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape)
+        layers = layers_from_model(model, batch_size=batch_size, optimizer=opts.optimizer,
+                                   input_shape=opts.input_shape)
     part: Partition = partition_model(layers_from_dicts(list(layers or [])), g,
-                                      input_bytes=parse_bytes(input_bytes, what="input_bytes"))
-    kind = "GPU" if gpus else "CPU"
-    ratio = opts["headroom"]
-    wants = [planned_bytes(d.total_bytes, ratio) for d in part.stages]
+                                      input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"))
+    kind = "GPU" if any(pl.gpus for pl in all_places) else "CPU"
+    wants = [budget.limit_for(d.total_bytes) for d in part.stages]
     allocations: List[Allocation] = []
     warnings: List[str] = []
     used: Dict[str, Set[str]] = {}
@@ -102,7 +115,7 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
                                f"{device_name(kind, k)} layers {d.start}..{d.stop - 1} {format_bytes(d.total_bytes)}"
                                for k, d in enumerate(part.stages))])
         if pl.gpus:
-            enforce = memory != "growth"
+            enforce = budget.enforced(always=True)
             alloc.mode = "limit" if enforce else "growth"
             if (pl.position + 1) * g > len(pl.gpus):
                 raise DoesNotFitError(
@@ -112,31 +125,27 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
             for k, d in enumerate(part.stages):
                 gpu = pl.gpus[pl.position * g + k]
                 used.setdefault(pl.host, set()).add(gpu.uuid)
-                share = equal_share(gpu, 1, opts)
+                share = budget.share(gpu, 1)
                 if d.total_bytes > share:
                     raise DoesNotFitError(
                         f"layer group {k} ({part.layer_names[d.start]}..{part.layer_names[d.stop - 1]}, "
                         f"{d.num_layers} layers) needs {format_bytes(d.total_bytes)} (weights+grads+optimizer "
                         f"{format_bytes(d.state_bytes)}, activations {format_bytes(d.activation_bytes)}, input "
                         f"{format_bytes(d.boundary_bytes)}) but GPU {gpu.index} of rank {rank} offers "
-                        f"{format_bytes(share)} after the reserve {format_bytes(opts['reserve_bytes'])}, foreign "
-                        f"{format_bytes(opts['foreign_bytes'])} and per-process overhead "
-                        f"{format_bytes(opts['overhead_bytes'])}; give each rank more GPUs (gpus_per_rank=), run "
-                        "fewer ranks per node, lower the batch size, or use a larger GPU")
+                        f"{format_bytes(share)} after the reserve {format_bytes(budget.reserve_of(gpu))}, foreign "
+                        f"{format_bytes(budget.foreign_of(gpu))} and per-process overhead "
+                        f"{format_bytes(budget.overhead_bytes)}; give each rank more GPUs (gpus_per_rank=), run "
+                        "fewer ranks per host, lower the batch size, or use a larger GPU")
                 limit = wants[k]
                 if limit > share:
                     limit = share
-                    if rank == 0:
+                    if rank == ctx.places[0].rank:
                         warnings.append(f"group {k}: headroom cut to {format_bytes(share - d.total_bytes)} to fit GPU "
                                         f"{gpu.index}'s {format_bytes(share)}")
-                alloc.devices.append(DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=limit,
-                                                enforce=enforce, growth=True, shared_by=1, nvml_index=gpu.nvml_index,
-                                                uuid=gpu.uuid, name=gpu.name, label=f"group {k}"))
+                alloc.devices.append(slot(gpu, limit, enforce=enforce, label=f"group {k}"))
             alloc.breakdown["planned_bytes"] = sum(s.planned_bytes for s in alloc.devices)
         allocations.append(alloc)
-    for host, n in sorted(idle_gpus(all_places, used).items()):
-        warnings.append(f"{plural(n, 'GPU')} visible on {host} but {plural(g, 'GPU')} per rank leave "
-                        f"{'it unused: it stays' if n == 1 else 'them unused: they stay'} idle")
+    warnings += idle_warnings(ctx.seen_gpus(), used, why=f"({plural(g, 'GPU')} per rank)")
     placement = {name: device_name(kind, k) for name, k in part.part_of().items()}
     extras: Dict[str, Any] = {"model": {
         "gpus_per_rank": g, "device_type": kind, "placement": placement,
@@ -149,10 +158,11 @@ def plan_model(topo: Topology, inv: Inventory, *, layers: Optional[Sequence[Any]
     }}
     if kind == "CPU" and g > 1:
         extras["cpu_logical_devices"] = g
-    options = dict(opts)
-    options.update(gpus_per_rank=g, batch_size=batch_size, framework=framework)
-    return Plan("model", topo.size, topo.rank, allocations, inv.source, opts["overhead_bytes"],
-                opts["reserve_bytes"], options=options, extras=extras, warnings=warnings)
+    options = dict(gpus_per_rank=g, batch_size=batch_size, framework=ctx.framework)
+    return ctx.make_plan("model", allocations, options, extras=extras, warnings=warnings)
 
 
-# ---------------------------------------------------------------------------------------------
+STRATEGY = Strategy("model", "per-layer groups over each rank's GPUs, with a placement map", ModelOptions, plan,
+                    derives_limits=True)
+
+

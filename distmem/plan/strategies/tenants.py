@@ -12,10 +12,11 @@ tenant's size (growth inside it). Once distmem has made only that GPU visible, T
 the logical devices ``/GPU:0 .. /GPU:k-1``; ``plan.device(name)`` returns those strings.
 
 Sizes are bytes, ``"6GiB"``, ``"45%"`` of the GPU, a fraction of it, or ``"auto"`` (an equal share of
-what the sized tenants leave). They must fit what the GPU offers a process:
-``total - reserve - foreign - k x per-process overhead`` split over the ``k`` ranks sharing the GPU
-(one overhead for the usual one process per GPU): the process's logical devices share one CUDA
-context, so the overhead is paid once, not per tenant.
+what the sized tenants leave). They must fit the process's equal share of its GPU (:meth:`distmem.plan.budget.Budget.share`:
+``total - driver reserved - reserve - foreign - k x per-process overhead`` split over the ``k``
+ranks sharing the GPU, one overhead for the usual one process per GPU): the process's logical
+devices share one CUDA context, so the overhead is paid once, not per tenant. A tenant alone on a
+GPU gets no more than the data strategy's equal share.
 
 Without a GPU the same flow runs over logical CPU devices (``/CPU:0 .. /CPU:k-1``, created by the
 adapter from ``plan.extras["cpu_logical_devices"]``); TensorFlow cannot cap a CPU device, so the
@@ -25,17 +26,22 @@ declared fleet (``DISTMEM_FLEET``, ``distmem plan --gpus``) the plan describes t
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..discover.gpus import Inventory
-from ..discover.layout import Layout
-from ..errors import ConfigError, DoesNotFitError
-from ..discover.identity import Topology
-from ..units import MiB, SizeLike, format_bytes, parse_bytes, plural
-from .types import DEFAULT_RESERVE, Allocation, DeviceSlot, Plan
-from .common import floor_mib, places, resolve_options
+from ...console import text_table
+from ...errors import ConfigError, DoesNotFitError
+from ...units import MiB, format_bytes, parse_bytes, plural
+from ..budget import floor_mib, slot
+from ..strategy import Strategy, option
+from ..types import Allocation, Plan
+from .text import whole_number
 
-__all__ = ["plan_tenants", "parse_tenants", "TenantsLike", "tenant_table", "DEFAULT_MAX_TENANTS", "MIN_TENANT_BYTES", "AUTO"]
+if TYPE_CHECKING:
+    from ..request import Context
+
+__all__ = ["TenantsOptions", "STRATEGY", "parse_tenants", "TenantsLike", "tenant_table", "DEFAULT_MAX_TENANTS",
+           "MIN_TENANT_BYTES", "AUTO"]
 
 #: Most tenants one process may split a GPU into unless ``max_tenants=`` says otherwise. Each logical
 #: device gets its own allocator and streams, and small slices fragment quickly; past a handful,
@@ -105,19 +111,21 @@ def _size(name: str, size: Any, total: Optional[int]) -> int:
     return n
 
 
-def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLike] = None,
-                 max_tenants: int = DEFAULT_MAX_TENANTS, memory: str = "auto",
-                 reserve: SizeLike = DEFAULT_RESERVE, overhead: Optional[SizeLike] = None, foreign: SizeLike = 0,
-                 framework: Optional[str] = None, layout: Optional[Layout] = None) -> Plan:
-    """Every rank's tenant slices on its GPU (or on logical CPU devices without one).
+@dataclass
+class TenantsOptions:
+    tenants: Optional["TenantsLike"] = option(
+        None, metavar="NAME=SIZE,...", help="named slices of one GPU, e.g. bert=6GiB,resnet=8GiB (size 'auto': an "
+                                            "equal share of the rest)")
+    max_tenants: int = option(8, parse=whole_number("max_tenants"), help="most slices per GPU (default 8)")
+    framework: Optional[str] = option(None, cli=False, help="recorded only (the request's framework)")
 
-    tenants: ordered ``{name: size}`` (see :func:`parse_tenants`). max_tenants: refuse more than
-    this many. memory: ``"auto"``/``"limit"`` give every tenant a hard limit (growth inside it);
-    ``"growth"`` is allowed for a single tenant only (TensorFlow needs a limit on every logical
-    device of a GPU split in several). framework: recorded only.
-    """
+
+def plan(ctx: "Context", opts: TenantsOptions) -> Plan:
+    tenants, max_tenants, memory = opts.tenants, opts.max_tenants, ctx.budget.memory
+    budget = ctx.budget
     if tenants is None:
-        raise ConfigError("strategy='tenants' needs tenants=, e.g. tenants={'bert': '6GiB', 'resnet': '8GiB'}")
+        raise ConfigError("strategy='tenants' needs tenants=, e.g. tenants={'bert': '6GiB', 'resnet': '8GiB'} (on the "
+                          "command line --tenants NAME=SIZE,..., e.g. --tenants bert=6GiB,resnet=8GiB)")
     pairs = parse_tenants(tenants)
     if not isinstance(max_tenants, int) or isinstance(max_tenants, bool) or max_tenants < 1:
         raise ConfigError(f"max_tenants={max_tenants!r}: give a whole number, at least 1")
@@ -129,21 +137,19 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
         raise ConfigError(f"memory='growth' cannot split a GPU between {len(pairs)} tenants: TensorFlow needs a "
                           "memory_limit on every logical device of a GPU; use memory='auto' (a hard limit per tenant, "
                           "growth inside it)")
-    gpus = inv.gpus
-    opts = resolve_options(gpus, memory=memory, reserve=reserve, overhead=overhead, foreign=foreign)
+    gpus = any(pl.gpus for pl in ctx.places)
     kind = "GPU" if gpus else "CPU"
     devices = {name: f"/{kind}:{k}" for k, (name, _) in enumerate(pairs)}
     allocations: List[Allocation] = []
     summary: List[Dict[str, Any]] = []
     warnings: List[str] = []
-    for pl in places(topo, inv, layout):
-        rank, local_rank, node = pl.rank, pl.local_rank, pl.host
+    for pl in ctx.places:
+        rank, local_rank, host = pl.rank, pl.local_rank, pl.host
         if pl.gpu is not None:
             gpu, k = pl.gpu, pl.shared_by
             sized = {n: _size(n, s, gpu.total_bytes) for n, s in pairs if not _is_auto(s)}
             auto = [n for n, s in pairs if _is_auto(s)]
-            usable = gpu.total_bytes - opts["reserve_bytes"] - opts["foreign_bytes"] - k * opts["overhead_bytes"]
-            capacity = floor_mib(usable // k) if usable > 0 else 0
+            capacity = budget.share_or_zero(gpu, k)
             want = sum(sized.values()) + len(auto) * MIN_TENANT_BYTES
             if want > capacity:
                 at_least = f"auto (at least {format_bytes(MIN_TENANT_BYTES)})"
@@ -151,9 +157,10 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
                 per = f"{k} processes share it, so each gets" if k > 1 else "one process gets"
                 raise DoesNotFitError(
                     f"tenants {listing} = {format_bytes(want)} do not fit GPU {gpu.index} "
-                    f"({format_bytes(gpu.total_bytes)}): {per} {format_bytes(max(capacity, 0))} after the reserve "
-                    f"{format_bytes(opts['reserve_bytes'])}, foreign {format_bytes(opts['foreign_bytes'])} and "
-                    f"{k} x per-process overhead {format_bytes(opts['overhead_bytes'])}; shrink or drop a tenant, "
+                    f"({format_bytes(gpu.total_bytes)}): {per} {format_bytes(max(capacity, 0))} after driver reserved "
+                    f"{format_bytes(gpu.reserved_bytes)}, the reserve {format_bytes(budget.reserve_of(gpu))}, foreign "
+                    f"{format_bytes(budget.foreign_of(gpu))} and {k} x per-process overhead "
+                    f"{format_bytes(budget.overhead_bytes)}; shrink or drop a tenant, "
                     "lower reserve= or overhead=, run fewer processes per GPU, or use a larger GPU")
             if auto:
                 each = floor_mib((capacity - sum(sized.values())) // len(auto))
@@ -161,10 +168,7 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
             else:
                 sizes = sized
             enforce = memory != "growth"
-            slots = [DeviceSlot(index=gpu.index, total_bytes=gpu.total_bytes, planned_bytes=sizes[n], enforce=enforce,
-                                growth=True, shared_by=k, nvml_index=gpu.nvml_index, uuid=gpu.uuid, name=gpu.name,
-                                label=n)
-                     for n, _ in pairs]
+            slots = [slot(gpu, sizes[n], enforce=enforce, shared_by=k, label=n) for n, _ in pairs]
             how = "hard limit" if enforce else "memory growth, budget"
             notes = [f"tenant {n}: {devices[n]} on GPU {gpu.index}, {how} {format_bytes(sizes[n])}"
                      for n, _ in pairs]
@@ -172,19 +176,19 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
             if left >= MiB:
                 notes.append(f"{format_bytes(left)} of the {format_bytes(capacity)} GPU {gpu.index} offers this "
                              "process stay unassigned (size a tenant 'auto' to give it the rest)")
-            alloc = Allocation(rank, local_rank, node, "tenants", "limit" if enforce else "growth", slots,
+            alloc = Allocation(rank, local_rank, host, "tenants", "limit" if enforce else "growth", slots,
                                replica=rank, demand_bytes=sum(sizes.values()), breakdown=dict(sizes), notes=notes)
         else:
             sizes_cpu = {n: (None if _is_auto(s) else _size(n, s, None)) for n, s in pairs}
             notes = [f"tenant {n}: {devices[n]} (logical CPU device), limit "
                      f"{format_bytes(sizes_cpu[n]) if sizes_cpu[n] else 'none'} recorded, not enforced (no GPU)"
                      for n, _ in pairs]
-            alloc = Allocation(rank, local_rank, node, "tenants", "cpu", [], replica=rank,
+            alloc = Allocation(rank, local_rank, host, "tenants", "cpu", [], replica=rank,
                                demand_bytes=sum(v for v in sizes_cpu.values() if v) or None,
                                breakdown={n: v for n, v in sizes_cpu.items() if v}, notes=notes)
             sizes = sizes_cpu  # type: ignore[assignment]
         allocations.append(alloc)
-        if rank == topo.rank:
+        if rank == ctx.topo.rank:
             summary = [{"name": n, "device": devices[n], "limit_bytes": sizes.get(n),
                         "enforced": bool(gpus) and memory != "growth",
                         "gpu": pl.gpu.index if pl.gpu is not None else None} for n, _ in pairs]
@@ -194,29 +198,27 @@ def plan_tenants(topo: Topology, inv: Inventory, *, tenants: Optional[TenantsLik
     extras: Dict[str, Any] = {"devices": devices, "tenants": summary}
     if not gpus and len(pairs) > 1:
         extras["cpu_logical_devices"] = len(pairs)
-    options = dict(opts)
-    options.update(tenants=[[n, s if isinstance(s, (int, float, str)) or s is None else str(s)] for n, s in pairs],
-                   max_tenants=max_tenants, framework=framework)
-    return Plan("tenants", topo.size, topo.rank, allocations, inv.source, opts["overhead_bytes"],
-                opts["reserve_bytes"], options=options, extras=extras, warnings=warnings)
+    options = dict(tenants=[[n, s if isinstance(s, (int, float, str)) or s is None else str(s)] for n, s in pairs],
+                   max_tenants=max_tenants, framework=ctx.framework)
+    return ctx.make_plan("tenants", allocations, options, extras=extras, warnings=warnings)
+
+
 
 
 def tenant_table(plan: Plan, usage: Optional[Mapping[str, Mapping[str, Optional[int]]]] = None) -> str:
     """This process's tenants as text: name, device, limit, enforced or not, and (``usage``, by
     device string without the leading slash, e.g. ``{"GPU:0": {"current_bytes": .., "peak_bytes": ..}}``)
     the allocator's figures for each logical device."""
-    rows = [["tenant", "device", "limit", "enforced", "current", "peak"]]
+    rows = []
     for t in plan.extras.get("tenants") or []:
         u = (usage or {}).get(t["device"].lstrip("/")) or {}
         rows.append([t["name"], t["device"] + (f" (GPU {t['gpu']})" if t.get("gpu") is not None else ""),
                      format_bytes(t["limit_bytes"]), "yes" if t["enforced"] else "no (recorded)",
                      format_bytes(u.get("current_bytes")), format_bytes(u.get("peak_bytes"))])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(["tenant", "device", "limit", "enforced", "current", "peak"], rows, rule=True)
     if any(t["device"].startswith("/CPU") for t in plan.extras.get("tenants") or []) and usage:
         lines.append("(logical CPU devices share one host allocator: current/peak are the whole process's)")
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
+STRATEGY = Strategy("tenants", "named slices of one GPU, one logical device each", TenantsOptions, plan)
