@@ -224,3 +224,34 @@ def test_forked_child_accounting(node, budget):
         assert other.allocs() == [2, 0], (f"the child's 300 MiB went with its parent's share (finding 8): "
                                           f"{other.allocs()}\n{other.stderr}")
     node.touch("done")
+
+
+# ---- the group setting: a budget across users, on purpose ----------------------------------------------
+
+def test_a_group_budget_is_shared_with_its_members_only(users, node):
+    import stat
+    gid = users.group("g")
+    a, b = users.user("a", groups=[gid]), users.user("b", groups=[gid])
+    outsider = users.user("x")
+    uuid = _uuid("group")
+    env = node.env(uuid, DISTMEM_CAP_SHM_GROUP=str(gid))
+    holder = node.start(a, [node.prog("capdrv"), "alloc", str(600 * MiB), "touch", node.sync("a"),
+                            "waitfile", node.sync("done")], env)
+    node.wait_file("a", proc=holder)
+    member = node.run(b, [node.prog("capdrv"), "alloc", str(600 * MiB), "alloc", str(300 * MiB), "shared"], env)
+    assert member.allocs() == [2, 0], member.stderr
+    assert member.op("shared")["processes"] == 2 and member.op("shared")["used"] == 900 * MiB
+    folder = os.path.join(node.shm, f"distmem-cap-g{gid}")
+    d = os.lstat(folder)
+    (name,) = os.listdir(folder)
+    t = os.lstat(os.path.join(folder, name))
+    assert (d.st_gid, stat.S_IMODE(d.st_mode)) == (gid, 0o2770), oct(d.st_mode)
+    assert (t.st_gid, stat.S_IMODE(t.st_mode)) == (gid, 0o660), oct(t.st_mode)
+    assert _reach(node, outsider)["reached"] == 0, "a non-member can open the group's table"
+    intruder = node.run(outsider, [node.prog("capdrv"), "alloc", str(MiB)], env)
+    assert intruder.allocs() == [2] and "not a member" in intruder.stderr, intruder.stderr
+    # Without the setting, b's budget is b's own: a's 600 MiB is not in it.
+    alone = node.run(b, [node.prog("capdrv"), "alloc", str(600 * MiB)], node.env(uuid))
+    assert alone.allocs() == [0], alone.stderr
+    node.touch("done")
+    assert node.finish(holder).rc == 0
