@@ -196,8 +196,9 @@ def status(device: Optional[int] = None) -> Dict[str, Any]:
     CUDA_ERROR_OUT_OF_MEMORY). ``devices`` lists every device with a cap or any activity. Compare
     ``used_bytes`` with the framework's reserved bytes and NVML's per-process figure: NVML also
     counts the context (about 600 MiB on an H200 with CUDA 13). ``gpu_budget`` (None unless
-    ``DISTMEM_CAP_GPU_BYTES`` is set) gives the budget all capped processes on the GPU share and, once
-    this process has allocated there, what they hold together and how many they are.
+    ``DISTMEM_CAP_GPU_BYTES`` is set) gives the budget this user's capped processes on the GPU share
+    and, once this process has allocated there, what they hold together and how many they are;
+    its ``error`` says why the budget cannot be enforced (every allocation there is then denied).
     """
     planned = _planned_devices()
     dev = device if device is not None else (planned[0] if planned else 0)
@@ -244,10 +245,11 @@ def status(device: Optional[int] = None) -> Dict[str, Any]:
     out["devices"] = devices
     sh = _Shared()
     get_shared = getattr(lib, "distmem_cap_get_shared", None)
-    if get_shared and get_shared(dev, ctypes.byref(sh), ctypes.sizeof(sh)) == 0 and sh.budget_bytes != _UNLIMITED:
-        shared_error = getattr(lib, "distmem_cap_shared_error", None)
-        error = (shared_error(dev) or b"").decode(errors="replace") if shared_error else ""
-        out["gpu_budget"] = {"budget_bytes": int(sh.budget_bytes), "used_bytes": int(sh.used_bytes) if sh.active else None,
+    shared_error = getattr(lib, "distmem_cap_shared_error", None)
+    error = (shared_error(dev) or b"").decode(errors="replace") if shared_error else ""
+    if get_shared and get_shared(dev, ctypes.byref(sh), ctypes.sizeof(sh)) == 0 and (sh.budget_bytes != _UNLIMITED
+                                                                                     or error):
+        out["gpu_budget"] = {"budget_bytes": _cap(sh.budget_bytes), "used_bytes": int(sh.used_bytes) if sh.active else None,
                              "processes": int(sh.processes) if sh.active else None, "joined": bool(sh.active),
                              "error": error or None}
     return out

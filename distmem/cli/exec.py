@@ -129,6 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"LD_PRELOAD={shlex.quote(env['LD_PRELOAD'])} {ENV_CAP}={env[ENV_CAP]}"
               + (f" {ENV_DEVICE}={env[ENV_DEVICE]}" if ENV_DEVICE in env else "")
               + (f" {ENV_GPU_BUDGET}={env[ENV_GPU_BUDGET]}" if budget is not None else "")
+              + (f" {ENV_GROUP}={env[ENV_GROUP]}" if ENV_GROUP in env else "")
               + " " + shlex.join(command))
         return 0
     if settings.flag("DISTMEM_CAP_VERBOSE"):

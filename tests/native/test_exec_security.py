@@ -191,3 +191,41 @@ def test_a_mismatch_names_a_cap_set_by_hand(built):
                           capture_output=True, text=True, timeout=60, env=env)
     err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
     assert "DISTMEM_CAP_BYTES='1GiB'" in err and "not by distmem-exec" in err, err
+
+
+# ---- what the checks let through, and the budget's options ----------------------------------------
+
+def test_a_script_run_through_env_is_capped(built, tmp_path):
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/usr/bin/env sh\nexec '{built.capdrv}' alloc {600 * MiB} alloc {600 * MiB}\n")
+    script.chmod(0o755)
+    proc = _exec(built, ["--cap", "1GiB", "--library", built.lib, "--", str(script)])
+    assert proc.returncode == 0 and _allocs(proc) == [0, 2], proc.stderr
+
+
+def test_a_budget_folder_another_user_made_is_refused_before_the_command_runs(users, node, built):
+    attacker = users.user("a")
+    base = node.shm
+    planted = os.path.join(base, f"distmem-cap-u{os.geteuid()}")
+    made = subprocess.run(["mkdir", "-m", "777", planted], user=attacker.uid, group=attacker.gid,
+                          extra_groups=[], capture_output=True, text=True, timeout=30)
+    assert made.returncode == 0, made.stderr
+    proc = _exec(built, ["--cap", "1GiB", "--gpu-budget", "2GiB", "--library", built.lib] + _alloc_twice(built),
+                 DISTMEM_CAP_SHM_DIR=str(base))
+    _refused(proc, planted, f"uid {attacker.uid}")
+
+
+def test_the_group_option_names_a_group_this_user_is_in(built, capsys, monkeypatch):
+    import grp
+    monkeypatch.setenv("DISTMEM_CAP_LIB", built.lib)
+    mine = grp.getgrgid(os.getegid()).gr_name
+    assert exec_cli.main(["--cap", "1GiB", "--gpu-budget", "4GiB", "--gpu-budget-group", mine, "--dry-run",
+                          "--", "true"]) == 0
+    assert f"DISTMEM_CAP_SHM_GROUP={os.getegid()}" in capsys.readouterr().out
+    assert exec_cli.main(["--cap", "1GiB", "--gpu-budget-group", mine, "--dry-run", "--", "true"]) == 2
+    assert "needs the budget itself" in capsys.readouterr().err
+    others = [g for g in grp.getgrall() if g.gr_gid != os.getegid() and g.gr_gid not in os.getgroups()]
+    if others:
+        assert exec_cli.main(["--cap", "1GiB", "--gpu-budget", "4GiB", "--gpu-budget-group", others[0].gr_name,
+                              "--dry-run", "--", "true"]) == 2
+        assert "not a member" in capsys.readouterr().err
