@@ -213,8 +213,10 @@ def main(argv=None) -> int:
         capped_env = {"DISTMEM_CAP_GPU_BYTES": args.gpu_budget,
                       "DISTMEM_CAP_SHM_DIR": tempfile.mkdtemp(prefix="distmem-bench-shm-")}
     extra = {}
+    fake_dir = None
     if backend == "fake":
-        extra["LD_LIBRARY_PATH"] = _fake_driver_dir() + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")
+        fake_dir = _fake_driver_dir()
+        extra["LD_LIBRARY_PATH"] = fake_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")
     iters = args.iters or (20000 if backend == "cuda" else 200000)
     t0 = time.time()
     others = _start_others(args.others, lib, extra, capped_env) if capped_env and args.others else []
@@ -237,8 +239,8 @@ def main(argv=None) -> int:
         else:
             result["torch_nocache"] = {"skipped": "torch with CUDA not available"}
     result["seconds"] = round(time.time() - t0, 1)
-    if capped_env:
-        shutil.rmtree(capped_env["DISTMEM_CAP_SHM_DIR"], ignore_errors=True)
+    for tmp in ([capped_env["DISTMEM_CAP_SHM_DIR"]] if capped_env else []) + ([fake_dir] if fake_dir else []):
+        shutil.rmtree(tmp, ignore_errors=True)
     line = json.dumps(result)
     print(line, flush=True)
     if args.out:
