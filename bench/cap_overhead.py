@@ -1,6 +1,7 @@
 """Overhead of the native cap on an allocation-heavy loop, against no cap, in the same run.
 
     python bench/cap_overhead.py [--backend auto|cuda|fake] [--iters N] [--rounds R] [--out PATH]
+                                 [--gpu-budget SIZE [--others N]] [--library PATH] [--label TEXT]
 
 Each round runs the loop twice in fresh processes, once plain and once with LD_PRELOAD=
 libdistmem_cap.so (cap far above the loop's needs, so nothing is denied), alternating so drift hits
@@ -14,7 +15,11 @@ road), sizes cycling 1, 4, 16, 64 MiB. With torch installed and a GPU, a second 
 torch.empty + del with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (every tensor a cudaMalloc/cudaFree, the
 runtime's cuGetProcAddress road). Backend "fake" (auto without a GPU) runs the driver loop against
 the test suite's fake driver: it measures the wrapper's own cost against a driver that does almost
-nothing, an upper bound on the ratio, not a GPU figure.
+nothing, an upper bound on the ratio, not a GPU figure. With --gpu-budget the capped runs also
+hold a GPU-wide budget (DISTMEM_CAP_GPU_BYTES, its table in a fresh private folder): each
+allocation then reserves against the per-user table too, and --others N keeps N more capped
+processes holding 1 MiB each on the same GPU meanwhile (the table's other slots). --library times
+another build (e.g. an older commit's) in the same way.
 """
 from __future__ import annotations
 
@@ -85,6 +90,18 @@ def _torch_loop(iters: int) -> dict:
     return {"ns_per_pair": dt / iters, "iters": iters}
 
 
+def _driver_hold() -> dict:
+    """Holds 1 MiB on the GPU until stdin closes: another process in the GPU-wide table."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    alloc = cuda.cuMemAlloc_v2
+    alloc.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
+    ptr = ctypes.c_ulonglong(0)
+    assert alloc(ctypes.byref(ptr), 1 << 20) == 0, "cuMemAlloc_v2 of 1 MiB failed"
+    print(json.dumps({"holding": 1 << 20}), flush=True)
+    sys.stdin.read()
+    return {}
+
+
 # ---- parent ------------------------------------------------------------------------------------------
 
 def _library() -> str:
@@ -132,11 +149,12 @@ def _fake_driver_dir() -> str:
     return out
 
 
-def _child(kind: str, iters: int, capped: bool, lib: str, extra_env: dict) -> dict:
+def _child(kind: str, iters: int, capped: bool, lib: str, extra_env: dict, capped_env: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMEM_CAP") and k != "LD_PRELOAD"}
     env.update(extra_env)
     if capped:
         env.update(LD_PRELOAD=lib, DISTMEM_CAP_BYTES=CAP)
+        env.update(capped_env)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--iters", str(iters)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -146,11 +164,22 @@ def _child(kind: str, iters: int, capped: bool, lib: str, extra_env: dict) -> di
     return json.loads(lines[-1])
 
 
-def _measure(kind: str, iters: int, rounds: int, lib: str, extra_env: dict) -> dict:
+def _start_others(n: int, lib: str, extra_env: dict, capped_env: dict) -> list:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMEM_CAP") and k != "LD_PRELOAD"}
+    env.update(extra_env, LD_PRELOAD=lib, DISTMEM_CAP_BYTES=CAP, **capped_env)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "hold", "--iters", "1"],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    for proc in procs:
+        if not (proc.stdout.readline() or "").startswith('{"holding"'):
+            raise SystemExit("cap_overhead: a holding process did not start")
+    return procs
+
+
+def _measure(kind: str, iters: int, rounds: int, lib: str, extra_env: dict, capped_env: dict) -> dict:
     plain, capped = [], []
     for _ in range(rounds):
-        plain.append(_child(kind, iters, False, lib, extra_env)["ns_per_pair"])
-        capped.append(_child(kind, iters, True, lib, extra_env)["ns_per_pair"])
+        plain.append(_child(kind, iters, False, lib, extra_env, capped_env)["ns_per_pair"])
+        capped.append(_child(kind, iters, True, lib, extra_env, capped_env)["ns_per_pair"])
     base, fig = statistics.median(plain), statistics.median(capped)
     return {"figure": round(fig, 1), "baseline": round(base, 1), "ratio": round(fig / base, 4),
             "overhead_ns": round(fig - base, 1), "plain_rounds": [round(x, 1) for x in plain],
@@ -164,35 +193,54 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", help="also write the JSON there (a directory gets cap_overhead.json)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch figure")
-    p.add_argument("--child", choices=["driver", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--gpu-budget", help="capped runs also hold this GPU-wide budget (DISTMEM_CAP_GPU_BYTES)")
+    p.add_argument("--library", help="time this libdistmem_cap.so (default: distmem's, built if missing)")
+    p.add_argument("--label", help="a name for this run, kept in the JSON")
+    p.add_argument("--others", type=int, default=0, help="with --gpu-budget: capped processes holding 1 MiB meanwhile")
+    p.add_argument("--child", choices=["driver", "torch", "hold"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        res = _driver_loop(args.iters) if args.child == "driver" else _torch_loop(args.iters)
+        res = {"driver": _driver_loop, "torch": _torch_loop, "hold": lambda _: _driver_hold()}[args.child](args.iters)
         print(json.dumps(res), flush=True)
         return 0
 
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if _has_gpu() else "fake"
-    lib = _library()
+    lib = os.path.abspath(args.library) if args.library else _library()
+    capped_env = {}
+    if args.gpu_budget:
+        capped_env = {"DISTMEM_CAP_GPU_BYTES": args.gpu_budget,
+                      "DISTMEM_CAP_SHM_DIR": tempfile.mkdtemp(prefix="distmem-bench-shm-")}
     extra = {}
+    fake_dir = None
     if backend == "fake":
-        extra["LD_LIBRARY_PATH"] = _fake_driver_dir() + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")
+        fake_dir = _fake_driver_dir()
+        extra["LD_LIBRARY_PATH"] = fake_dir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")
     iters = args.iters or (20000 if backend == "cuda" else 200000)
     t0 = time.time()
-    driver = _measure("driver", iters, args.rounds, lib, extra)
-    result = {"bench": "cap_overhead", "backend": backend, "figure": driver["figure"], "baseline": driver["baseline"],
-              "ratio": driver["ratio"],
+    others = _start_others(args.others, lib, extra, capped_env) if capped_env and args.others else []
+    try:
+        driver = _measure("driver", iters, args.rounds, lib, extra, capped_env)
+    finally:
+        for proc in others:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    result = {"bench": "cap_overhead", "label": args.label, "backend": backend, "figure": driver["figure"],
+              "baseline": driver["baseline"], "ratio": driver["ratio"],
               "unit": "ns per cuMemAlloc_v2 + cuMemFree_v2 pair (ctypes loop, 1-64 MiB)",
-              "driver": driver, "torch_nocache": None, "library": lib}
+              "gpu_budget": args.gpu_budget, "others": len(others), "driver": driver, "torch_nocache": None, "library": lib}
     if backend == "cuda" and not args.no_torch:
         if _has_torch_cuda():
             result["torch_nocache"] = dict(
-                _measure("torch", max(1000, iters // 4), args.rounds, lib, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}),
+                _measure("torch", max(1000, iters // 4), args.rounds, lib, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
+                         capped_env),
                 unit="ns per torch.empty + del with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (cudaMalloc + cudaFree)")
         else:
             result["torch_nocache"] = {"skipped": "torch with CUDA not available"}
     result["seconds"] = round(time.time() - t0, 1)
+    for tmp in ([capped_env["DISTMEM_CAP_SHM_DIR"]] if capped_env else []) + ([fake_dir] if fake_dir else []):
+        shutil.rmtree(tmp, ignore_errors=True)
     line = json.dumps(result)
     print(line, flush=True)
     if args.out:

@@ -30,7 +30,7 @@ else
   cc=${CC:-$(command -v cc || command -v gcc || true)}
   [ -n "$cc" ] || { echo "build_native.sh: neither cmake nor a C compiler (cc/gcc) found; install one" >&2; exit 1; }
   log "cmake not found; building with $cc directly"
-  srcs=("$src/src/account.c" "$src/src/config.c" "$src/src/hook.c" "$src/src/shared.c" "$src/src/wrappers.c")
+  srcs=("$src/src/account.c" "$src/src/config.c" "$src/src/hook.c" "$src/src/shared.c" "$src/src/table.c" "$src/src/wrappers.c")
   case "$(uname -m)" in x86_64|amd64) srcs+=("$src/src/dlsym_x86_64.S") ;; esac
   lib="$build/libdistmem_cap.so"
   "$cc" -shared -fPIC -O2 -std=gnu11 -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \

@@ -16,11 +16,12 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from .. import settings
-from ..errors import DistmemError
+from ..errors import ConfigError, DistmemError
 from ..units import MiB, format_bytes, parse_bytes
 
-__all__ = ["NativeCapError", "LIBRARY_NAME", "ENV_CAP", "ENV_LIB", "ENV_DEVICE", "ENV_GPU_BUDGET", "ENV_PLAN", "find_library",
-           "library_path", "loaded_library", "is_active", "status", "require_active", "cap_spec",
+__all__ = ["NativeCapError", "LIBRARY_NAME", "ENV_CAP", "ENV_LIB", "ENV_DEVICE", "ENV_GPU_BUDGET", "ENV_PLAN",
+           "ENV_ORIGIN", "ENV_GROUP", "ABI_VERSION", "MIN_CAP", "MAX_CAP", "find_library", "library_path",
+           "check_library", "loaded_library", "is_active", "status", "require_active", "parse_cap", "cap_spec",
            "caps_from_plan", "launch_env"]
 
 #: File name of the library; ``distmem/_native/`` holds the built copy.
@@ -35,9 +36,21 @@ ENV_DEVICE = "DISTMEM_CAP_DEVICE"
 ENV_GPU_BUDGET = "DISTMEM_CAP_GPU_BYTES"
 #: Fingerprint of the plan distmem-exec computed the cap from (``Plan.fingerprint()``).
 ENV_PLAN = "DISTMEM_CAP_PLAN"
+#: "SPEC WHO": the DISTMEM_CAP_BYTES text distmem-exec set and how it got it (for error messages).
+ENV_ORIGIN = "DISTMEM_CAP_ORIGIN"
+#: Numeric group id that shares the GPU-wide budget across users (default: each user alone).
+ENV_GROUP = "DISTMEM_CAP_SHM_GROUP"
 
-_ABI_VERSION = 1
+#: The library's interface version this module reads (``DISTMEM_CAP_ABI_VERSION``).
+ABI_VERSION = 2
+#: Bounds of a cap or budget, in bytes: below 1 MiB nothing useful runs; above 2^63 - 1 the library
+#: cannot count (and 2^64 - 1 is its "unlimited").
+MIN_CAP = MiB
+MAX_CAP = 2**63 - 1
 _UNLIMITED = 2**64 - 1
+#: What ld.so cannot take in an LD_PRELOAD entry: it splits the list at spaces and colons and
+#: expands $ORIGIN-style tokens.
+_PRELOAD_UNSAFE = " \t\n\r:$"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # distmem/, beside _native/
 _DEFAULT_TOLERANCE = 1 * MiB
 
@@ -45,7 +58,7 @@ CapLike = Union[int, str, Mapping[int, int]]
 
 
 class NativeCapError(DistmemError, RuntimeError):
-    """The native cap is required but absent, misconfigured, or not the plan's."""
+    """The native cap is required but absent, misconfigured, not the plan's, or cannot be loaded."""
 
 
 class _Stats(ctypes.Structure):
@@ -97,6 +110,22 @@ def library_path() -> str:
                          f"compiler, no CUDA toolkit) or set {ENV_LIB}=/path/to/{LIBRARY_NAME}")
 
 
+def check_library(path: str) -> str:
+    """``path`` made absolute, once it names a file ld.so can preload from there; NativeCapError else."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise NativeCapError(f"the cap library {full} does not exist (or is not a file); build it with "
+                             f"scripts/build_native.sh or point --library / {ENV_LIB} at a built {LIBRARY_NAME}")
+    bad = sorted({c for c in full if c in _PRELOAD_UNSAFE})
+    if bad:
+        shown = ", ".join({" ": "a space", ":": "a colon", "$": "a '$'"}.get(c, repr(c)) for c in bad)
+        raise NativeCapError(f"the cap library's path {full!r} holds {shown}: ld.so splits LD_PRELOAD at spaces and "
+                             "colons (and expands '$' tokens), so it would not load it and the command would run "
+                             "uncapped. Copy the library to a path without them (or install distmem, e.g. its venv, "
+                             f"there) and pass --library or {ENV_LIB}")
+    return full
+
+
 def loaded_library() -> Optional[str]:
     """Path of the cap library mapped into this process (from /proc/self/maps), or None."""
     try:
@@ -129,6 +158,8 @@ def _symbols() -> Optional[ctypes.CDLL]:
     try:  # optional: a library without the GPU-wide budget still caps
         lib.distmem_cap_get_shared.restype = ctypes.c_int
         lib.distmem_cap_get_shared.argtypes = [ctypes.c_int, ctypes.POINTER(_Shared), ctypes.c_size_t]
+        lib.distmem_cap_shared_error.restype = ctypes.c_char_p
+        lib.distmem_cap_shared_error.argtypes = [ctypes.c_int]
     except AttributeError:
         pass
     return lib
@@ -165,8 +196,9 @@ def status(device: Optional[int] = None) -> Dict[str, Any]:
     CUDA_ERROR_OUT_OF_MEMORY). ``devices`` lists every device with a cap or any activity. Compare
     ``used_bytes`` with the framework's reserved bytes and NVML's per-process figure: NVML also
     counts the context (about 600 MiB on an H200 with CUDA 13). ``gpu_budget`` (None unless
-    ``DISTMEM_CAP_GPU_BYTES`` is set) gives the budget all capped processes on the GPU share and, once
-    this process has allocated there, what they hold together and how many they are.
+    ``DISTMEM_CAP_GPU_BYTES`` is set) gives the budget this user's capped processes on the GPU share
+    and, once this process has allocated there, what they hold together and how many they are;
+    its ``error`` says why the budget cannot be enforced (every allocation there is then denied).
     """
     planned = _planned_devices()
     dev = device if device is not None else (planned[0] if planned else 0)
@@ -182,8 +214,8 @@ def status(device: Optional[int] = None) -> Dict[str, Any]:
     if lib is None:
         return out
     info = _Info()
-    if lib.distmem_cap_get_info(ctypes.byref(info), ctypes.sizeof(info)) != 0 or info.abi_version != _ABI_VERSION:
-        out["config_error"] = (f"library ABI version {info.abi_version} is not the {_ABI_VERSION} this distmem "
+    if lib.distmem_cap_get_info(ctypes.byref(info), ctypes.sizeof(info)) != 0 or info.abi_version != ABI_VERSION:
+        out["config_error"] = (f"library ABI version {info.abi_version} is not the {ABI_VERSION} this distmem "
                                "reads; rebuild it with scripts/build_native.sh")
         return out
     out.update(
@@ -213,9 +245,13 @@ def status(device: Optional[int] = None) -> Dict[str, Any]:
     out["devices"] = devices
     sh = _Shared()
     get_shared = getattr(lib, "distmem_cap_get_shared", None)
-    if get_shared and get_shared(dev, ctypes.byref(sh), ctypes.sizeof(sh)) == 0 and sh.budget_bytes != _UNLIMITED:
-        out["gpu_budget"] = {"budget_bytes": int(sh.budget_bytes), "used_bytes": int(sh.used_bytes) if sh.active else None,
-                             "processes": int(sh.processes) if sh.active else None, "joined": bool(sh.active)}
+    shared_error = getattr(lib, "distmem_cap_shared_error", None)
+    error = (shared_error(dev) or b"").decode(errors="replace") if shared_error else ""
+    if get_shared and get_shared(dev, ctypes.byref(sh), ctypes.sizeof(sh)) == 0 and (sh.budget_bytes != _UNLIMITED
+                                                                                     or error):
+        out["gpu_budget"] = {"budget_bytes": _cap(sh.budget_bytes), "used_bytes": int(sh.used_bytes) if sh.active else None,
+                             "processes": int(sh.processes) if sh.active else None, "joined": bool(sh.active),
+                             "error": error or None}
     return out
 
 
@@ -264,8 +300,7 @@ def require_active(cap_bytes: Optional[int] = None, device: Optional[int] = None
                              f"plan gives this rank {format_bytes(cap_bytes)} ({cap_bytes} bytes). Launch through "
                              f"distmem-exec, or set {ENV_CAP}={cap_bytes}")
     if abs(have - int(cap_bytes)) > tolerance_bytes:
-        origin = (f"distmem-exec computed it from plan {st['plan_fingerprint']}" if st["plan_fingerprint"]
-                  else "it was not set by distmem-exec")
+        origin = _origin(st["spec"])
         raise NativeCapError(f"the native cap on GPU {dev} is {format_bytes(have)} ({have} bytes, {ENV_CAP}="
                              f"{st['spec']!r}; {origin}) but the plan gives this rank {format_bytes(cap_bytes)} "
                              f"({cap_bytes} bytes). Pass distmem-exec the same strategy and options as init() "
@@ -274,7 +309,34 @@ def require_active(cap_bytes: Optional[int] = None, device: Optional[int] = None
     return st
 
 
+def _origin(spec: Optional[str]) -> str:
+    """Where the cap in force came from, for messages: distmem-exec (how) or the environment."""
+    recorded = settings.raw(ENV_ORIGIN) or ""
+    set_spec, _, who = recorded.partition(" ")
+    if who and set_spec == (spec or ""):
+        return f"set by {who}"
+    if who:
+        return f"set in the environment after {who} had set {ENV_CAP}={set_spec}"
+    return "set in the environment, not by distmem-exec"
+
+
 # ---- launching -------------------------------------------------------------------------------------
+
+def parse_cap(value: Any, what: str = "cap") -> int:
+    """``value`` as a cap or budget in bytes, within [MIN_CAP, MAX_CAP]; ConfigError naming both else."""
+    try:
+        n = parse_bytes(value, what=f"{what} {value}")
+    except OverflowError:
+        raise ConfigError(f"{what} {value} is too large: the largest the native cap can count is {MAX_CAP} bytes "
+                          "(2^63 - 1, 8 EiB)") from None
+    if n > MAX_CAP:
+        raise ConfigError(f"{what} {value} is {n} bytes, above the largest the native cap can count, {MAX_CAP} bytes "
+                          f"(2^63 - 1, 8 EiB; {_UNLIMITED} is its 'unlimited', not a size)")
+    if n < MIN_CAP:
+        raise ConfigError(f"{what} {value} is {n} bytes, below the smallest cap, {MIN_CAP} bytes (1 MiB): nothing "
+                          "that uses a GPU runs in less; give e.g. 10GiB")
+    return n
+
 
 def cap_spec(cap: CapLike) -> str:
     """The ``DISTMEM_CAP_BYTES`` text for a cap: one size for every device, or ``{ordinal: bytes}``."""
@@ -285,9 +347,9 @@ def cap_spec(cap: CapLike) -> str:
         for dev, value in sorted(cap.items()):
             if not isinstance(dev, int) or dev < 0 or dev > 63:
                 raise NativeCapError(f"device ordinal {dev!r} is not an integer in 0..63")
-            parts.append(f"{dev}:{parse_bytes(value, what=f'cap of device {dev}')}")
+            parts.append(f"{dev}:{parse_cap(value, what=f'cap of device {dev}')}")
         return ",".join(parts)
-    return str(parse_bytes(cap, what="cap"))
+    return str(parse_cap(cap))
 
 
 def caps_from_plan(plan: Any) -> Dict[int, int]:
@@ -299,14 +361,18 @@ def caps_from_plan(plan: Any) -> Dict[int, int]:
 
 
 def launch_env(cap: CapLike, *, library: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
-               devices: Optional[Sequence[int]] = None, gpu_budget: Optional[CapLike] = None) -> Dict[str, str]:
+               devices: Optional[Sequence[int]] = None, gpu_budget: Optional[CapLike] = None,
+               gpu_group: Optional[int] = None) -> Dict[str, str]:
     """A copy of ``env`` (default ``os.environ``) that runs a command under the cap.
 
     Puts the library first in ``LD_PRELOAD`` (replacing any other copy of it), sets
     ``DISTMEM_CAP_BYTES`` from ``cap``, with ``devices`` ``DISTMEM_CAP_DEVICE``, and with
-    ``gpu_budget`` ``DISTMEM_CAP_GPU_BYTES`` (what all capped processes on a GPU may hold together).
+    ``gpu_budget`` ``DISTMEM_CAP_GPU_BYTES`` (what this user's capped processes on a GPU may hold
+    together; with ``gpu_group``, a numeric group id, what that group's may). Raises NativeCapError
+    for a library ld.so could not preload from its path, ConfigError for a cap or budget out of
+    bounds or a budget below the cap.
     """
-    lib = os.path.abspath(library) if library else library_path()
+    lib = check_library(library if library else library_path())
     out = dict(os.environ if env is None else env)
     others = [p for p in out.get("LD_PRELOAD", "").replace(":", " ").split()
               if os.path.basename(p) != LIBRARY_NAME]
@@ -316,6 +382,25 @@ def launch_env(cap: CapLike, *, library: Optional[str] = None, env: Optional[Map
         devices = sorted(cap)
     if devices is not None:
         out[ENV_DEVICE] = ",".join(str(int(d)) for d in devices)
+    for name in (ENV_GPU_BUDGET, ENV_GROUP, ENV_ORIGIN, ENV_PLAN):
+        out.pop(name, None)
     if gpu_budget is not None:
-        out[ENV_GPU_BUDGET] = cap_spec(gpu_budget)
+        budget = parse_cap(gpu_budget, what="--gpu-budget")
+        caps = cap.values() if isinstance(cap, Mapping) else [cap]
+        largest = max(parse_cap(c) for c in caps)
+        if budget < largest:
+            raise ConfigError(f"--gpu-budget {gpu_budget} ({budget} bytes) is below the cap {_shown(cap, largest)} "
+                              f"({largest} bytes): the budget holds all capped processes on a GPU together, so it must "
+                              "be at least one process's cap; raise it or lower the cap")
+        out[ENV_GPU_BUDGET] = str(budget)
+    if gpu_group is not None:
+        if gpu_budget is None:
+            raise ConfigError("a group for the GPU-wide budget needs the budget itself: add --gpu-budget SIZE")
+        out[ENV_GROUP] = str(int(gpu_group))
     return out
+
+
+def _shown(cap: CapLike, largest: int) -> str:
+    if isinstance(cap, Mapping):
+        return format_bytes(largest)
+    return str(cap)

@@ -3,6 +3,7 @@ LD_PRELOAD library of :mod:`distmem.apply.native`), with this rank's cap compute
 from __future__ import annotations
 
 import argparse
+import grp
 import json
 import os
 import shlex
@@ -10,11 +11,11 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import settings
-from ..apply.native import (ENV_CAP, ENV_DEVICE, ENV_GPU_BUDGET, ENV_LIB, ENV_PLAN, LIBRARY_NAME, CapLike,
-                            NativeCapError, caps_from_plan, launch_env)
+from ..apply.native import (ENV_CAP, ENV_DEVICE, ENV_GPU_BUDGET, ENV_GROUP, ENV_LIB, ENV_ORIGIN, ENV_PLAN,
+                            LIBRARY_NAME, CapLike, NativeCapError, caps_from_plan, launch_env, parse_cap)
+from ..apply.native_launch import check_budget_folder, check_command, confirm_loads
 from ..console import say
-from ..errors import DistmemError
-from ..units import parse_bytes
+from ..errors import ConfigError, DistmemError
 
 __all__ = ["main", "plan_for_exec"]
 
@@ -49,8 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, as keyword arguments of distmem.init (repeatable); VALUE is read "
                         "as JSON when it parses, else as text")
-    p.add_argument("--gpu-budget", help="also hold all capped processes on each GPU together below this size "
-                                        f"(sets {ENV_GPU_BUDGET}; shared through /dev/shm)")
+    p.add_argument("--gpu-budget", help="also hold all of this user's capped processes on each GPU together below "
+                                        f"this size (sets {ENV_GPU_BUDGET}; a table in /dev/shm only you can use)")
+    p.add_argument("--gpu-budget-group", metavar="GROUP",
+                   help="share the GPU-wide budget with every member of GROUP (name or id) instead of keeping it "
+                        f"per user (sets {ENV_GROUP}); every member can then read and change the table")
     p.add_argument("--library", help=f"path of {LIBRARY_NAME} (default: ${ENV_LIB} or the installed copy)")
     p.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --)")
@@ -78,8 +82,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         devices: Optional[List[int]] = None
-        if args.cap:
-            cap: CapLike = parse_bytes(args.cap, what="--cap")
+        if args.cap is not None:
+            parse_cap(args.cap, what="--cap")
+            cap: CapLike = args.cap
             where = f"--cap {args.cap}"
         else:
             options: Dict[str, Any] = {"strategy": args.strategy}
@@ -105,11 +110,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # accidental context on another GPU cannot escape.
             cap = values.pop() if len(values) == 1 else caps
             where = f"plan strategy={plan.strategy}, rank {plan.mine.rank}, GPU {','.join(map(str, devices))}"
-        budget = parse_bytes(args.gpu_budget, what="--gpu-budget") if args.gpu_budget else None
-        env = launch_env(cap, library=args.library, devices=devices, gpu_budget=budget)
-        env.pop(ENV_PLAN, None)
-        if not args.cap:
+        budget = args.gpu_budget
+        env = launch_env(cap, library=args.library, devices=devices, gpu_budget=budget,
+                         gpu_group=_group_id(args.gpu_budget_group) if args.gpu_budget_group else None)
+        if args.cap is None:
             env[ENV_PLAN] = plan.fingerprint()
+        env[ENV_ORIGIN] = f"{env[ENV_CAP]} distmem-exec " + (f"--cap {args.cap}" if args.cap is not None else
+                                                             f"from plan {env[ENV_PLAN]} ({where})")
+        if not args.dry_run:
+            lib = env["LD_PRELOAD"].split()[0]
+            check_command(command, env, lib)
+            check_budget_folder(env)
+            confirm_loads(env, lib)
     except DistmemError as exc:
         _say(str(exc))
         return 2
@@ -117,11 +129,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"LD_PRELOAD={shlex.quote(env['LD_PRELOAD'])} {ENV_CAP}={env[ENV_CAP]}"
               + (f" {ENV_DEVICE}={env[ENV_DEVICE]}" if ENV_DEVICE in env else "")
               + (f" {ENV_GPU_BUDGET}={env[ENV_GPU_BUDGET]}" if budget is not None else "")
+              + (f" {ENV_GROUP}={env[ENV_GROUP]}" if ENV_GROUP in env else "")
               + " " + shlex.join(command))
         return 0
     if settings.flag("DISTMEM_CAP_VERBOSE"):
         _say(f"cap {env[ENV_CAP]} ({where}) for: {shlex.join(command)}", note=True)
     return _exec(command, env)
+
+
+def _group_id(group: str) -> int:
+    """GROUP (a name or a number) as a group id this process belongs to; ConfigError otherwise."""
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--gpu-budget-group {group}: no such group") from None
+    if gid != os.getegid() and gid not in os.getgroups():
+        raise ConfigError(f"--gpu-budget-group {group}: this user (uid {os.geteuid()}) is not a member of group {gid}, "
+                          "so it could not use that group's table; add the user to the group or pick another")
+    return gid
 
 
 def _exec(command: List[str], env: Dict[str, str]) -> int:

@@ -14,14 +14,23 @@
  *   unset or empty                       counted, not capped
  *   DISTMEM_CAP_VERBOSE=1                one line at load, one per denial (default: the first only)
  *
- * Optional GPU-wide budget, shared by every capped process on a physical GPU (by UUID) through a
- * small table in DISTMEM_CAP_SHM_DIR (default /dev/shm); same syntax as DISTMEM_CAP_BYTES:
- *   DISTMEM_CAP_GPU_BYTES=70GiB          all capped processes on each GPU together
+ * Sizes run from 0 to 9223372036854775807 (2^63 - 1); anything larger is malformed.
  *
- * A malformed DISTMEM_CAP_BYTES fails closed: every device allocation is denied and stderr says why.
+ * Optional GPU-wide budget, shared by this user's capped processes on a physical GPU (by UUID)
+ * through a table in DISTMEM_CAP_SHM_DIR (default /dev/shm)/distmem-cap-u<uid>/ (0700, checked);
+ * same syntax as DISTMEM_CAP_BYTES:
+ *   DISTMEM_CAP_GPU_BYTES=70GiB          all of this user's capped processes on each GPU together
+ *   DISTMEM_CAP_SHM_GROUP=GID            share the budget with every member of group GID instead
+ *                                        (distmem-cap-g<GID>/, 02770): members can read and change it
+ *   DISTMEM_CAP_CONFIRM=FD:NONCE         write "NONCE abi=N config_ok=B pid=P" to the pipe FD at load
+ *                                        (distmem-exec's check that the library really loads)
  *
- * Python reads these through ctypes (distmem/native.py mirrors the structs; keep them in step and
- * bump DISTMEM_CAP_ABI_VERSION on any change).
+ * Fails closed: a malformed DISTMEM_CAP_BYTES or DISTMEM_CAP_GPU_BYTES, or a GPU-wide table that
+ * cannot be used as it must (another owner, a wrong mode or size, no UUID), denies every device
+ * allocation it concerns, and stderr says why.
+ *
+ * Python reads these through ctypes (distmem/apply/native.py mirrors the structs; keep them in step
+ * and bump DISTMEM_CAP_ABI_VERSION on any change).
  */
 #ifndef DISTMEM_CAP_H
 #define DISTMEM_CAP_H
@@ -33,7 +42,7 @@
 extern "C" {
 #endif
 
-#define DISTMEM_CAP_ABI_VERSION 1
+#define DISTMEM_CAP_ABI_VERSION 2 /* 2: per-user tables that fail closed, distmem_cap_shared_error */
 #define DISTMEM_CAP_MAX_DEVICES 64
 #define DISTMEM_CAP_UNLIMITED UINT64_MAX
 
@@ -65,7 +74,7 @@ typedef struct distmem_cap_info {
 typedef struct distmem_cap_shared {
     uint64_t budget_bytes; /* DISTMEM_CAP_UNLIMITED when no GPU-wide budget applies to this device */
     uint64_t used_bytes;   /* all capped processes on this GPU, as the shared table counts them */
-    uint64_t processes;    /* processes holding a slot in the table */
+    uint64_t processes;    /* live processes holding a slot in the table */
     uint64_t active;       /* 1 once this process has joined the GPU's table (at its first allocation) */
 } distmem_cap_shared_t;
 
@@ -74,6 +83,10 @@ int distmem_cap_get_stats(int device, distmem_cap_stats_t *out, size_t out_size)
 
 /* Returns 0 and fills *out (at most out_size bytes), or -1 for a device outside [0, max_devices). */
 int distmem_cap_get_shared(int device, distmem_cap_shared_t *out, size_t out_size);
+
+/* Why the GPU-wide budget of this device cannot be enforced (every allocation there is then
+ * denied), or "" when it can or none applies. */
+const char *distmem_cap_shared_error(int device);
 
 /* Returns 0 and fills *out (at most out_size bytes). */
 int distmem_cap_get_info(distmem_cap_info_t *out, size_t out_size);

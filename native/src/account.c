@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -24,6 +25,7 @@ static int any_cap = 0;
 static char spec_text[256];
 static char config_error[512];
 static _Atomic int denial_logged;
+static _Atomic int budget_error_logged;
 static _Atomic uint64_t total_denials;
 
 _Atomic uint64_t dm_dlsym_lookups;
@@ -58,7 +60,8 @@ static void init_from_env(void) {
         devices[i].cap = caps[i];
         if (caps[i] != DISTMEM_CAP_UNLIMITED) any_cap = 1;
     }
-    dm_shared_configure(getenv("DISTMEM_CAP_GPU_BYTES"), getenv("DISTMEM_CAP_SHM_DIR"));
+    dm_shared_configure(getenv("DISTMEM_CAP_GPU_BYTES"), getenv("DISTMEM_CAP_SHM_DIR"),
+                        getenv("DISTMEM_CAP_SHM_GROUP"));
     if (dm_verbose) {
         char buf[32];
         dm_format_bytes(default_cap, buf, sizeof buf);
@@ -69,9 +72,31 @@ static void init_from_env(void) {
 
 void dm_init(void) { pthread_once(&init_once, init_from_env); }
 
+/* DISTMEM_CAP_CONFIRM=FD:NONCE (set by distmem-exec for its check): say on that pipe that the
+ * library is loaded and how it read its configuration, then forget the variable so that programs
+ * this one starts do not write to whatever their FD is. */
+static void confirm_loaded(void) {
+    const char *v = getenv("DISTMEM_CAP_CONFIRM");
+    if (!v) return;
+    char *end;
+    long fd = strtol(v, &end, 10);
+    struct stat st;
+    if (end != v && *end == ':' && fd > 2 && fd < 1 << 20 && fstat((int)fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
+        char line[160];
+        int n = snprintf(line, sizeof line, "%.64s abi=%d config_ok=%d pid=%d\n", end + 1, DISTMEM_CAP_ABI_VERSION,
+                         config_ok, (int)getpid());
+        if (n > 0 && write((int)fd, line, (size_t)n) < 0) { /* the checker is gone: nothing to tell */
+        }
+        close((int)fd);
+    }
+    unsetenv("DISTMEM_CAP_CONFIRM");
+}
+
 __attribute__((constructor)) static void dm_constructor(void) {
     dm_init();
     dm_ensure_real_dlsym();
+    pthread_atfork(NULL, NULL, dm_account_after_fork);
+    confirm_loaded();
 }
 
 int dm_dev_index(int dev) {
@@ -110,11 +135,21 @@ static void log_denial(int dev, uint64_t bytes, uint64_t used, uint64_t cap, con
             dm_verbose ? "" : "; further denials are counted, not logged");
 }
 
-static void log_shared_denial(int dev, uint64_t bytes, uint64_t all_used, uint64_t budget, const char *entry) {
-    int first = atomic_exchange(&denial_logged, 1) == 0;
-    if (!first && !dm_verbose) return;
+static void log_shared_denial(int dev, uint64_t bytes, uint64_t all_used, uint64_t budget, const char *entry,
+                              const char *why) {
     char req[32], usedb[32], budb[32], left[32];
     dm_format_bytes(bytes, req, sizeof req);
+    if (why) {
+        if (atomic_exchange(&budget_error_logged, 1) != 0 && !dm_verbose) return;
+        fprintf(stderr,
+                "distmem-cap: denied %s of %s (%llu bytes) on GPU %d in pid %d: the GPU-wide budget "
+                "(DISTMEM_CAP_GPU_BYTES) cannot be enforced: %s. Every allocation on this GPU is denied until "
+                "that is fixed; unset DISTMEM_CAP_GPU_BYTES to run under this process's own cap alone\n",
+                entry, req, (unsigned long long)bytes, dev, (int)getpid(), why);
+        return;
+    }
+    int first = atomic_exchange(&denial_logged, 1) == 0;
+    if (!first && !dm_verbose) return;
     dm_format_bytes(all_used, usedb, sizeof usedb);
     dm_format_bytes(budget, budb, sizeof budb);
     dm_format_bytes(budget > all_used ? budget - all_used : 0, left, sizeof left);
@@ -147,10 +182,11 @@ int dm_reserve(int dev, uint64_t bytes, const char *entry) {
         if (atomic_compare_exchange_weak(&d->used, &cur, cur + bytes)) break;
     }
     uint64_t all_used = 0, budget = 0;
-    if (!dm_shared_reserve(dev, bytes, &all_used, &budget)) {
+    const char *why = NULL;
+    if (!dm_shared_reserve(dev, bytes, &all_used, &budget, &why)) {
         atomic_fetch_sub(&d->used, bytes);
         count_denial(d, bytes);
-        log_shared_denial(dev, bytes, all_used, budget, entry);
+        log_shared_denial(dev, bytes, all_used, budget, entry, why);
         return 0;
     }
     uint64_t now = cur + bytes;
@@ -293,6 +329,35 @@ int dm_table_remove(int table, uint64_t key, uint64_t *size, int *dev) {
     }
     pthread_mutex_unlock(&s->mu);
     return found;
+}
+
+/* The child of a fork without exec: none of its parent's GPU memory is its own (a CUDA context does
+ * not survive fork), so it starts with nothing counted and its own cap. The records are abandoned,
+ * not freed: a thread of the parent may have been changing them when it forked. */
+void dm_account_after_fork(void) {
+    for (int i = 0; i < DISTMEM_CAP_MAX_DEVICES; i++) {
+        dm_device_t *d = &devices[i];
+        atomic_store(&d->used, 0);
+        atomic_store(&d->peak, 0);
+        atomic_store(&d->denials, 0);
+        atomic_store(&d->last_denied, 0);
+        atomic_store(&d->live, 0);
+        atomic_store(&d->total, 0);
+    }
+    atomic_store(&total_denials, 0);
+    atomic_store(&denial_logged, 0);
+    atomic_store(&budget_error_logged, 0);
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    for (int t = 0; t < 2; t++) {
+        for (int k = 0; k < DM_STRIPES; k++) {
+            dm_stripe_t *s = &tables[t][k];
+            memcpy(&s->mu, &fresh, sizeof fresh);
+            s->buckets = NULL;
+            s->nbuckets = 0;
+            s->count = 0;
+            s->spare = NULL;
+        }
+    }
 }
 
 /* ---- status interface (exported) ------------------------------------------------------------ */

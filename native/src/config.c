@@ -33,13 +33,16 @@ static const struct {
 const char *dm_parse_size(const char *s, uint64_t *out) {
     while (*s == ' ' || *s == '\t') s++;
     if (!isdigit((unsigned char)*s) && *s != '.') return NULL;
-    /* Whole and fractional parts in integers: no floating point rounding for plain byte counts. */
+    /* Whole and fractional parts in integers: no floating point rounding for plain byte counts. A
+     * value past 2^64 saturates to UINT64_MAX, so the caller can say it is too large. */
     uint64_t whole = 0, frac = 0, frac_scale = 1;
-    int digits = 0;
+    int digits = 0, overflow = 0;
     while (isdigit((unsigned char)*s)) {
         uint64_t d = (uint64_t)(*s - '0');
-        if (whole > (UINT64_MAX - d) / 10) return NULL;
-        whole = whole * 10 + d;
+        if (whole > (UINT64_MAX - d) / 10)
+            overflow = 1;
+        else
+            whole = whole * 10 + d;
         s++;
         digits++;
     }
@@ -67,12 +70,12 @@ const char *dm_parse_size(const char *s, uint64_t *out) {
         }
     }
     if (mult == 0) return NULL;
-    if (whole != 0 && mult > UINT64_MAX / whole) return NULL;
-    uint64_t value = whole * mult;
-    if (frac) {
-        /* frac / frac_scale * mult, without overflow for the sizes that matter (< 16 EiB) */
+    if (whole != 0 && mult > UINT64_MAX / whole) overflow = 1;
+    uint64_t value = overflow ? UINT64_MAX : whole * mult;
+    if (frac && !overflow) {
         long double part = (long double)frac / (long double)frac_scale * (long double)mult;
-        value += (uint64_t)part;
+        uint64_t add = (uint64_t)part;
+        value = value > UINT64_MAX - add ? UINT64_MAX : value + add;
     }
     while (*s == ' ' || *s == '\t') s++;
     *out = value;
@@ -123,6 +126,14 @@ int dm_parse_spec(const char *spec, uint64_t *caps, uint64_t *default_cap, char 
             snprintf(err, errlen,
                      "cannot read '%.*s' as a size; write bytes (10737418240), a size with a unit "
                      "(10GiB, 512MB) or a per-device list (0:10GiB,1:8GiB,*:4GiB)",
+                     (int)(n > 80 ? 80 : n), item);
+            return -1;
+        }
+        if (value > DM_CAP_MAX) {
+            size_t n = strcspn(item, ",");
+            snprintf(err, errlen,
+                     "'%.*s' is above the largest cap, 9223372036854775807 bytes (2^63 - 1, 8 EiB); "
+                     "18446744073709551615 is not a size but the library's 'unlimited'",
                      (int)(n > 80 ? 80 : n), item);
             return -1;
         }

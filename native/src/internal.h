@@ -21,10 +21,13 @@ DM_HIDDEN const char *dm_parse_size(const char *s, uint64_t *out);
 DM_HIDDEN int dm_parse_spec(const char *spec, uint64_t *caps, uint64_t *default_cap, char *err,
                             size_t errlen);
 DM_HIDDEN void dm_format_bytes(uint64_t n, char *buf, size_t len);
+/* The largest cap or budget: what a signed 64-bit byte count holds (Python refuses more too). */
+#define DM_CAP_MAX 9223372036854775807ULL
 
 /* ---- accounting (account.c) ---------------------------------------------------------------- */
 
 DM_HIDDEN void dm_init(void);                     /* idempotent; reads the environment once */
+DM_HIDDEN void dm_account_after_fork(void);       /* the child of a fork starts with nothing counted */
 DM_HIDDEN int dm_reserve(int dev, uint64_t bytes, const char *entry); /* 1: granted, 0: denied */
 DM_HIDDEN void dm_unreserve(int dev, uint64_t bytes); /* undo a grant whose allocation failed */
 DM_HIDDEN void dm_note_allocation(int dev);
@@ -33,9 +36,10 @@ DM_HIDDEN uint64_t dm_cap(int dev);
 DM_HIDDEN uint64_t dm_used(int dev);
 DM_HIDDEN int dm_dev_index(int dev);             /* clamps a device ordinal into the table */
 
-/* GPU-wide budget (shared.c): configured once from the environment; 1 granted, 0 denied */
-DM_HIDDEN void dm_shared_configure(const char *spec, const char *dir);
-DM_HIDDEN int dm_shared_reserve(int dev, uint64_t bytes, uint64_t *all_used, uint64_t *budget);
+/* GPU-wide budget (shared.c): configured once from the environment; 1 granted, 0 denied. On a
+ * denial *why is NULL when the budget is used up, else what keeps it from being enforced. */
+DM_HIDDEN void dm_shared_configure(const char *spec, const char *dir, const char *group);
+DM_HIDDEN int dm_shared_reserve(int dev, uint64_t bytes, uint64_t *all_used, uint64_t *budget, const char **why);
 DM_HIDDEN void dm_shared_release(int dev, uint64_t bytes);
 
 /* ptr/handle -> (size, device) tables; thread safe */

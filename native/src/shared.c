@@ -1,22 +1,27 @@
-/* GPU-wide budget shared by every capped process on one GPU (opt-in: DISTMEM_CAP_GPU_BYTES).
+/* GPU-wide budget shared by the capped processes of one user (opt-in: DISTMEM_CAP_GPU_BYTES).
  *
- * One small file per physical GPU, named by its UUID, in DISTMEM_CAP_SHM_DIR (default /dev/shm),
- * mapped by every process that allocates on that GPU. It holds a process-shared robust mutex and
- * one slot per process: (pid, start time, bytes in use). A reservation takes the mutex, drops the
- * slots of processes that no longer exist (or whose pid was reused), sums the rest and grants only
- * if the sum plus the request stays within the budget. A process killed while holding the mutex
- * leaves it to the next one (EOWNERDEAD); one killed holding memory loses its slot at the next
- * reservation by anyone, as the driver frees its memory.
+ * One table per physical GPU (by UUID) in a folder only that user can write, or with
+ * DISTMEM_CAP_SHM_GROUP one group (table.c: where it lives, how it is made and checked). A table
+ * that cannot be used as it must denies every allocation on its GPU (fails closed) and says why.
  *
- * Processes must share a PID namespace for the liveness check (as with HAMi-core). If the table
- * cannot be set up (no UUID, no directory, a different layout), this process falls back to its own
- * cap alone and says so once.
+ * No lock is taken to reserve. Each process owns one slot (its bytes in use) and writes only that
+ * slot: it adds its request first, then sums every slot, and keeps the request only if the sum is
+ * within the budget, else takes it back. With sequentially consistent atomics two racing processes
+ * cannot both miss each other's addition, so the budget is never exceeded; a loser that would fit
+ * once the other's tentative bytes are gone tries again.
+ *
+ * A slot is owned by whoever holds an open-file-description lock (fcntl F_OFD_SETLK) on its byte of
+ * the table file, held for the life of the process. The kernel drops it when the process dies, so
+ * liveness needs neither pids nor /proc (hidepid=2, PID namespaces and pid reuse do not matter);
+ * a dead owner's bytes are cleared by whoever next needs them (they take the slot's lock first).
+ * Every user of the table also holds a shared lock on byte 0; the last one out, finding none,
+ * removes the table. After fork, the child drops what it inherited and takes a slot of its own.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,39 +30,20 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "table.h"
 
-#define DM_SHM_MAGIC 0x64636170u /* "dcap" */
-#define DM_SHM_VERSION 1u
-#define DM_SHM_SLOTS 512
+#define WHY(...) dm_table_fail(t, __VA_ARGS__)
 
-typedef struct dm_shm_slot {
-    _Atomic int32_t pid;
-    int32_t reserved;
-    uint64_t start; /* process start time (clock ticks since boot, /proc/PID/stat field 22) */
-    _Atomic uint64_t used;
-} dm_shm_slot_t;
+#define DM_ATTEMPTS 64
 
-typedef struct dm_shm {
-    _Atomic uint32_t magic; /* written last by the creator */
-    uint32_t version;
-    uint32_t slots;
-    uint32_t pad;
-    pthread_mutex_t mu;
-    char uuid[48];
-    dm_shm_slot_t slot[DM_SHM_SLOTS];
-} dm_shm_t;
-
-enum { SH_UNKNOWN = 0, SH_READY = 1, SH_OFF = -1 };
+enum { SH_UNKNOWN = 0, SH_READY = 1, SH_BROKEN = -1 };
 
 static uint64_t budgets[DISTMEM_CAP_MAX_DEVICES];
 static int enabled;
-static char shm_dir[256] = "/dev/shm";
+static char config_error[512]; /* DISTMEM_CAP_GPU_BYTES / _SHM_GROUP unreadable: deny everything */
 static pthread_mutex_t setup_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int state[DISTMEM_CAP_MAX_DEVICES];
-static dm_shm_t *maps[DISTMEM_CAP_MAX_DEVICES];
-static int my_slot[DISTMEM_CAP_MAX_DEVICES];
-static uint64_t my_start;
+static dm_gpu_table_t gpus[DISTMEM_CAP_MAX_DEVICES];
 
 typedef struct {
     unsigned char bytes[16];
@@ -65,70 +51,35 @@ typedef struct {
 typedef CUresult (*cuDeviceGetUuid_fn)(dm_uuid_t *, CUdevice);
 typedef CUresult (*cuDeviceGet_fn)(CUdevice *, int);
 
-/* Start time of pid (clock ticks since boot, /proc/PID/stat field 22); 0 if unknown. *zombie says
- * whether it has exited and waits to be reaped (it holds no GPU memory any more). */
-static uint64_t start_time_of(int pid, int *zombie) {
-    char path[64], buf[1024];
-    *zombie = 0;
-    snprintf(path, sizeof path, "/proc/%d/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = '\0';
-    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
-    if (!p || p[1] != ' ') return 0;
-    *zombie = p[2] == 'Z' || p[2] == 'X';
-    int field = 2; /* after ")": field 3 (state) ... field 22 (starttime) */
-    for (p++; *p && field < 22; p++)
-        if (*p == ' ') field++;
-    return strtoull(p, NULL, 10);
-}
+static void after_fork_in_child(void);
 
-static int alive(int32_t pid, uint64_t start) {
-    if (pid <= 0) return 0;
-    if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
-    int zombie;
-    uint64_t now = start_time_of(pid, &zombie);
-    if (zombie) return 0;
-    return now == 0 || start == 0 || now == start; /* unknown counts as alive: never drop a live one */
-}
-
-void dm_shared_configure(const char *spec, const char *dir) {
+void dm_shared_configure(const char *spec, const char *dir, const char *group) {
     uint64_t dflt;
     char err[256];
     if (!spec || !*spec) return;
+    enabled = 1;
+    for (int i = 0; i < DISTMEM_CAP_MAX_DEVICES; i++) gpus[i].fd = gpus[i].dirfd = -1;
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     if (dm_parse_spec(spec, budgets, &dflt, err, sizeof err) != 0) {
-        fprintf(stderr,
-                "distmem-cap: DISTMEM_CAP_GPU_BYTES=%s is invalid (%s); the GPU-wide budget is off, each "
-                "process keeps its own cap\n",
-                spec, err);
+        snprintf(config_error, sizeof config_error, "DISTMEM_CAP_GPU_BYTES=%.80s is invalid (%s)", spec, err);
         return;
     }
-    if (dir && *dir) snprintf(shm_dir, sizeof shm_dir, "%s", dir);
-    int zombie;
-    my_start = start_time_of((int)getpid(), &zombie);
-    enabled = 1;
+    if (dir && *dir) snprintf(dm_shm_dir, sizeof dm_shm_dir, "%s", dir);
+    if (group && *group) {
+        char *end;
+        errno = 0;
+        long g = strtol(group, &end, 10);
+        if (errno || *end || end == group || g < 0 || g > 0x7fffffffL) {
+            snprintf(config_error, sizeof config_error,
+                     "DISTMEM_CAP_SHM_GROUP=%.40s is not a numeric group id (distmem-exec --gpu-budget-group "
+                     "NAME resolves a name)", group);
+            return;
+        }
+        dm_shm_group = g;
+    }
 }
 
-static void lock(dm_shm_t *m) {
-    int rc = pthread_mutex_lock(&m->mu);
-    if (rc == EOWNERDEAD) pthread_mutex_consistent(&m->mu); /* its owner died mid-update: slots are rechecked */
-}
-
-static void turn_off(int dev, const char *why);
-#define OFF(dev, why)          \
-    do {                       \
-        turn_off((dev), (why)); \
-        return;                \
-    } while (0)
-
-static void turn_off(int dev, const char *why) {
-    atomic_store(&state[dev], SH_OFF);
-    fprintf(stderr, "distmem-cap: GPU-wide budget off for GPU %d in pid %d (%s); this process keeps its own cap\n",
-            dev, (int)getpid(), why);
-}
+/* ---- joining the table ----------------------------------------------------------------------- */
 
 static int uuid_of(int dev, char *out, size_t len) {
     cuDeviceGetUuid_fn get = (cuDeviceGetUuid_fn)dm_driver_symbol("cuDeviceGetUuid_v2");
@@ -143,137 +94,224 @@ static int uuid_of(int dev, char *out, size_t len) {
     return 0;
 }
 
-/* Maps the GPU's table and claims a slot. Called with setup_mu held. */
-static void setup(int dev) {
-    char uuid[40];
-    if (uuid_of(dev, uuid, sizeof uuid) != 0) OFF(dev, "cuDeviceGetUuid failed");
-    char path[400];
-    snprintf(path, sizeof path, "%s/distmem-cap-%s", shm_dir, uuid);
-    int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    int creator = fd >= 0;
-    if (!creator) fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-        char why[512];
-        snprintf(why, sizeof why, "cannot open %s: %s", path, strerror(errno));
-        OFF(dev, why);
+static void raise_hwm(dm_shm_t *m, uint32_t to) {
+    uint32_t cur = atomic_load(&m->hwm);
+    while (cur < to && !atomic_compare_exchange_weak(&m->hwm, &cur, to)) {
     }
-    if (creator) {
-        fchmod(fd, 0666); /* other users' jobs on the same GPU share the budget too */
-        if (ftruncate(fd, sizeof(dm_shm_t)) != 0) {
-            close(fd);
-            OFF(dev, "cannot size the shared table");
-        }
-    } else {
-        /* the creator may still be initialising: wait for its size, then its magic */
-        struct stat st;
-        for (int i = 0; i < 2000 && (fstat(fd, &st) != 0 || st.st_size < (off_t)sizeof(dm_shm_t)); i++)
-            usleep(1000);
-    }
-    dm_shm_t *m = mmap(NULL, sizeof(dm_shm_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED) OFF(dev, "mmap of the shared table failed");
-    if (creator) {
-        pthread_mutexattr_t a;
-        pthread_mutexattr_init(&a);
-        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-        pthread_mutex_init(&m->mu, &a);
-        pthread_mutexattr_destroy(&a);
-        m->version = DM_SHM_VERSION;
-        m->slots = DM_SHM_SLOTS;
-        snprintf(m->uuid, sizeof m->uuid, "%s", uuid);
-        atomic_store(&m->magic, DM_SHM_MAGIC);
-    } else {
-        for (int i = 0; i < 2000 && atomic_load(&m->magic) != DM_SHM_MAGIC; i++) usleep(1000);
-        if (atomic_load(&m->magic) != DM_SHM_MAGIC || m->version != DM_SHM_VERSION || m->slots != DM_SHM_SLOTS) {
-            munmap(m, sizeof *m);
-            OFF(dev, "the shared table has another layout (a different distmem version?)");
-        }
-    }
-    int32_t me = (int32_t)getpid();
-    int slot = -1;
-    lock(m);
-    for (int i = 0; i < DM_SHM_SLOTS; i++) { /* reuse our own slot (after a fork+exec with this pid) */
-        if (atomic_load(&m->slot[i].pid) == me) {
-            slot = i;
-            break;
-        }
-    }
-    for (int i = 0; i < DM_SHM_SLOTS && slot < 0; i++) {
-        int32_t pid = atomic_load(&m->slot[i].pid);
-        if (pid == 0 || !alive(pid, m->slot[i].start)) slot = i;
-    }
-    if (slot >= 0) {
-        atomic_store(&m->slot[slot].pid, me);
-        m->slot[slot].start = my_start;
-        atomic_store(&m->slot[slot].used, 0);
-    }
-    pthread_mutex_unlock(&m->mu);
-    if (slot < 0) {
-        munmap(m, sizeof *m);
-        OFF(dev, "all slots of the shared table are taken by live processes");
-    }
-    maps[dev] = m;
-    my_slot[dev] = slot;
-    atomic_store(&state[dev], SH_READY);
 }
 
-static dm_shm_t *table_for(int dev) {
-    if (!enabled || budgets[dev] == DISTMEM_CAP_UNLIMITED) return NULL;
+/* Opens (or creates) the GPU's table and claims a slot. Called with setup_mu held. Returns
+ * SH_READY, SH_BROKEN (t->why), or SH_UNKNOWN when every slot is taken (tried again next time). */
+static int setup(int dev) {
+    dm_gpu_table_t *t = &gpus[dev];
+    char uuid[40];
+    if (uuid_of(dev, uuid, sizeof uuid) != 0) {
+        WHY("cuDeviceGetUuid failed for GPU %d, so its table cannot be named", dev);
+        return SH_BROKEN;
+    }
+    snprintf(t->name, sizeof t->name, "distmem-cap-v%u-%s", DM_SHM_VERSION, uuid);
+    if (t->dirfd < 0 && dm_table_open_dir(t) != 0) return SH_BROKEN;
+    for (int attempt = 0; attempt < 50; attempt++) {
+        int fd = openat(t->dirfd, t->name, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0 && errno == ENOENT) {
+            fd = dm_table_create(t, uuid);
+            if (fd == -2) continue;
+            if (fd < 0) return SH_BROKEN;
+        } else if (fd < 0) {
+            WHY("cannot open the table %s in DISTMEM_CAP_SHM_DIR=%s: %s", t->name, dm_shm_dir, strerror(errno));
+            return SH_BROKEN;
+        }
+        dm_shm_t *m = NULL;
+        if (dm_table_check(t, fd, uuid, &m) != 0) {
+            close(fd);
+            return SH_BROKEN;
+        }
+        /* A table being removed by its last user (who holds byte 0 for writing), or already
+         * unlinked: start again with whatever the name holds now. */
+        if (dm_lock_byte(fd, F_RDLCK, DM_LOCK_INUSE) != 0 || !dm_table_same_file(t->dirfd, t->name, fd)) {
+            munmap(m, sizeof *m);
+            close(fd);
+            usleep(1000);
+            continue;
+        }
+        int slot = -1;
+        for (int i = 0; i < DM_SHM_SLOTS && slot < 0; i++)
+            if (dm_lock_byte(fd, F_WRLCK, DM_LOCK_SLOT(i)) == 0) slot = i;
+        if (slot < 0) {
+            munmap(m, sizeof *m);
+            close(fd);
+            WHY("all %d slots of the GPU's table are held by live processes", DM_SHM_SLOTS);
+            return SH_UNKNOWN;
+        }
+        atomic_store(&m->slot[slot].used, 0); /* a dead owner's bytes: its memory went with it */
+        atomic_store(&m->slot[slot].pid, (int32_t)getpid());
+        atomic_store(&m->slot[slot].uid, (uint32_t)geteuid());
+        raise_hwm(m, (uint32_t)slot + 1);
+        t->map = m;
+        t->fd = fd;
+        t->slot = slot;
+        t->why[0] = '\0';
+        return SH_READY;
+    }
+    WHY("the table %s kept changing while this process joined it", t->name);
+    return SH_BROKEN;
+}
+
+/* The GPU's table, or NULL with *why set (broken, or full for now). */
+static dm_gpu_table_t *table_for(int dev, const char **why) {
     int s = atomic_load(&state[dev]);
     if (s == SH_UNKNOWN) {
         pthread_mutex_lock(&setup_mu);
-        if (atomic_load(&state[dev]) == SH_UNKNOWN) setup(dev);
-        pthread_mutex_unlock(&setup_mu);
         s = atomic_load(&state[dev]);
+        if (s == SH_UNKNOWN) {
+            s = setup(dev);
+            atomic_store(&state[dev], s);
+        }
+        pthread_mutex_unlock(&setup_mu);
     }
-    return s == SH_READY ? maps[dev] : NULL;
+    if (s == SH_READY) return &gpus[dev];
+    *why = gpus[dev].why;
+    return NULL;
 }
 
-int dm_shared_reserve(int dev, uint64_t bytes, uint64_t *all_used, uint64_t *budget) {
-    dm_shm_t *m = table_for(dev);
-    if (!m) return 1;
+/* ---- reserving --------------------------------------------------------------------------------- */
+
+static uint64_t total(dm_shm_t *m) {
+    uint32_t n = atomic_load(&m->hwm);
+    if (n > DM_SHM_SLOTS) n = DM_SHM_SLOTS;
     uint64_t sum = 0;
-    int granted;
-    lock(m);
-    for (int i = 0; i < DM_SHM_SLOTS; i++) {
-        int32_t pid = atomic_load(&m->slot[i].pid);
-        if (pid == 0) continue;
-        if (i != my_slot[dev] && !alive(pid, m->slot[i].start)) {
-            atomic_store(&m->slot[i].used, 0);
-            atomic_store(&m->slot[i].pid, 0);
-            continue;
-        }
-        sum += atomic_load(&m->slot[i].used);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = atomic_load(&m->slot[i].used);
+        sum = sum + v < sum ? UINT64_MAX : sum + v;
     }
-    granted = bytes <= budgets[dev] && sum <= budgets[dev] - bytes;
-    if (granted) atomic_fetch_add(&m->slot[my_slot[dev]].used, bytes);
-    pthread_mutex_unlock(&m->mu);
-    *all_used = sum;
+    return sum;
+}
+
+/* Clears the bytes of slots whose owner died: their lock is free, so taking it is safe. */
+static void reclaim_dead(dm_gpu_table_t *t) {
+    dm_shm_t *m = t->map;
+    uint32_t n = atomic_load(&m->hwm);
+    if (n > DM_SHM_SLOTS) n = DM_SHM_SLOTS;
+    for (uint32_t i = 0; i < n; i++) {
+        if ((int)i == t->slot || atomic_load(&m->slot[i].used) == 0) continue;
+        if (dm_lock_byte(t->fd, F_WRLCK, DM_LOCK_SLOT(i)) != 0) continue; /* alive */
+        atomic_store(&m->slot[i].used, 0);
+        atomic_store(&m->slot[i].pid, 0);
+        dm_lock_byte(t->fd, F_UNLCK, DM_LOCK_SLOT(i));
+    }
+}
+
+/* 20-100 us times the attempt (at most 8): random per process and call, so racing processes part. */
+static void backoff(int attempt) {
+    static _Atomic uint64_t seq;
+    uint64_t x = atomic_fetch_add(&seq, 0x9e3779b97f4a7c15ULL) ^ ((uint64_t)getpid() << 32);
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 29;
+    struct timespec ts = {0, (long)(20000 + x % 80000) * (attempt < 8 ? attempt + 1 : 8)};
+    nanosleep(&ts, NULL);
+}
+
+int dm_shared_reserve(int dev, uint64_t bytes, uint64_t *all_used, uint64_t *budget, const char **why) {
+    *why = NULL;
+    *all_used = 0;
     *budget = budgets[dev];
-    return granted;
+    if (!enabled) return 1;
+    if (config_error[0]) {
+        *why = config_error;
+        return 0;
+    }
+    if (budgets[dev] == DISTMEM_CAP_UNLIMITED) return 1;
+    dm_gpu_table_t *t = table_for(dev, why);
+    if (!t) return 0;
+    dm_shm_t *m = t->map;
+    _Atomic uint64_t *mine = &m->slot[t->slot].used;
+    uint64_t limit = budgets[dev];
+    if (bytes > limit) {
+        *all_used = total(m);
+        return 0;
+    }
+    for (int attempt = 0; attempt < DM_ATTEMPTS; attempt++) {
+        atomic_fetch_add(mine, bytes);
+        uint64_t sum = total(m);
+        if (sum <= limit) {
+            *all_used = sum - bytes;
+            return 1;
+        }
+        atomic_fetch_sub(mine, bytes);
+        if (attempt == 0) reclaim_dead(t);
+        /* Denied for real, or only because another process's tentative bytes were in the sum? */
+        uint64_t others = total(m);
+        for (int k = 0; k < 3 && others > limit - bytes; k++) {
+            backoff(k);
+            others = total(m);
+        }
+        *all_used = others;
+        if (others > limit - bytes) return 0;
+        backoff(attempt);
+    }
+    return 0;
 }
 
 void dm_shared_release(int dev, uint64_t bytes) {
-    if (!enabled || budgets[dev] == DISTMEM_CAP_UNLIMITED || atomic_load(&state[dev]) != SH_READY) return;
-    atomic_fetch_sub(&maps[dev]->slot[my_slot[dev]].used, bytes);
+    if (!enabled || atomic_load(&state[dev]) != SH_READY) return;
+    atomic_fetch_sub(&gpus[dev].map->slot[gpus[dev].slot].used, bytes);
 }
+
+/* ---- fork and exit ----------------------------------------------------------------------------- */
+
+/* The child of a fork without exec holds none of its parent's GPU memory (a CUDA context does not
+ * survive fork): it gives up the parent's slot (the parent keeps its own lock through its own open
+ * file description) and joins afresh at its first allocation. */
+static void after_fork_in_child(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&setup_mu, &fresh, sizeof fresh);
+    for (int dev = 0; dev < DISTMEM_CAP_MAX_DEVICES; dev++) {
+        dm_gpu_table_t *t = &gpus[dev];
+        if (t->map) munmap(t->map, sizeof(dm_shm_t));
+        if (t->fd >= 0) close(t->fd);
+        t->map = NULL;
+        t->fd = -1;
+        t->slot = -1;
+        if (atomic_load(&state[dev]) != SH_BROKEN) atomic_store(&state[dev], SH_UNKNOWN);
+    }
+}
+
+/* The last process using a table removes it: when no other holds byte 0, none can be joining.
+ * Each gives up its own hold first, so of several exiting at once the last still finds it free. */
+__attribute__((destructor)) static void remove_unused_tables(void) {
+    for (int dev = 0; dev < DISTMEM_CAP_MAX_DEVICES; dev++) {
+        dm_gpu_table_t *t = &gpus[dev];
+        if (atomic_load(&state[dev]) != SH_READY || t->fd < 0) continue;
+        dm_lock_byte(t->fd, F_UNLCK, DM_LOCK_INUSE);
+        if (dm_lock_byte(t->fd, F_WRLCK, DM_LOCK_INUSE) != 0) continue;
+        if (dm_table_same_file(t->dirfd, t->name, t->fd)) unlinkat(t->dirfd, t->name, 0);
+        dm_lock_byte(t->fd, F_UNLCK, DM_LOCK_INUSE);
+    }
+}
+
+/* ---- status ------------------------------------------------------------------------------------ */
 
 DM_EXPORT int distmem_cap_get_shared(int device, distmem_cap_shared_t *out, size_t out_size) {
     dm_init();
     if (device < 0 || device >= DISTMEM_CAP_MAX_DEVICES || !out) return -1;
     distmem_cap_shared_t s = {.budget_bytes = enabled ? budgets[device] : DISTMEM_CAP_UNLIMITED};
     if (atomic_load(&state[device]) == SH_READY) {
-        dm_shm_t *m = maps[device];
-        lock(m);
-        for (int i = 0; i < DM_SHM_SLOTS; i++) {
-            if (atomic_load(&m->slot[i].pid) == 0) continue;
-            s.processes++;
-            s.used_bytes += atomic_load(&m->slot[i].used);
-        }
-        pthread_mutex_unlock(&m->mu);
+        dm_gpu_table_t *t = &gpus[device];
+        uint32_t n = atomic_load(&t->map->hwm);
+        if (n > DM_SHM_SLOTS) n = DM_SHM_SLOTS;
+        for (uint32_t i = 0; i < n; i++)
+            if ((int)i == t->slot || dm_lock_held_elsewhere(t->fd, DM_LOCK_SLOT(i))) s.processes++;
+        s.used_bytes = total(t->map);
         s.active = 1;
     }
     memcpy(out, &s, out_size < sizeof s ? out_size : sizeof s);
     return 0;
+}
+
+DM_EXPORT const char *distmem_cap_shared_error(int device) {
+    dm_init();
+    if (config_error[0]) return config_error;
+    if (device < 0 || device >= DISTMEM_CAP_MAX_DEVICES) return "";
+    return atomic_load(&state[device]) == SH_READY ? "" : gpus[device].why;
 }

@@ -57,6 +57,8 @@ def build_all(base) -> "Built":
           os.path.join(fake_dir, "libcuda.so.1"), os.path.join(C_DIR, "fake_cuda.c"), "-lpthread"])
     capdrv = os.path.join(fake_dir, "capdrv")
     _run([cc, *flags, "-o", capdrv, os.path.join(C_DIR, "capdrv.c"), "-ldl", "-lpthread"])
+    capattack = os.path.join(fake_dir, "capattack")
+    _run([cc, *flags, "-o", capattack, os.path.join(C_DIR, "capattack.c"), "-lpthread"])
     capdrv_link = os.path.join(fake_dir, "capdrv_link")
     _run([cc, *flags, "-DCAPDRV_LINKED", "-o", capdrv_link, os.path.join(C_DIR, "capdrv.c"),
           "-L" + fake_dir, "-l:libcuda.so.1", "-Wl,-rpath," + fake_dir, "-ldl", "-lpthread"])
@@ -68,7 +70,7 @@ def build_all(base) -> "Built":
     next_prog = os.path.join(fake_dir, "next_prog")
     _run([cc, "-O2", "-o", next_prog, os.path.join(C_DIR, "next_prog.c"), "-L" + fake_dir, "-Wl,--no-as-needed",
           "-ltop", "-lbase", "-Wl,-rpath," + fake_dir, "-ldl"])
-    return Built(lib, fake_dir, capdrv, capdrv_link, next_prog, build_dir)
+    return Built(lib, fake_dir, capdrv, capdrv_link, next_prog, build_dir, capattack)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Built:
     capdrv_link: str   # linked against libcuda.so.1
     next_prog: str     # checks RTLD_NEXT through the interposed dlsym
     build_dir: str
+    capattack: str     # the other local user of the security tests (links nothing of the cap)
 
 
 @dataclass

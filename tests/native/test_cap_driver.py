@@ -20,6 +20,7 @@ EXPORTED = {
     "cuMemAllocPitch_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz", "cuMemFreeAsync",
     "cuMemFreeAsync_ptsz", "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz", "cuMemCreate",
     "cuMemRelease", "distmem_cap_get_stats", "distmem_cap_get_info", "distmem_cap_get_shared", "distmem_cap_spec",
+    "distmem_cap_shared_error",
     "distmem_cap_config_error",
 }
 

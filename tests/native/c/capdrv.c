@@ -14,12 +14,16 @@
  * OPs: dev N | alloc N | free | freeall | info | pitch W H | managed N | async N | freeasync |
  *      pool N | create N [DEV] | hostcreate N | release | legacy N | threads T ITERS N [HOLD] | status |
  *      fake [DEV] | counter NAME | gpa_status NAME VERSION | reset | badfree | touch PATH |
- *      waitfile PATH | die | shared
+ *      waitfile PATH | die | shared | sleepms N | fork OUTFILE OP... endchild | reap
+ *
+ * fork: the child (fork without exec) runs the OPs up to "endchild", printing to OUTFILE, then
+ * exits; the parent skips them and goes on. reap waits for every child and prints their statuses.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -356,6 +360,39 @@ int main(int argc, char **argv) {
             }
             printf("{\"op\":\"waitfile\",\"ok\":%s}\n", ok ? "true" : "false");
             if (!ok) return 4;
+        } else if (!strcmp(op, "fork")) {
+            const char *out = argv[++i];
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid < 0) die("fork");
+            if (pid == 0) {
+                if (!freopen(out, "w", stdout)) _exit(5);
+                dup2(fileno(stdout), 2); /* the parent's pipes stay the parent's */
+                setvbuf(stdout, NULL, _IOLBF, 0);
+                printf("{\"op\":\"fork\",\"child\":true,\"pid\":%d}\n", (int)getpid());
+                continue;
+            }
+            int depth = 0;
+            for (i++; i < argc; i++) { /* the parent skips the child's part */
+                if (!strcmp(argv[i], "fork")) depth++;
+                if (!strcmp(argv[i], "endchild") && depth-- == 0) break;
+            }
+            printf("{\"op\":\"fork\",\"child\":false,\"pid\":%d}\n", (int)pid);
+        } else if (!strcmp(op, "endchild")) {
+            fflush(stdout);
+            exit(0); /* only a child gets here: the parent skipped past it */
+        } else if (!strcmp(op, "reap")) {
+            int st, n = 0, bad = 0;
+            pid_t p;
+            while ((p = wait(&st)) > 0) {
+                n++;
+                if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad++;
+            }
+            printf("{\"op\":\"reap\",\"children\":%d,\"failed\":%d}\n", n, bad);
+        } else if (!strcmp(op, "sleepms")) {
+            usleep((useconds_t)ARG(1) * 1000);
+            i += 1;
+            printf("{\"op\":\"sleepms\"}\n");
         } else if (!strcmp(op, "die")) {
             fflush(stdout);
             raise(SIGKILL); /* dies holding its memory: the others must reclaim its share */

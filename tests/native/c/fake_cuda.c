@@ -7,7 +7,9 @@
  * driver does), so the cap's pointer records see reuse; cuGetProcAddress(_v2) answers base names by
  * version and per-thread-stream flag with internal functions whose addresses differ from the
  * exported symbols (as a driver may). fakeStats() lets a test check what the "device" saw, which is
- * the proof that the cap held: the fake's own peak never exceeds the cap.
+ * the proof that the cap held: the fake's own peak never exceeds the cap. With FAKE_CUDA_SHARED=PATH
+ * (a file of 128 zero bytes) the processes that name it also keep what the GPU as a whole holds
+ * there: used[8] then peak[8], uint64 each, so a test sees what a GPU-wide budget let through.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -15,6 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define API __attribute__((visibility("default")))
 #define MAXDEV 8
@@ -44,6 +49,15 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t total_bytes = 8ULL << 30;
 static int ndev = 2;
 static uint64_t used[MAXDEV], peak[MAXDEV], live[MAXDEV];
+static _Atomic uint64_t *gpu_used, *gpu_peak; /* FAKE_CUDA_SHARED: the whole GPU, across processes */
+
+static void gpu_add(int dev, uint64_t size) {
+    if (!gpu_used) return;
+    uint64_t now = atomic_fetch_add(&gpu_used[dev], size) + size;
+    uint64_t p = atomic_load(&gpu_peak[dev]);
+    while (now > p && !atomic_compare_exchange_weak(&gpu_peak[dev], &p, now)) {
+    }
+}
 static __thread int cur_dev = 0;
 static int no_context = 0;
 
@@ -73,6 +87,16 @@ __attribute__((constructor)) static void fake_init(void) {
     if (n) ndev = atoi(n);
     if (ndev < 1 || ndev > MAXDEV) ndev = 2;
     no_context = getenv("FAKE_CUDA_NO_CONTEXT") != NULL;
+    const char *sh = getenv("FAKE_CUDA_SHARED");
+    int fd = sh ? open(sh, O_RDWR) : -1;
+    if (fd >= 0) {
+        void *m = mmap(NULL, 2 * MAXDEV * sizeof(uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (m != MAP_FAILED) {
+            gpu_used = (_Atomic uint64_t *)m;
+            gpu_peak = gpu_used + MAXDEV;
+        }
+    }
 }
 
 static CUresult take(int dev, uint64_t size, unsigned long long *addr, int is_handle) {
@@ -102,6 +126,7 @@ static CUresult take(int dev, uint64_t size, unsigned long long *addr, int is_ha
     b->in_use = 1;
     b->dev = dev;
     used[dev] += size;
+    gpu_add(dev, size);
     live[dev]++;
     if (used[dev] > peak[dev]) peak[dev] = used[dev];
     *addr = b->addr;
@@ -119,6 +144,7 @@ static CUresult give(uint64_t addr) {
     }
     b->in_use = 0;
     used[b->dev] -= b->size;
+    if (gpu_used) atomic_fetch_sub(&gpu_used[b->dev], b->size);
     live[b->dev]--;
     pthread_mutex_unlock(&mu);
     return OK;
