@@ -48,6 +48,16 @@ def _host_ranks(plan: Plan) -> Dict[str, List[Any]]:
     return nodes
 
 
+def _takes_limit(strategy: str) -> bool:
+    """Whether ``strategy`` takes an explicit per-rank limit (``DISTMEM_LIMIT``) - its options say."""
+    from ..plan import get
+
+    try:
+        return any(f.name == "limit" for f in get(strategy).fields())
+    except ConfigError:
+        return False
+
+
 def _gpus_of(allocs: List[Any]) -> List[int]:
     return sorted({d.index for a in allocs for d in a.devices})
 
@@ -108,7 +118,7 @@ def manifests(plan: Plan, *, sharing: str = "whole", name: str = "distmem-train"
         gpus_per_rank = max(len({d.index for d in a.devices}) for a in plan.allocations)
         limits["nvidia.com/gpu"] = gpus_per_rank
         largest = max((a for a in plan.allocations if a.devices), key=lambda a: a.limit_bytes or 0)
-        if plan.strategy == "data":  # other strategies derive their limits from their own inputs
+        if _takes_limit(plan.strategy):  # the others derive their limits from their own inputs
             env += [{"name": "DISTMEM_MEMORY", "value": "limit"},
                     {"name": "DISTMEM_LIMIT", "value": _limit_env(largest.limit_bytes or 0)}]
         if sharing == "hami":

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     reserve = f"{fraction:.0%} of each GPU" if fraction else f"{format_bytes(plan.reserve_bytes)} per GPU"
     print(f"plan: strategy {plan.strategy}, {plural(plan.world_size, 'rank')}, {hosts}, devices from "
           f"{plan.source}; per-process overhead {format_bytes(plan.overhead_bytes)}, reserve {reserve}")
-    if pipe.get("headroom") and plan.strategy in ("pipeline", "auto"):
+    if pipe.get("headroom"):
         given = "each stage's bytes as given in --stages" if pipe.get("source") == "stages" else "each stage's demand"
         print(f"limits: {given} + {pipe['headroom']:.0%} headroom for the allocator's cache, in whole MiB "
               f"(--headroom 0 keeps the figures as they are)")
