@@ -107,8 +107,11 @@ class Users:
     def python(self, user: User, code: str, *args: str, env: Optional[Mapping[str, str]] = None,
                cwd: Optional[str] = None, timeout: float = 120, umask: Optional[int] = None,
                wait: bool = True) -> "subprocess.CompletedProcess[str] | subprocess.Popen[str]":
-        """Run ``python -c code args`` as ``user`` (the victim's side: distmem's own code)."""
-        argv = self._prefix(user, self._python_needs_read) + [sys.executable, "-c", code, *args]
+        """Run ``python -c code args`` as ``user`` (the victim's side: distmem's own code); a ``code``
+        that is an absolute path to a ``.py`` file runs that script instead (its folder, not the
+        working folder, first on its path, as for any script)."""
+        run = [code] if os.path.isabs(code) and code.endswith(".py") else ["-c", code]
+        argv = self._prefix(user, self._python_needs_read) + [sys.executable, *run, *args]
         return self._start(argv, user, env, cwd, timeout, umask, wait)
 
     def shell(self, user: User, script: str, *, env: Optional[Mapping[str, str]] = None,
