@@ -30,6 +30,16 @@ def _lost(what: str, rank: int, size: int, exc: BaseException) -> str:
             "(crashed, killed or out of memory) and Horovod shut down; check the other ranks' logs")
 
 
+def _encode(obj: Any) -> bytes:
+    """A row as Horovod's object collectives always pickled it: with cloudpickle (classes and
+    functions of ``__main__`` by value), which Horovod requires; plain pickle where it is missing."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return encode_row(obj)
+    return cloudpickle.dumps(obj)
+
+
 class HorovodComm(Comm):
     """Horovod collectives (Gloo or MPI controller), each bounded by the timeout."""
 
@@ -51,7 +61,7 @@ class HorovodComm(Comm):
         in ``failed``, instead of an exception inside Horovod that loses every row."""
         timeout = resolve_timeout(timeout)
         name = self._name("allgather")
-        payload = encode_row(obj)
+        payload = _encode(obj)
         try:
             raw = call_with_timeout(lambda: self.hvd.allgather_object(payload, name=name), timeout, "distmem-horovod")
         except Stuck:
