@@ -248,9 +248,9 @@ def _from_tf_config(raw: str, host: str) -> Optional[Topology]:
             raise ConfigError(f"TF_CONFIG: task {ttype} {index} is not in the cluster's {len(cluster.get(ttype, []))} "
                               f"{ttype} address(es); check the task index") from None
         return None  # an evaluator or parameter server takes no training rank
-    host = lambda addr: addr.rsplit(":", 1)[0]  # noqa: E731
-    my_host = host(order[pos][2])
-    same = [p for p, (_, _, addr) in enumerate(order) if host(addr) == my_host]
+    host_of = lambda addr: addr.rsplit(":", 1)[0]  # noqa: E731
+    my_host = host_of(order[pos][2])
+    same = [p for p, (_, _, addr) in enumerate(order) if host_of(addr) == my_host]
     return Topology(rank=pos, size=len(order), local_rank=same.index(pos), local_size=len(same),
                     host=host if my_host in ("localhost", "127.0.0.1") else my_host,
                     source="TF_CONFIG", launcher="tf-config")
