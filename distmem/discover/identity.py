@@ -20,8 +20,12 @@ from typing import Any, Dict, List, Mapping, Optional
 from ..errors import ConfigError
 
 __all__ = ["Topology", "detect", "from_env", "launcher_of", "host_name", "job_key", "launch_nonce", "LAUNCHER_ORDER",
-           "JOB_ID_VARIABLES", "slurm_tasks_on_node"]
+           "JOB_ID_VARIABLES", "slurm_tasks_on_node", "MAX_RANKS", "MAX_LOCAL_RANKS"]
 
+#: The most ranks a job, and a host, may have: every rank's plan is listed, and a host's ranks
+#: each leave a layout record (no machine runs more processes; launcher variables beyond are a mistake).
+MAX_RANKS = 1 << 24
+MAX_LOCAL_RANKS = 1 << 16
 #: The launchers in the order their variables are trusted: an inner launcher wins over an outer one.
 LAUNCHER_ORDER = ("torchrun", "horovodrun-gloo", "openmpi", "mpich", "slurm", "tf-config")
 
@@ -195,6 +199,8 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> Optional[int]:
             try:
                 if "(x" in item:
                     n, rep = item.split("(x")
+                    if len(counts) + int(rep.rstrip(")")) > MAX_RANKS:
+                        raise ValueError("more nodes than ranks a job may have")
                     counts += [int(n)] * int(rep.rstrip(")"))
                 elif item:
                     counts.append(int(item))
@@ -289,6 +295,10 @@ def from_env(env: Mapping[str, str] = os.environ, host: Optional[str] = None) ->
         if not (0 <= rank < size) or not (0 <= local_rank < local_size):
             raise ConfigError(f"inconsistent launcher variables from {source}: rank={rank} size={size} "
                               f"local_rank={local_rank} local_size={local_size}; check the launch command")
+        if size > MAX_RANKS or local_size > MAX_LOCAL_RANKS:
+            raise ConfigError(f"launcher variables from {source} give {size} ranks, {local_size} on this host: more "
+                              f"than distmem plans for (at most {MAX_RANKS} ranks, {MAX_LOCAL_RANKS} per host); "
+                              "check the launch command")
         return Topology(rank, size, local_rank, local_size, host, source, launcher)
     if "TF_CONFIG" in env:
         return _from_tf_config(env["TF_CONFIG"], host)
