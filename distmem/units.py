@@ -16,7 +16,7 @@ from typing import Optional, Union
 from .errors import ConfigError
 
 __all__ = ["parse_bytes", "check_size", "format_bytes", "to_mib_floor", "plural", "KiB", "MiB", "GiB", "TiB",
-           "SizeLike", "MAX_BYTES"]
+           "SizeLike", "MAX_BYTES", "TOO_LARGE"]
 
 KiB = 1024
 MiB = 1024**2
@@ -29,13 +29,15 @@ SizeLike = Union[int, float, str]
 #: machine holds more, and every consumer (the native cap's ``uint64`` budget with its all-ones
 #: "unlimited" sentinel, ``ctypes``, TensorFlow's MiB) can represent it exactly.
 MAX_BYTES = 2**63 - 1
+#: What every message about a size beyond :data:`MAX_BYTES` says (readers that rephrase keep it).
+TOO_LARGE = "is more than any machine holds"
 
 
 def _bounded(n: Union[int, float], what: str, value: object) -> int:
     """``n`` bytes as an int, or ConfigError naming ``value`` when it is not a finite size up to MAX_BYTES."""
     if n > MAX_BYTES or (isinstance(n, float) and not math.isfinite(n)):
         shown = value if isinstance(value, str) else repr(value)
-        raise ConfigError(f"{what}: {shown} is more than any machine holds; a size must be at most "
+        raise ConfigError(f"{what}: {shown} {TOO_LARGE}; a size must be at most "
                           f"{MAX_BYTES} bytes (8 EiB), e.g. '6GiB'")
     return int(n)
 
@@ -63,7 +65,7 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
         # A number as text means that number, wherever it comes from: "0.5" is 0.5, "1234" is 1234.
         text = value.strip()
         if len(text) > 64:  # int() refuses 4300 digits with a bare ValueError; no size needs 20
-            raise ConfigError(f"{what}: a number of {len(text)} characters is more than any machine holds; a size "
+            raise ConfigError(f"{what}: a number of {len(text)} characters {TOO_LARGE}; a size "
                               f"must be at most {MAX_BYTES} bytes (8 EiB), e.g. '6GiB'")
         value = float(text) if any(c in text for c in ".eE") else int(text)
     if isinstance(value, int):

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ConfigError
-from ..units import parse_bytes
+from ..units import TOO_LARGE, parse_bytes
 from .nvml import nvml_available, nvml_error, nvml_handle_module, nvml_query, text
 
 __all__ = ["GpuProcess", "Gpu", "Inventory", "nvml_query", "nvml_available", "inventory", "VISIBLE_ITEM",
@@ -292,10 +292,11 @@ def parse_fleet(spec: str, host: Optional[str] = None, what: str = "fleet") -> L
                               "and a job of many hosts names them per host (a=8x80GiB;b=8x80GiB) or with *=")
         try:
             size = parse_bytes(m.group(2) + m.group(3), what=f"{what} {part.strip()!r}")
-        except ConfigError as exc:  # "4x" reads as 4 of unit "x": say what a fleet item looks like too
-            reason = str(exc).split(": ", 1)[-1]
-            raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r} as COUNTxSIZE ({reason}); "
-                              f"write {FLEET_FORM}") from None
+        except ConfigError as exc:
+            if TOO_LARGE in str(exc):  # a size beyond any machine: say so, with the bound
+                raise ConfigError(f"{what}={spec!r}: {part.strip()!r}: {str(exc).split(': ', 1)[-1]}") from None
+            # "4x" reads as 4 of unit "x": say what a fleet item looks like, not a size
+            raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r} as COUNTxSIZE; write {FLEET_FORM}") from None
         if size < 1024**3 // 4:
             raise ConfigError(f"{what}={spec!r}: {part.strip()!r} declares GPUs of {size} bytes; a GPU has at least "
                               f"256 MiB - did you mean {m.group(1) or 1}x{m.group(2)}GiB?")

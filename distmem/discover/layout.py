@@ -123,11 +123,11 @@ def assumed(topo: Topology, inv: Inventory, hosts: Optional[Sequence[str]] = Non
     return Layout(topo.size, views, "assumed")
 
 
-
 # --- records: what a rank writes, and what makes one trusted --------------------------------------
 
 _GPU_FIELDS = {"index": int, "nvml_index": (int, type(None)), "uuid": str, "name": str, "total_bytes": int,
                "used_bytes": int, "free_bytes": int, "mig": bool, "reserved_bytes": int}
+_GPU_REQUIRED = {"index", "nvml_index", "uuid", "name", "total_bytes"}  # Gpu's fields without a default
 
 
 def _whole(value: Any, low: int = 0, high: int = 2**63 - 1) -> bool:
@@ -136,13 +136,13 @@ def _whole(value: Any, low: int = 0, high: int = 2**63 - 1) -> bool:
 
 def _gpu_of(d: Any) -> Optional[Gpu]:
     """A GPU of a record, or None unless every field has its type (and sizes their range)."""
-    if not isinstance(d, dict) or set(d) - set(_GPU_FIELDS) or not {"index", "uuid", "total_bytes"} <= set(d):
+    if not isinstance(d, dict) or set(d) - set(_GPU_FIELDS) or not _GPU_REQUIRED <= set(d):
         return None
     for name, kind in _GPU_FIELDS.items():
-        if name in d and (not isinstance(d[name], kind) or (kind is int and isinstance(d[name], bool))):
+        if name in d and (not isinstance(d[name], kind) or (kind is not bool and isinstance(d[name], bool))):
             return None
     if not all(_whole(d[k]) for k in ("index", "total_bytes", "used_bytes", "free_bytes", "reserved_bytes")
-               if k in d) or len(d["uuid"]) > 256 or len(d.get("name", "")) > 256:
+               if k in d) or len(d["uuid"]) > 256 or len(d["name"]) > 256:
         return None
     return Gpu(**d)
 
