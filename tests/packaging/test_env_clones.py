@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
@@ -59,7 +58,10 @@ def test_two_clones_each_run_their_own_code(tmp_path):
     site = subprocess.run([os.path.join(shared, "bin", "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True, timeout=60).stdout.strip()
     with open(os.path.join(site, "zz-this-test-run.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")
+        # This run's packages, wherever they are (a clone's view adds the shared ones after its own),
+        # but no folder holding a distmem: the environment must not bring one of its own.
+        f.writelines(p + "\n" for p in sys.path if os.path.basename(p) == "site-packages"
+                     and not os.path.exists(os.path.join(p, "distmem")))
     open(os.path.join(shared, ".complete"), "w").close()
     before = sorted(os.listdir(site))
 
