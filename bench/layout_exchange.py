@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -80,7 +81,8 @@ def main() -> int:
     res = subprocess.run([mpirun, "--oversubscribe", "-np", str(args.ranks), sys.executable, prog], env=env,
                          capture_output=True, text=True, timeout=300)
     shutil.rmtree(folder, ignore_errors=True)
-    rows = [json.loads(l[6:]) for l in res.stdout.splitlines() if l.startswith("BENCH ")]
+    # mpirun may join two ranks' lines into one: take every "BENCH {...}" wherever it is.
+    rows = [json.loads(m.group(1)) for m in re.finditer(r"BENCH (\{.*?\})(?=BENCH |$)", res.stdout, re.M)]
     if res.returncode != 0 or len(rows) != args.ranks:
         print(res.stdout[-3000:], res.stderr[-3000:], file=sys.stderr)
         return 1

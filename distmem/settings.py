@@ -17,7 +17,7 @@ variable                               meaning
 ``DISTMEM_QUIET``                      ``1``: no progress lines on stderr
 ``DISTMEM_PLAIN``                      ``1``: plain tables, never rich
 ``DISTMEM_COMM``                       ``auto`` | ``mpi``: which transport gathers (MPI when launched by it)
-``DISTMEM_LAYOUT_DIR``                 folder of the node-local layout exchange (default /dev/shm or tmp)
+``DISTMEM_LAYOUT_DIR``                 folder of the node-local layout exchange (default $XDG_RUNTIME_DIR, /dev/shm or tmp)
 ``DISTMEM_LAYOUT_TIMEOUT``             seconds a rank waits for its host's other ranks (default DISTMEM_TIMEOUT, else 30)
 ``DISTMEM_LAUNCH_TIMEOUT``             seconds ``distmem launch-tf`` lets a job run (default 3600)
 ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``  ``1`` / ``0``: torch's expandable segments on / off
@@ -32,7 +32,8 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES"]
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
+           "MAX_SECONDS"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
@@ -49,15 +50,21 @@ def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     return value or None
 
 
+#: The longest wait any setting may ask for (ten years): above it ``threading`` and ``timedelta``
+#: overflow (``Event.wait(1e300)`` raises OverflowError), and no collective should wait that long.
+MAX_SECONDS = 10 * 365 * 24 * 3600.0
+
+
 def positive_seconds(value: object, what: str, remedy: str = "") -> float:
-    """``value`` as seconds > 0 (a number or its text); ConfigError naming ``what`` otherwise."""
+    """``value`` as seconds in (0, :data:`MAX_SECONDS`] (a number or its text); ConfigError naming
+    ``what`` otherwise (NaN and infinity included)."""
     try:
         seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ConfigError(f"{what}={value!r} is not a number of seconds above 0; "
-                          + (remedy or "give e.g. 60"))
+    if isinstance(value, bool) or not 0 < seconds <= MAX_SECONDS:
+        raise ConfigError(f"{what}={value!r} is not a number of seconds above 0 and at most {MAX_SECONDS:.0f} "
+                          "(ten years); " + (remedy or "give e.g. 60"))
     return seconds
 
 
@@ -166,11 +173,25 @@ def validate(env: Optional[Mapping[str, str]] = None) -> None:
 
 
 def layout_dir(env: Optional[Mapping[str, str]] = None) -> str:
-    """``DISTMEM_LAYOUT_DIR``: the node-local folder ranks of a host exchange their layout in
-    (default ``/dev/shm`` where it exists, else the temp folder)."""
+    """``DISTMEM_LAYOUT_DIR``: the node-local folder in which ranks of a host exchange their layout
+    (through a private folder of this user's inside it, see :mod:`distmem.discover.private`).
+
+    Default: ``$XDG_RUNTIME_DIR`` when it is this user's own 0700 folder (systemd's ``/run/user/UID``:
+    nobody else can create anything there), else ``/dev/shm`` where it exists, else the temp folder.
+    A relative folder is taken from the working folder."""
     text = raw("DISTMEM_LAYOUT_DIR", env)
     if text is not None:
-        return text
+        return os.path.abspath(text)
+    runtime = raw("XDG_RUNTIME_DIR", env)
+    if runtime and os.path.isabs(runtime):
+        import stat
+
+        try:
+            st = os.lstat(runtime)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return runtime
     import tempfile
 
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()

@@ -4,7 +4,8 @@ Accepted forms: ``1234`` (bytes), ``"512MB"`` / ``"6GiB"`` / ``"1.5 TiB"`` (deci
 IEC units, case-insensitive, ``B`` optional), ``"45%"`` (of a given total), and floats in (0, 1] as
 fractions of a given total where the caller allows it. A number written as text means the same
 number: ``"0.5"`` is the fraction 0.5 and ``"1234"`` 1234 bytes, in arguments, CLI flags and
-``DISTMEM_*`` variables alike.
+``DISTMEM_*`` variables alike. Every size is bounded: at most :data:`MAX_BYTES` (2**63 - 1, what
+a signed 64-bit byte count - the C cap's, CUDA's, the kernel's - can hold), never NaN or infinite.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional, Union
 from .errors import ConfigError
 
 __all__ = ["parse_bytes", "check_size", "format_bytes", "to_mib_floor", "plural", "KiB", "MiB", "GiB", "TiB",
-           "SizeLike"]
+           "SizeLike", "MAX_BYTES", "TOO_LARGE"]
 
 KiB = 1024
 MiB = 1024**2
@@ -23,6 +24,22 @@ GiB = 1024**3
 TiB = 1024**4
 
 SizeLike = Union[int, float, str]
+
+#: The largest size any input may name (8 EiB less one byte): a signed 64-bit count of bytes. No
+#: machine holds more, and every consumer (the native cap's ``uint64`` budget with its all-ones
+#: "unlimited" sentinel, ``ctypes``, TensorFlow's MiB) can represent it exactly.
+MAX_BYTES = 2**63 - 1
+#: What every message about a size beyond :data:`MAX_BYTES` says (readers that rephrase keep it).
+TOO_LARGE = "is more than any machine holds"
+
+
+def _bounded(n: Union[int, float], what: str, value: object) -> int:
+    """``n`` bytes as an int, or ConfigError naming ``value`` when it is not a finite size up to MAX_BYTES."""
+    if n > MAX_BYTES or (isinstance(n, float) and not math.isfinite(n)):
+        shown = value if isinstance(value, str) else repr(value)
+        raise ConfigError(f"{what}: {shown} {TOO_LARGE}; a size must be at most "
+                          f"{MAX_BYTES} bytes (8 EiB), e.g. '6GiB'")
+    return int(n)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -43,14 +60,18 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
     """
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a size such as 6GiB, 512MB or 45%, got {value!r}")
+    given = value
     if isinstance(value, str) and _NUMBER_RE.match(value):
         # A number as text means that number, wherever it comes from: "0.5" is 0.5, "1234" is 1234.
         text = value.strip()
+        if len(text) > 64:  # int() refuses 4300 digits with a bare ValueError; no size needs 20
+            raise ConfigError(f"{what}: a number of {len(text)} characters {TOO_LARGE}; a size "
+                              f"must be at most {MAX_BYTES} bytes (8 EiB), e.g. '6GiB'")
         value = float(text) if any(c in text for c in ".eE") else int(text)
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{what}: a size cannot be negative, got {value}")
-        return value
+        return _bounded(value, what, given)
     if isinstance(value, float):
         if allow_fraction and 0 < value <= 1:
             if total is None:
@@ -61,10 +82,10 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
             raise ConfigError(f"{what}: a fraction must lie in (0, 1], got {value}; "
                               "for a size give bytes or a string such as '6GiB'")
         if value < 0 or not math.isfinite(value):
-            raise ConfigError(f"{what}: a size must be a finite non-negative number, got {value}")
+            raise ConfigError(f"{what}: a size must be a finite non-negative number, got {given!r}")
         if value <= 0 and allow_fraction:
             raise ConfigError(f"{what}: a fraction must lie in (0, 1], got {value}")
-        return int(value)
+        return _bounded(value, what, given)
     if not isinstance(value, str):
         raise ConfigError(f"{what}: expected a size such as 6GiB, 512MB or 45%, got {type(value).__name__} {value!r}")
     text = value.strip()
@@ -73,7 +94,7 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
             pct = float(text[:-1])
         except ValueError:
             raise ConfigError(f"{what}: cannot read {value!r} as a percentage; write e.g. '45%'") from None
-        if not 0 < pct <= 100:
+        if not 0 < pct <= 100:  # NaN fails this too
             raise ConfigError(f"{what}: a percentage must lie in (0, 100], got {value!r}")
         if total is None:
             raise ConfigError(f"{what}: {value!r} needs a device total to refer to; give bytes (e.g. '6GiB') instead")
@@ -82,7 +103,7 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '6GiB', '512MB', "
                           "'1.5TiB', a number of bytes, or a percentage such as '45%'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return _bounded(float(m.group(1)) * _UNITS[m.group(2).lower()], what, value)
 
 
 def check_size(value: SizeLike, *, what: str = "size", allow_fraction: bool = False,

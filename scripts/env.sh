@@ -4,10 +4,18 @@
 #   scripts/env.sh main     TensorFlow 2.15.1 + Horovod 0.28.1 (Gloo + MPI) + mpi4py + torch CPU
 #   scripts/env.sh latest   TensorFlow 2.21 (Keras 3), mpi4py, no Horovod
 #
-# The environment lives in ${DISTMEM_ENV_ROOT:-~/.cache/distmem}/<name>-<key>, where <key> hashes
-# the requirement files, this script and the Python version, so a change to any of them builds a
-# new environment and an unchanged one is reused in a second. A half-built environment (no
-# .complete marker) is removed and rebuilt. Concurrent callers serialise on a lock file.
+# Two layers, so that one clone's run never changes another clone's code:
+#
+# * the packages: ${DISTMEM_ENV_ROOT:-~/.cache/distmem}/<name>-py<version>-<key>, where <key> hashes
+#   the requirement files, the build recipe below (between its markers) and the Python version, so a
+#   change to any of them builds a new environment and an unchanged one is reused in a second. It
+#   is shared by every clone and holds no distmem: nothing a clone does writes into it after the
+#   build. A half-built one (no .complete marker) is removed and rebuilt; builders serialise on a lock.
+# * this clone's view of it: <root>/clones/<name>-py<version>-<key>-<clone key>, keyed by this
+#   clone's real path too: a venv of no packages of its own whose site-packages holds one link,
+#   distmem -> <this clone>/distmem, and a .pth that adds the shared packages after it; its bin/
+#   runs the shared environment's tools (horovodrun, torchrun, pytest...) under its own python,
+#   and has distmem and distmem-exec. Its bin/ folder is what this script prints.
 set -euo pipefail
 
 name=${1:-main}
@@ -39,13 +47,15 @@ ensure_mpi() {
 
 ensure_mpi
 pyver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-key=$(cat "${reqs[@]}" "$here/scripts/env.sh" <(echo "$pyver") | sha256sum | cut -c1-12)
+recipe=$(sed -n '/^# >>> build recipe/,/^# <<< build recipe/p' "$here/scripts/env.sh")
+key=$(cat "${reqs[@]}" <(echo "$recipe") <(echo "$pyver") | sha256sum | cut -c1-12)
 env="$root/$name-py$pyver-$key"
 mkdir -p "$root"
 
 exec 9>"$root/.$name.lock"
 flock 9
 
+# >>> build recipe (hashed into the environment's key: a change here builds a new environment)
 if [ ! -f "$env/.complete" ]; then
   rm -rf "$env"
   start=$(date +%s)
@@ -78,8 +88,42 @@ if [ ! -f "$env/.complete" ]; then
   touch "$env/.complete"
   log "built in $(( $(date +%s) - start )) s"
 fi
+# <<< build recipe
 
-# The package itself: an editable install pointing at this clone (fast; no dependencies).
-"$env/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation -e "$here" >&2 \
-  || { echo "env.sh: installing distmem from $here into $env failed" >&2; exit 1; }
-echo "$env/bin"
+# This clone's view: built in about a second, checked on every call (a moved or replaced clone, or a
+# view someone changed, is built again). Nothing of this clone is ever written into "$env".
+clone=$(cd "$here" && pwd -P)
+ckey=$(printf '%s' "$clone" | sha256sum | cut -c1-12)
+view="$root/clones/$name-py$pyver-$key-$ckey"
+site="$view/lib/python$pyver/site-packages"
+if [ ! -f "$view/.complete" ] || [ "$(readlink "$site/distmem" 2>/dev/null)" != "$clone/distmem" ]; then
+  rm -rf "$view"
+  mkdir -p "$root/clones"
+  "$env/bin/python" -m venv --without-pip "$view" >&2
+  env_real=$(cd "$env" && pwd -P)
+  ln -s "$clone/distmem" "$site/distmem"
+  # After this venv's own site-packages (distmem): the shared packages, their own .pth files included.
+  echo "import site; site.addsitedir('$env/lib/python$pyver/site-packages')" > "$site/zz-distmem-shared-env.pth"
+  for tool in "$env/bin/"*; do
+    tname=$(basename "$tool")
+    case "$tname" in python*|activate*|Activate*|pip*|distmem|distmem-exec) continue ;; esac
+    [ -f "$tool" ] && [ -x "$tool" ] || continue
+    first=$(head -n 1 "$tool")
+    if [ "${first#\#!"$env"/bin/python}" != "$first" ] || [ "${first#\#!"$env_real"/bin/python}" != "$first" ]; then
+      # A console script of the shared environment, run by this view's python (so it sees this clone).
+      printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$view/bin/python" "$tool" > "$view/bin/$tname"
+      chmod +x "$view/bin/$tname"
+    else
+      ln -s "$tool" "$view/bin/$tname"
+    fi
+  done
+  for entry in distmem=distmem.cli distmem-exec=distmem.cli.exec; do
+    printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$view/bin/python" "${entry#*=}" \
+      > "$view/bin/${entry%%=*}"
+    chmod +x "$view/bin/${entry%%=*}"
+  done
+  "$view/bin/python" -c 'import distmem, os, sys; assert os.path.realpath(distmem.__file__).startswith(sys.argv[1])' \
+    "$clone/distmem/" >&2 || { echo "env.sh: the view $view does not import distmem from $clone" >&2; exit 1; }
+  touch "$view/.complete"
+fi
+echo "$view/bin"

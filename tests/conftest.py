@@ -2,7 +2,9 @@
 
 Layout: unit/ (pure, in-process), mpi/ and horovod/ (each test launches `mpirun -np N` or
 `horovodrun -np 4` over the files in its ranked/ folder, with a hard timeout), gpu/ (skipped without
-a GPU; with DISTMEM_REQUIRE_GPU=1 a skip is a failure), tfdist/ (tf.distribute workers).
+a GPU; with DISTMEM_REQUIRE_GPU=1 a skip is a failure), tfdist/ (tf.distribute workers), security/
+(steps run as two real Unix users the tests create and remove: root only, skipped with the reason
+otherwise).
 ranked/ folders run only under a launcher: they are never collected by the top-level run.
 """
 import os

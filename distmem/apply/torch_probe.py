@@ -89,14 +89,15 @@ def measure_context(device: int = 0, *, timeout: float = 120.0) -> Dict[str, Any
     Returns the raw figures in bytes (``overhead_bytes`` is the one plans need). Raises
     :class:`DistmemError` when no GPU or NVML is available or the child fails.
     """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import json, sys; sys.path.insert(0, %r)\n"
+    from .. import children  # an isolated sys.path: never a module from the working folder
+
+    code = ("import json\n"
             "from distmem.apply.torch_probe import measure_child, MEASURE_TAG\n"
-            "print(MEASURE_TAG + json.dumps(measure_child(%d)), flush=True)\n" % (root, int(device)))
+            "print(MEASURE_TAG + json.dumps(measure_child(%d)), flush=True)\n" % int(device))
     env = dict(os.environ)
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+        proc = children.run(code=code, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise DistmemError(f"measuring the CUDA context on GPU {device} took over {timeout:.0f} s; pass "
                            "overhead='768MiB' (or your own figure) instead of overhead='measure'") from None

@@ -90,9 +90,11 @@ def probe_horovod(timeout: float = 180.0, python: Optional[str] = None) -> Dict[
     doctor must not do in its own process). ``{"installed": False}`` without Horovod."""
     if not _has("horovod"):
         return {"installed": False}
+    from .. import children  # an isolated sys.path: never a module from the working folder
+
     try:
-        res = subprocess.run([python or sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                             timeout=timeout, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        res = children.run(code=_PROBE, python=python, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     except subprocess.TimeoutExpired:
         return {"installed": True, "error": f"the probe did not finish within {timeout:.0f} s"}
     line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("DISTMEM_PROBE ")), None)

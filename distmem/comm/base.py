@@ -5,10 +5,16 @@ bounded by a timeout; :meth:`Comm.flag_reducer` hands the OOM guard the fastest 
 all-reduce the transport has. Every collective is entered by all ranks in the same order; a call
 that cannot complete returns (gather) or raises :class:`~distmem.errors.GatherTimeoutError`
 within ``timeout`` seconds.
+
+Rows travel pickled and are decoded one by one (:func:`decode_rows`): a row this process cannot
+decode (a class it cannot import, a truncated payload) is reported like a rank that did not arrive,
+and every other row is kept.
 """
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import time
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -16,7 +22,10 @@ from .. import settings
 from ..errors import ConfigError, GatherTimeoutError
 
 __all__ = ["Comm", "SingleComm", "FlagReducer", "SingleFlags", "CommFlags", "REDUCE_OPS", "check_op",
-           "reduce_rows", "reduce_sum_maxloc", "resolve_timeout", "mpi_launched", "wait_until", "SPIN_SECONDS", "flag_timeout_error"]
+           "reduce_rows", "reduce_sum_maxloc", "resolve_timeout", "mpi_launched", "wait_until", "SPIN_SECONDS", "flag_timeout_error",
+           "encode_row", "decode_rows", "undecodable_error"]
+
+log = logging.getLogger("distmem")
 
 REDUCE_OPS = ("sum", "min", "max")
 _NEG_INF = float("-inf")
@@ -27,6 +36,42 @@ def resolve_timeout(timeout: Optional[float]) -> float:
     if timeout is None:
         return settings.timeout()
     return settings.positive_seconds(timeout, "timeout", "pass seconds, e.g. timeout=60")
+
+
+def encode_row(obj: Any) -> bytes:
+    """One rank's row as it travels (pickle, highest protocol)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_rows(payloads: Sequence[Optional[bytes]], what: str) -> Tuple[List[Any], List[int]]:
+    """``(rows, failed)``: each rank's payload decoded on its own. A payload that fails to decode
+    becomes None and its rank is listed in ``failed`` (a warning names it and why), so the caller
+    reports it like a missing rank and keeps the other rows. A None payload (not received, or not
+    to be decoded here) stays None and is not a failure."""
+    rows: List[Any] = []
+    failed: List[int] = []
+    for rank, payload in enumerate(payloads):
+        if payload is None:
+            rows.append(None)
+            continue
+        try:
+            rows.append(pickle.loads(payload))
+        except Exception as exc:  # noqa: BLE001 - unpickling can raise anything: the row is lost, not the call
+            rows.append(None)
+            failed.append(rank)
+            log.warning("distmem: %s: the row of rank %d (%d bytes) cannot be decoded here (%s: %s); rank %d is "
+                        "reported as missing and the other rows are kept", what, rank, len(payload),
+                        type(exc).__name__, str(exc)[:200], rank)
+    return rows, failed
+
+
+def undecodable_error(what: str, failed: Sequence[int], rank: int, size: int) -> GatherTimeoutError:
+    """An all-gather whose rows of ``failed`` ranks could not be decoded on ``rank``: the error of a
+    missing rank (``missing`` lists them), since the call cannot return a row for each rank."""
+    return GatherTimeoutError(
+        f"{what} on rank {rank} of {size}: the row(s) of rank(s) {list(failed)} arrived but cannot be decoded here "
+        "(the warning above says why: often a class that rank sent which this process cannot import, or "
+        "different package versions across ranks); run every rank with the same code and environment", failed)
 
 
 def mpi_launched(env: Optional[Mapping[str, str]] = None) -> bool:

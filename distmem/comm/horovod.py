@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, List, Optional, Tuple
 
 from ..bounded import Stuck, call_with_timeout
 from ..errors import GatherTimeoutError
-from .base import Comm, FlagReducer, check_op, flag_timeout_error, reduce_rows, resolve_timeout, wait_until
+from .base import (Comm, FlagReducer, check_op, decode_rows, encode_row, flag_timeout_error, reduce_rows,
+                   resolve_timeout, undecodable_error, wait_until)
 
 __all__ = ["HorovodComm", "HorovodTorchFlags", "HorovodTFFlags", "FLAG_NAME"]
 
@@ -27,6 +28,16 @@ def _lost(what: str, rank: int, size: int, exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     return (f"Horovod {what} failed on rank {rank} of {size} ({type(exc).__name__}: {first}): a peer rank is gone "
             "(crashed, killed or out of memory) and Horovod shut down; check the other ranks' logs")
+
+
+def _encode(obj: Any) -> bytes:
+    """A row as Horovod's object collectives always pickled it: with cloudpickle (classes and
+    functions of ``__main__`` by value), which Horovod requires; plain pickle where it is missing."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return encode_row(obj)
+    return cloudpickle.dumps(obj)
 
 
 class HorovodComm(Comm):
@@ -43,11 +54,16 @@ class HorovodComm(Comm):
         self._seq += 1
         return f"distmem.{what}.{self._seq}"
 
-    def allgather(self, obj, timeout=None):
+    def _allgather_rows(self, obj: Any, timeout: Optional[float], decode: bool = True
+                        ) -> Tuple[List[Any], List[int]]:
+        """``(rows, failed)``. The rows travel as pickled bytes (which Horovod's own pickling always
+        decodes) and are decoded here one by one when ``decode``: a row that fails is None and listed
+        in ``failed``, instead of an exception inside Horovod that loses every row."""
         timeout = resolve_timeout(timeout)
         name = self._name("allgather")
+        payload = _encode(obj)
         try:
-            return call_with_timeout(lambda: self.hvd.allgather_object(obj, name=name), timeout, "distmem-horovod")
+            raw = call_with_timeout(lambda: self.hvd.allgather_object(payload, name=name), timeout, "distmem-horovod")
         except Stuck:
             raise GatherTimeoutError(
                 f"Horovod allgather did not complete within {timeout:.1f} s on rank {self.rank} of {self.size}: at "
@@ -55,17 +71,27 @@ class HorovodComm(Comm):
                 "(HOROVOD_STALL_CHECK_TIME_SECONDS)") from None
         except Exception as exc:  # noqa: BLE001 - "Horovod has been shut down" when a peer left
             raise GatherTimeoutError(_lost("allgather", self.rank, self.size, exc)) from None
+        payloads = [p if decode and r != self.rank else None for r, p in enumerate(raw)]
+        rows, failed = decode_rows(payloads, "Horovod allgather")
+        rows[self.rank] = obj
+        return rows, failed
+
+    def allgather(self, obj, timeout=None):
+        rows, failed = self._allgather_rows(obj, timeout)
+        if failed:
+            raise undecodable_error("Horovod allgather", failed, self.rank, self.size)
+        return rows
 
     def gather(self, obj, root=0, timeout=None):
         try:
-            rows = self.allgather(obj, timeout)
+            rows, failed = self._allgather_rows(obj, timeout, decode=self.rank == root)
         except Exception as exc:  # noqa: BLE001 - a timeout, or "Horovod has been shut down" when a peer left
             if self.rank != root:
                 return None, []
             log.warning("distmem: %s", exc)
             return [obj if r == root else None for r in range(self.size)], \
                 [r for r in range(self.size) if r != root]
-        return (list(rows), []) if self.rank == root else (None, [])
+        return (rows, failed) if self.rank == root else (None, [])
 
     def allreduce_sum_maxloc(self, sums, maxima, timeout=None):
         return self.sum_maxloc_by_allgather(sums, maxima, timeout)

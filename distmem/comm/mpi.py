@@ -21,7 +21,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import GatherTimeoutError
-from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
+from .base import (Comm, FlagReducer, check_op, decode_rows, encode_row, flag_timeout_error, resolve_timeout,
+                   undecodable_error, wait_until)
 
 __all__ = ["MPIComm", "MPIFlags", "TAG_RANGE", "bounded_mpi_init"]
 
@@ -175,13 +176,25 @@ class MPIComm(Comm):
 
     def gather(self, obj, root=0, timeout=None):
         timeout, deadline = self._begin(timeout)
+        raw, missing = self._gather_raw(obj, root, timeout, deadline)
+        if raw is None:
+            return None, []
+        rows, failed = decode_rows(raw, "gather")
+        rows[root] = obj
+        return rows, sorted(set(missing) | set(failed))
+
+    def _gather_raw(self, obj: Any, root: int, timeout: float, deadline: float
+                    ) -> Tuple[Optional[List[Optional[bytes]]], List[int]]:
+        """The point-to-point gather itself: on the root every other rank's payload as received (None
+        where none arrived in time; its own left None) and the ranks that did not arrive; ``(None,
+        [])`` elsewhere. Decoding is the caller's, after every rank that arrived has its ack."""
         MPI, comm = self.MPI, self.comm
         tag = self._next_tag()
         ack_tag = tag + self._tag_span
         if self.rank != root:
             # Raw bytes, not mpi4py's pickled isend/recv: its recv uses matched probes
             # (MPI_Mprobe), which crash Open MPI 4.1 while Horovod's thread uses MPI too.
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = encode_row(obj)
             if self._completes(comm.Isend([payload, MPI.BYTE], dest=root, tag=tag), payload, deadline,
                                f"could not deliver its snapshot to rank {root} within {timeout:.1f} s"):
                 # Wait for the root's acknowledgement, so that no rank runs ahead and exits (under
@@ -191,8 +204,7 @@ class MPIComm(Comm):
                 self._completes(comm.Irecv([ack, MPI.BYTE], source=root, tag=ack_tag), ack, deadline,
                                 f"got no acknowledgement from rank {root} within {timeout:.1f} s")
             return None, []
-        out: List[Any] = [None] * self.size
-        out[root] = obj
+        raw: List[Optional[bytes]] = [None] * self.size
         pending = set(range(self.size)) - {root}
         status = MPI.Status()
 
@@ -201,7 +213,7 @@ class MPIComm(Comm):
                 if comm.Iprobe(source=r, tag=tag, status=status):
                     buf = bytearray(status.Get_count(MPI.BYTE))
                     comm.Recv([buf, MPI.BYTE], source=r, tag=tag)
-                    out[r] = pickle.loads(buf)
+                    raw[r] = bytes(buf)
                     pending.discard(r)
             return not pending
 
@@ -212,7 +224,7 @@ class MPIComm(Comm):
                 req = comm.Isend([one, MPI.BYTE], dest=r, tag=ack_tag)
                 if not req.Test():
                     self.pending.keep(req, one)
-        return out, sorted(pending)
+        return raw, sorted(pending)
 
     def _completes(self, req: Any, buf: Any, deadline: float, failure: str) -> bool:
         """Wait for ``req`` until ``deadline``; on a timeout keep it (and ``buf``) alive and log ``failure``."""
@@ -276,12 +288,13 @@ class MPIComm(Comm):
     def allgather(self, obj, timeout=None):
         import numpy as np
 
-        timeout = resolve_timeout(timeout)
-        deadline = time.monotonic() + timeout
-        gathered, missing = self.gather(obj, 0, timeout)
-        if self.rank == 0 and missing:
-            gathered = gathered + [None]  # marks failure; broadcast below carries it
-        payload = pickle.dumps((gathered, missing)) if self.rank == 0 else b""
+        timeout, deadline = self._begin(timeout)
+        raw, missing = self._gather_raw(obj, 0, timeout, deadline)
+        if self.rank == 0:
+            raw[0] = encode_row(obj)  # type: ignore[index]
+        # The root forwards the rows as they came (bytes): each rank decodes each row itself, so a
+        # row one rank cannot decode costs that row, never the whole broadcast.
+        payload = pickle.dumps((raw, missing)) if self.rank == 0 else b""
         left = max(deadline - time.monotonic(), 0.001)
         size = self.allreduce([len(payload)], "max", left)[0]
         buf = np.zeros(int(size), dtype=np.uint8)
@@ -292,11 +305,16 @@ class MPIComm(Comm):
             self.pending.keep(req, buf)
             raise GatherTimeoutError(f"allgather broadcast did not complete within {timeout:.1f} s on rank "
                                      f"{self.rank} of {self.size}; raise timeout= / DISTMEM_TIMEOUT")
-        gathered, missing = pickle.loads(buf.tobytes())
+        raw, missing = pickle.loads(buf.tobytes())
         if missing:
             raise GatherTimeoutError(f"allgather: ranks {missing} did not arrive within {timeout:.1f} s",
                                      missing)
-        return gathered
+        raw[self.rank] = None
+        rows, failed = decode_rows(raw, "allgather")
+        if failed:
+            raise undecodable_error("allgather", failed, self.rank, self.size)
+        rows[self.rank] = obj
+        return rows
 
     def flag_reducer(self) -> FlagReducer:
         return MPIFlags(self)

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import math
-import pickle
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..bounded import Stuck, call_with_timeout
-from .base import Comm, check_op, mpi_launched, reduce_rows, resolve_timeout
+from .base import (Comm, check_op, decode_rows, encode_row, mpi_launched, reduce_rows, resolve_timeout,
+                   undecodable_error)
 from ..errors import ConfigError, GatherTimeoutError
 
 __all__ = ["StrategyComm", "use_strategy", "worker_position", "pack", "unpack", "MAX_PAYLOAD_BYTES"]
@@ -175,14 +175,17 @@ class StrategyComm(Comm):
                 [r for r in range(self.size) if r != self.rank]) from None
         return np.asarray(full)[:: self._per_worker]
 
-    def allgather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
+    def _allgather_rows(self, obj: Any, timeout: Optional[float], decode: bool = True
+                        ) -> Tuple[List[Any], List[int]]:
+        """``(rows, failed)``: every worker's object (this one's as given), each row decoded on its
+        own when ``decode``; rows that fail to decode are None and listed in ``failed``."""
         import numpy as np
 
         timeout = resolve_timeout(timeout)
         if self.size == 1:
-            return [obj]
+            return [obj], []
         deadline = time.monotonic() + timeout
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = encode_row(obj)
         if len(payload) > MAX_PAYLOAD_BYTES:
             raise ConfigError(f"a tf.distribute gather carries at most {MAX_PAYLOAD_BYTES} bytes per worker, this "
                               f"worker has {len(payload)}; gather a summary (distmem.report(detail='summary'))")
@@ -191,19 +194,28 @@ class StrategyComm(Comm):
         width = max(1, math.ceil(max(lengths) / 3))
         left = max(deadline - time.monotonic(), 0.001)
         rows = self._rows(pack(payload, width), left, "all-gather", tf_timeout=timeout)
-        return [pickle.loads(unpack(rows[r], lengths[r])) for r in range(self.size)]
+        payloads = [unpack(rows[r], lengths[r]) if decode and r != self.rank else None for r in range(self.size)]
+        out, failed = decode_rows(payloads, "tf.distribute all-gather")
+        out[self.rank] = obj
+        return out, failed
+
+    def allgather(self, obj: Any, timeout: Optional[float] = None) -> List[Any]:
+        rows, failed = self._allgather_rows(obj, timeout)
+        if failed:
+            raise undecodable_error("tf.distribute all-gather", failed, self.rank, self.size)
+        return rows
 
     def gather(self, obj: Any, root: int = 0, timeout: Optional[float] = None
                ) -> Tuple[Optional[List[Any]], List[int]]:
         try:
-            rows = self.allgather(obj, timeout)
+            rows, failed = self._allgather_rows(obj, timeout, decode=self.rank == root)
         except GatherTimeoutError as exc:
             if self.rank != root:
                 log.warning("distmem: %s", exc)
                 return None, []
             log.warning("distmem: %s", exc)
             return [obj if r == root else None for r in range(self.size)], [r for r in range(self.size) if r != root]
-        return (list(rows), []) if self.rank == root else (None, [])
+        return (rows, failed) if self.rank == root else (None, [])
 
     def allreduce_sum_maxloc(self, sums, maxima, timeout=None):
         return self.sum_maxloc_by_allgather(sums, maxima, timeout)

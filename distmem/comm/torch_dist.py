@@ -14,7 +14,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 from .. import session
 from ..bounded import Stuck, call_with_timeout
 from ..errors import GatherTimeoutError
-from .base import Comm, FlagReducer, check_op, flag_timeout_error, resolve_timeout, wait_until
+from .base import (Comm, FlagReducer, check_op, decode_rows, encode_row, flag_timeout_error, resolve_timeout,
+                   undecodable_error, wait_until)
 
 __all__ = ["TorchDistComm", "TorchDistFlags", "rank_device", "peer_lost"]
 
@@ -57,17 +58,22 @@ class TorchDistComm(Comm):
 
             torch.cuda.set_device(self.device)
 
-    def allgather(self, obj, timeout=None):
+    def _allgather_rows(self, obj: Any, timeout: Optional[float], decode: bool = True
+                        ) -> Tuple[List[Any], List[int]]:
+        """``(rows, failed)``. The rows travel as pickled bytes (which ``all_gather_object`` always
+        decodes) and are decoded here one by one when ``decode``: a row that fails is None and
+        listed in ``failed``, instead of an exception inside torch that loses every row."""
         timeout = resolve_timeout(timeout)
+        payload = encode_row(obj)
 
         def run():
             self._on_device()
             out: List[Any] = [None] * self.size
-            self.dist.all_gather_object(out, obj)
+            self.dist.all_gather_object(out, payload)
             return out
 
         try:
-            return call_with_timeout(run, timeout, "distmem-torch-dist")
+            raw = call_with_timeout(run, timeout, "distmem-torch-dist")
         except Stuck:
             raise GatherTimeoutError(
                 f"torch.distributed all_gather_object did not complete within {timeout:.1f} s on rank {self.rank} of "
@@ -75,15 +81,25 @@ class TorchDistComm(Comm):
                 "the other ranks' logs, or raise timeout= / DISTMEM_TIMEOUT") from None
         except RuntimeError as exc:  # Gloo/NCCL: "Connection closed by peer" when a rank is gone
             raise GatherTimeoutError(peer_lost("all_gather_object", self.rank, self.size, exc)) from None
+        payloads = [p if decode and r != self.rank else None for r, p in enumerate(raw)]
+        rows, failed = decode_rows(payloads, "torch.distributed all_gather_object")
+        rows[self.rank] = obj
+        return rows, failed
+
+    def allgather(self, obj, timeout=None):
+        rows, failed = self._allgather_rows(obj, timeout)
+        if failed:
+            raise undecodable_error("torch.distributed all_gather_object", failed, self.rank, self.size)
+        return rows
 
     def gather(self, obj, root=0, timeout=None):
         try:
-            rows = self.allgather(obj, timeout)
+            rows, failed = self._allgather_rows(obj, timeout, decode=self.rank == root)
         except GatherTimeoutError:
             if self.rank != root:
                 return None, []
             return [obj if r == root else None for r in range(self.size)], [r for r in range(self.size) if r != root]
-        return (rows, []) if self.rank == root else (None, [])
+        return (rows, failed) if self.rank == root else (None, [])
 
     def _post(self, values: Sequence[float], op: str) -> Tuple[Any, Any]:
         import torch

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import ConfigError
-from ..units import parse_bytes
+from ..units import TOO_LARGE, parse_bytes
 from .nvml import nvml_available, nvml_error, nvml_handle_module, nvml_query, text
 
 __all__ = ["GpuProcess", "Gpu", "Inventory", "nvml_query", "nvml_available", "inventory", "VISIBLE_ITEM",
            "parse_visible_devices", "parse_fleet", "fleet_inventory", "fleet_uuid", "fleet_hosts", "process_usage",
-           "pid_usage", "FLEET_FORM", "with_live_processes"]
+           "pid_usage", "FLEET_FORM", "MAX_FLEET_GPUS", "with_live_processes"]
 
 log = logging.getLogger("distmem")
 
@@ -229,6 +229,9 @@ def inventory(env: Optional[Dict[str, str]] = None, quiet: bool = False) -> Inve
 
 
 _FLEET = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?([0-9.]+)\s*([A-Za-z%]*)\s*$")
+#: The most GPUs a fleet may declare for one host: no node holds more (NVLink domains of 72-576 GPUs
+#: span many nodes), and a plan lists every one of them.
+MAX_FLEET_GPUS = 1024
 FLEET_FORM = "COUNTxSIZE such as 4x16GiB, mixed sizes as 2x80GiB,2x40GiB, per host as a=2x80GiB;b=4x16GiB (*= any host)"
 
 
@@ -280,12 +283,19 @@ def parse_fleet(spec: str, host: Optional[str] = None, what: str = "fleet") -> L
         if not m.group(3) or m.group(3).endswith("%"):
             raise ConfigError(f"{what}={spec!r}: {part.strip()!r} gives no unit; GPU sizes need one, e.g. "
                               f"{m.group(1) or 1}x{m.group(2)}GiB ({FLEET_FORM})")
-        count = int(m.group(1) or 1)
+        count = int(m.group(1) or 1) if len(m.group(1) or "") <= 9 else MAX_FLEET_GPUS + 1
         if count < 1:
             raise ConfigError(f"{what}={spec!r}: a GPU count must be at least 1, got {count} in {part.strip()!r}")
+        if len(totals) + count > MAX_FLEET_GPUS:
+            raise ConfigError(f"{what}={spec!r}: {part.strip()!r} makes more than {MAX_FLEET_GPUS} GPUs on one host "
+                              f"(already {len(totals)} before it); a fleet declares each host's GPUs, e.g. 8x80GiB, "
+                              "and a job of many hosts names them per host (a=8x80GiB;b=8x80GiB) or with *=")
         try:
             size = parse_bytes(m.group(2) + m.group(3), what=f"{what} {part.strip()!r}")
-        except ConfigError:  # "4x" reads as 4 of unit "x": say what a fleet item looks like, not a size
+        except ConfigError as exc:
+            if TOO_LARGE in str(exc):  # a size beyond any machine: say so, with the bound
+                raise ConfigError(f"{what}={spec!r}: {part.strip()!r}: {str(exc).split(': ', 1)[-1]}") from None
+            # "4x" reads as 4 of unit "x": say what a fleet item looks like, not a size
             raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r} as COUNTxSIZE; write {FLEET_FORM}") from None
         if size < 1024**3 // 4:
             raise ConfigError(f"{what}={spec!r}: {part.strip()!r} declares GPUs of {size} bytes; a GPU has at least "

@@ -19,9 +19,13 @@ from typing import Any, Dict, List, Mapping, Optional
 from ..errors import ConfigError
 from . import runtime
 
-__all__ = ["Topology", "detect", "from_env", "launcher_of", "host_name", "job_key", "LAUNCHER_ORDER",
-           "slurm_tasks_on_node"]
+__all__ = ["Topology", "detect", "from_env", "launcher_of", "host_name", "job_key", "launch_nonce", "LAUNCHER_ORDER",
+           "JOB_ID_VARIABLES", "slurm_tasks_on_node", "MAX_RANKS", "MAX_LOCAL_RANKS"]
 
+#: The most ranks a job, and a host, may have: every rank's plan is listed, and a host's ranks
+#: each leave a layout record (no machine runs more processes; launcher variables beyond are a mistake).
+MAX_RANKS = 1 << 24
+MAX_LOCAL_RANKS = 1 << 16
 #: The launchers in the order their variables are trusted: an inner launcher wins over an outer one.
 LAUNCHER_ORDER = ("torchrun", "horovodrun-gloo", "openmpi", "mpich", "slurm", "tf-config")
 
@@ -86,13 +90,25 @@ def host_name(env: Mapping[str, str] = os.environ) -> str:
     return socket.gethostname()
 
 
-def job_key(env: Mapping[str, str] = os.environ) -> Optional[str]:
+#: The launchers' own per-launch ids: each names one launch, and no two launches alive at once
+#: share them (a port bound by a live launcher, a job id the scheduler never hands out twice).
+#: Open MPI: ``OMPI_MCA_ess_base_jobid``, ``OMPI_MCA_orte_hnp_uri`` (mpirun's address and port),
+#: ``PMIX_NAMESPACE``; SLURM: job and step id; MPICH/PMIx: the namespace; horovodrun (Gloo): its
+#: rendezvous server's address and port (a free port per launch); torchrun: the rendezvous id, the
+#: restart count and the store's address - which a static rendezvous (``--master-addr/--master-port``)
+#: keeps from one launch to the next (``TORCHELASTIC_RUN_ID=none``): :func:`launch_nonce` adds what
+#: tells those launches apart.
+JOB_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT",
+                    "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "OMPI_MCA_orte_hnp_uri",
+                    "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_ID_NAMESPACE", "SLURM_JOB_ID", "SLURM_STEP_ID")
+
+
+def job_key(env: Mapping[str, str] = os.environ, nonce: str = "") -> Optional[str]:
     """A name for this launch that every rank of it shares and a later launch does not (None for a
-    single process): the launcher's own job ids and rendezvous address."""
+    single process): the launcher's own job ids and rendezvous address (:data:`JOB_ID_VARIABLES`),
+    and ``nonce`` (:func:`launch_nonce`) where the launcher's ids alone repeat across launches."""
     parts: List[str] = []
-    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT",
-                 "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT", "OMPI_MCA_orte_hnp_uri",
-                 "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_ID_NAMESPACE", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+    for name in JOB_ID_VARIABLES:
         value = env.get(name)
         if value:
             parts.append(f"{name}={value}")
@@ -105,9 +121,48 @@ def job_key(env: Mapping[str, str] = os.environ) -> Optional[str]:
         parts.append("TF_CONFIG=" + json.dumps(cluster, sort_keys=True))
     if not parts:
         return None
+    if nonce:
+        parts.append(f"nonce={nonce}")
     import hashlib
 
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def launch_nonce(env: Mapping[str, str] = os.environ, timeout: float = 30.0) -> str:
+    """A random value every rank of this launch agrees on and no other launch has, where the
+    launcher's ids (:func:`job_key`) can repeat; ``""`` where they cannot.
+
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``, the default of its static and c10d rendezvous)
+    serves a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` for the life of the launch: the first rank
+    to ask puts a random value there (``compare_set``, under a key of distmem's own and the restart
+    count), every other rank reads it back, and the next launch - a new store, even on the same port
+    - draws another. Elsewhere the ids are per launch already (an Open MPI job id and mpirun's port,
+    SLURM's job and step, horovodrun's rendezvous port: see :data:`JOB_ID_VARIABLES`), and the
+    records' liveness (a lock each rank holds for its life) keeps a dead launch's records out. A
+    store that cannot be reached within ``timeout`` gives ``""`` (the ids alone, with a warning)."""
+    if (launcher_of(env) != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or not env.get("MASTER_ADDR") or not (env.get("MASTER_PORT") or "").isdigit()):
+        return ""
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+    except Exception:  # noqa: BLE001 - torchrun's Python without torch.distributed: the ids alone
+        return ""
+    import secrets
+
+    key = f"distmem/layout-nonce/{env.get('TORCHELASTIC_RESTART_COUNT') or '0'}"
+    try:
+        store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        return store.compare_set(key, "", secrets.token_hex(16)).decode()
+    except Exception as exc:  # noqa: BLE001 - a store that is gone or refuses: the ids alone, said
+        import logging
+
+        logging.getLogger("distmem").warning(
+            "distmem: torchrun's store at %s:%s did not answer (%s: %s); the layout exchange meets under the "
+            "launcher's ids alone", env["MASTER_ADDR"], env["MASTER_PORT"], type(exc).__name__, str(exc)[:200])
+        return ""
 
 
 def launcher_of(env: Mapping[str, str] = os.environ) -> str:
@@ -144,6 +199,8 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> Optional[int]:
             try:
                 if "(x" in item:
                     n, rep = item.split("(x")
+                    if len(counts) + int(rep.rstrip(")")) > MAX_RANKS:
+                        raise ValueError("more nodes than ranks a job may have")
                     counts += [int(n)] * int(rep.rstrip(")"))
                 elif item:
                     counts.append(int(item))
@@ -197,9 +254,9 @@ def _from_tf_config(raw: str, host: str) -> Optional[Topology]:
             raise ConfigError(f"TF_CONFIG: task {ttype} {index} is not in the cluster's {len(cluster.get(ttype, []))} "
                               f"{ttype} address(es); check the task index") from None
         return None  # an evaluator or parameter server takes no training rank
-    host = lambda addr: addr.rsplit(":", 1)[0]  # noqa: E731
-    my_host = host(order[pos][2])
-    same = [p for p, (_, _, addr) in enumerate(order) if host(addr) == my_host]
+    host_of = lambda addr: addr.rsplit(":", 1)[0]  # noqa: E731
+    my_host = host_of(order[pos][2])
+    same = [p for p, (_, _, addr) in enumerate(order) if host_of(addr) == my_host]
     return Topology(rank=pos, size=len(order), local_rank=same.index(pos), local_size=len(same),
                     host=host if my_host in ("localhost", "127.0.0.1") else my_host,
                     source="TF_CONFIG", launcher="tf-config")
@@ -238,6 +295,10 @@ def from_env(env: Mapping[str, str] = os.environ, host: Optional[str] = None) ->
         if not (0 <= rank < size) or not (0 <= local_rank < local_size):
             raise ConfigError(f"inconsistent launcher variables from {source}: rank={rank} size={size} "
                               f"local_rank={local_rank} local_size={local_size}; check the launch command")
+        if size > MAX_RANKS or local_size > MAX_LOCAL_RANKS:
+            raise ConfigError(f"launcher variables from {source} give {size} ranks, {local_size} on this host: more "
+                              f"than distmem plans for (at most {MAX_RANKS} ranks, {MAX_LOCAL_RANKS} per host); "
+                              "check the launch command")
         return Topology(rank, size, local_rank, local_size, host, source, launcher)
     if "TF_CONFIG" in env:
         return _from_tf_config(env["TF_CONFIG"], host)

@@ -56,12 +56,14 @@ def needs_child(spec: Any) -> bool:
 def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None) -> Any:
     """``module:function(**kwargs)`` in a child Python (no GPU visible, estimates in-process there);
     its return value, or the DistmemError it raised, re-raised here."""
+    from .. import children  # an isolated sys.path: never a module from the working folder
+
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **{IN_PROCESS_VAR: "1"})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [_package_root(), os.getcwd(), env.get("PYTHONPATH", "")] if p)
     limit = CHILD_TIMEOUT_S if timeout is None else timeout
+    user_module = str(kwargs.get("model", "")).partition(":")[0]  # module.path:factory is found where it is here
     try:
-        done = subprocess.run([sys.executable, "-m", __name__], input=pickle.dumps((target, kwargs)),
-                              capture_output=True, env=env, timeout=limit)
+        done = children.run(module=__name__, input=pickle.dumps((target, kwargs)), capture_output=True, env=env,
+                            timeout=limit, extra_paths=children.import_folders(user_module))
     except subprocess.TimeoutExpired:
         raise ConfigError(f"estimating {kwargs.get('model')!r} in a child process took over {limit:.0f} s; pass "
                           "layers= (a LayerCost list) or stages= instead, or set DISTMEM_ESTIMATE_IN_PROCESS=1 "

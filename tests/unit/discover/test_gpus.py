@@ -60,3 +60,25 @@ def test_inventory_on_this_machine_never_crashes():
     inv = devices.inventory(quiet=True)
     assert inv.source in ("none", "nvml")
     assert all(g.total_bytes > 0 for g in inv.gpus)
+
+
+@pytest.mark.parametrize("spec", ["100000x16GiB", "1025x16GiB", "1000x16GiB,25x16GiB", "a=1025x80GiB",
+                                  pytest.param("1" * 5000 + "x1GiB", id="5000-digit-count")])
+def test_a_fleet_declares_at_most_1024_gpus_per_host(spec):
+    """Issue 26, finding 14: a count is bounded before the list is built (aa55a88 returned 100000
+    GPUs, and DISTMEM_FLEET=2000000000x16GiB died with MemoryError building 2e9 of them)."""
+    with pytest.raises(ConfigError, match="more than 1024 GPUs on one host"):
+        parse_fleet(spec, "a")
+
+
+def test_the_fleet_of_the_finding_fails_at_once_with_the_bound():
+    """DISTMEM_FLEET=2000000000x16GiB of the finding: a ConfigError naming the bound, no allocation
+    (not run against aa55a88, where it allocates 16 GB before failing)."""
+    with pytest.raises(ConfigError, match=r"'2000000000x16GiB' makes more than 1024 GPUs"):
+        parse_fleet("2000000000x16GiB")
+    assert len(parse_fleet("1024x16GiB")) == 1024 and len(parse_fleet("a=1000x1GiB,24x1GiB", "a")) == 1024
+
+
+def test_a_fleet_size_beyond_any_machine_names_the_bound():
+    with pytest.raises(ConfigError, match="more than any machine holds"):
+        parse_fleet("4x99999999999999999999TiB")

@@ -70,3 +70,16 @@ def test_topology_never_imports_gpu_frameworks():
 def test_node_index_and_count():
     t = Topology(rank=9, size=12, local_rank=1, local_size=4)
     assert (t.host_index, t.num_hosts) == (2, 3)
+
+
+@pytest.mark.parametrize("env", [
+    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2000000000", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+     "OMPI_COMM_WORLD_LOCAL_SIZE": "2000000000"},
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+     "SLURM_TASKS_PER_NODE": "1(x2000000000)"},
+])
+def test_launcher_counts_beyond_any_job_are_a_config_error(env):
+    """Issue 26, finding 14: counts are bounded before anything is built from them (a host of 2e9
+    ranks made the exchange list 2e9 placeholders; 1(x2000000000) built a 2e9-element list)."""
+    with pytest.raises(ConfigError):
+        from_env(env, host="h")

@@ -164,18 +164,31 @@ def test_a_rank_that_never_arrives_is_named(tmp_path):
     assert err.value.missing == [1] and "DISTMEM_LAYOUT_TIMEOUT" in str(err.value)
 
 
-def test_stale_records_of_a_dead_earlier_job_are_ignored(tmp_path):
-    """A record whose process is gone and which predates this process by more than the grace period."""
-    env = {"OMPI_MCA_ess_base_jobid": "reused"}
-    from distmem.discover.identity import job_key
+KILLED_RANK = r"""
+import os, sys
+sys.path.insert(0, %r)
+from distmem.discover import layout
+from distmem.discover.gpus import fleet_inventory
+from distmem.discover.identity import Topology
+topo = Topology(rank=7, size=8, local_rank=1, local_size=2, host="h", source="openmpi", launcher="mpirun")
+me = layout.RankView(7, "h", 1, fleet_inventory("2x16GiB", "h").gpus, os.getpid())
+key = layout.job_key({"OMPI_MCA_ess_base_jobid": "reused"})
+layout._publish(sys.argv[1], key, "h", topo, 1, layout._record(topo, me, key, 1))
+os._exit(0)  # killed: no exit handler runs, the record stays behind with its lock released
+""" % ROOT
 
-    folder = tmp_path / f"distmem-layout-{os.getuid()}" / job_key(env) / "h"
-    folder.mkdir(parents=True)
-    stale = RankView(7, "h", 1, fleet_inventory("2x16GiB", "h").gpus, pid=2**22 + 12345).to_dict()
-    (folder / "1.1.json").write_text(json.dumps(dict(stale, start=1.0, time=1.0, round=1)))
-    topo = Topology(rank=0, size=2, local_rank=0, local_size=2, host="h", source="openmpi", launcher="mpirun")
-    with pytest.raises(LayoutTimeoutError):
-        exchange(topo, fleet_inventory("2x16GiB", "h"), timeout=0.3, directory=str(tmp_path), env=env)
+
+def test_stale_records_of_a_dead_earlier_job_are_ignored_and_swept(tmp_path):
+    """A complete, well-formed record of local rank 1 under the same job key, left by a process
+    that is gone (killed before its exit handler): never trusted, and swept by the next exchange."""
+    subprocess.run([sys.executable, "-c", KILLED_RANK, str(tmp_path)], check=True, timeout=60)
+    left = list(tmp_path.glob("distmem-layout-*/*/h/1.1.*.json"))
+    assert len(left) == 1
+    topo = Topology(rank=0, size=8, local_rank=0, local_size=2, host="h", source="openmpi", launcher="mpirun")
+    with pytest.raises(LayoutTimeoutError, match=r"local rank\(s\) 1 did not arrive"):
+        exchange(topo, fleet_inventory("2x16GiB", "h"), timeout=0.3, directory=str(tmp_path),
+                 env={"OMPI_MCA_ess_base_jobid": "reused"})
+    assert not left[0].exists()  # the dead rank's record went in the sweep before this rank wrote
 
 
 def test_exchange_cost_is_small_and_the_decision_identical(tmp_path):
@@ -222,20 +235,24 @@ def test_placement_among_ranks_that_see_the_same_set():
 def test_doctor_names_a_rank_on_a_gpu_its_plan_did_not_give_it(tmp_path):
     """A live rank of a job (known from its layout record) that NVML shows on another GPU."""
     from distmem.cli.doctor import stray_contexts
+    from distmem.discover import layout
     from distmem.discover.gpus import GpuProcess
     from distmem.discover.identity import job_key
-    from distmem.discover.layout import _start_time  # noqa: PLC2701 - the test writes a record by hand
 
     inv = fleet_inventory("2x16GiB", "h")
-    folder = tmp_path / f"distmem-layout-{os.getuid()}" / job_key({"OMPI_MCA_ess_base_jobid": "j"}) / "h"
-    folder.mkdir(parents=True)
-    me = RankView(1, "h", 1, inv.gpus, pid=os.getpid()).to_dict()  # local rank 1: planned on GPU 1
-    (folder / "1.1.json").write_text(json.dumps(dict(me, start=_start_time(os.getpid()), time=0, round=1)))
-    inv.gpus[0].processes = [GpuProcess(os.getpid(), 300 * MiB)]  # ... but it holds memory on GPU 0
-    (found,) = stray_contexts(inv, "h", str(tmp_path))
-    assert (found["rank"], found["pid"], found["gpu"], found["bytes"]) == (1, os.getpid(), fleet_uuid("h", 0),
-                                                                          300 * MiB)
-    assert found["planned_gpu"] == fleet_uuid("h", 1)
-    inv.gpus[0].processes = []
-    inv.gpus[1].processes = [GpuProcess(os.getpid(), 300 * MiB)]
-    assert stray_contexts(inv, "h", str(tmp_path)) == []
+    topo = Topology(rank=1, size=2, local_rank=1, local_size=2, host="h", source="openmpi", launcher="mpirun")
+    key = job_key({"OMPI_MCA_ess_base_jobid": "j"})
+    me = RankView(1, "h", 1, inv.gpus, pid=os.getpid())  # local rank 1: planned on GPU 1
+    try:
+        layout._publish(str(tmp_path), key, "h", topo, 1, layout._record(topo, me, key, 1))
+        inv.gpus[0].processes = [GpuProcess(os.getpid(), 300 * MiB)]  # ... but it holds memory on GPU 0
+        (found,) = stray_contexts(inv, "h", str(tmp_path))
+        assert (found["rank"], found["pid"], found["gpu"], found["bytes"]) == (1, os.getpid(), fleet_uuid("h", 0),
+                                                                              300 * MiB)
+        assert found["planned_gpu"] == fleet_uuid("h", 1)
+        inv.gpus[0].processes = []
+        inv.gpus[1].processes = [GpuProcess(os.getpid(), 300 * MiB)]
+        assert stray_contexts(inv, "h", str(tmp_path)) == []
+    finally:
+        layout._leave()
+    assert not any(tmp_path.iterdir())  # the record and every folder removed
