@@ -3,7 +3,7 @@
 For one zoo case (``bench/estimate_zoo.py``), a fresh process runs the profiler from before the model
 is built through three training steps, so every allocation and free of the process is in the trace
 with its address and requested bytes. The recorded sequence is then replayed, in TensorFlow's own
-order, through distmem's BFC model (``distmem.estimate.liveness.BFCAllocator``), and three peaks
+order, through distmem's BFC model (``distmem.estimate.allocators.BFCAllocator``), and three peaks
 are printed as one JSON line: what TensorFlow's allocator held in chunks (the figure the accuracy
 benchmark measures), what the model holds for the same sequence, and the bytes requested at the
 busiest moment (no allocator). If the model's peak matches TensorFlow's, the allocator model is
@@ -67,7 +67,7 @@ def events(logdir: str):
 
 
 def replay(evs):
-    from distmem.estimate.liveness import BFCAllocator
+    from distmem.estimate.allocators import BFCAllocator
     a = BFCAllocator(0)
     live, requested, peaks = {}, 0, {"tf": 0, "model": 0, "requested": 0}
     for _, is_alloc, addr, nbytes, tf_in_use in evs:

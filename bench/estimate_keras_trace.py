@@ -91,8 +91,9 @@ def measured_live(log: str):
 def estimated_live(case):
     import warnings
     import estimate_zoo as z
-    from distmem.estimate import from_keras
-    from distmem.estimate.liveness import BFCAllocator, replay
+    from distmem.estimate.allocators import BFCAllocator
+    from distmem.estimate.keras import estimate as from_keras
+    from distmem.estimate.liveness import replay
     _, K = z.keras_ns()
     model, _ = z.keras_build(case)
     opt = z.keras_optimizer(case["optimizer"])

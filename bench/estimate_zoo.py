@@ -534,11 +534,11 @@ def torch_estimate(c: Dict[str, Any]) -> Dict[str, Any]:
         if not list(mod.children()):
             from torch.utils._pytree import tree_flatten
             outputs[0] += sum(o.numel() * o.element_size() for o in tree_flatten(out)[0] if torch.is_tensor(o))
-    from distmem.estimate.from_torch import _dispatch_mode, _Tracker
-    from distmem.estimate.liveness import ExactAllocator
+    from distmem.estimate.allocators import ExactAllocator
+    from distmem.estimate.torch.dispatch import dispatch_mode, Tracker
     handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:  # inside the estimator's dispatch mode, which answers .item() on meta tensors
-        with torch.no_grad(), _dispatch_mode(_Tracker(ExactAllocator())):
+        with torch.no_grad(), dispatch_mode(Tracker(ExactAllocator())):
             state = {k: torch.empty_like(v, device="meta") for k, v in
                      list(model.named_parameters()) + list(model.named_buffers())}
             torch.func.functional_call(model, state, args, kwargs)

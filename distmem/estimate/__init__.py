@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .from_keras import estimate_keras
-from .from_torch import estimate_torch
+from .keras import estimate_keras
+from .torch import estimate_torch
 from .loader import framework_of, load_model, parse_shape
 from .precision import Precision, resolve_precision
 from .table import Estimate, LayerEstimate

@@ -5,7 +5,8 @@ import pytest
 
 from distmem.costs import LayerCost
 from distmem.errors import ConfigError
-from distmem.estimate.liveness import BFCAllocator, CudaCachingAllocator, ExactAllocator, Graph, Node, replay
+from distmem.estimate.allocators import BFCAllocator, CudaCachingAllocator, ExactAllocator
+from distmem.estimate.liveness import Graph, Node, replay
 from distmem.estimate.precision import dtype_bytes, resolve_precision
 from distmem.estimate.table import TORCH_CACHE_HEADROOM, Estimate, LayerEstimate
 
@@ -212,7 +213,8 @@ def test_margins_cover_the_worst_measured_under_estimates():
 def test_breakdown_parts_are_what_the_allocator_counts():
     """Tensors below a CPU allocator's floor are not in its statistics, so they are not in the
     breakdown's activations or gradients either (the parts never exceed the peak)."""
-    from distmem.estimate.liveness import BFCAllocator, Graph, Node, replay
+    from distmem.estimate.allocators import BFCAllocator
+    from distmem.estimate.liveness import Graph, Node, replay
     g = Graph()
     x = g.add(100)
     small = [g.add(10) for _ in range(20)]  # 10 bytes per sample: under the floor at batch 8
