@@ -44,6 +44,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from estimate_zoo_written import COMPILED, KERAS_WRITTEN, TORCH_WRITTEN, keras_written, torch_written  # noqa: E402
+
 STEPS = 4
 TARGETS = {"keras": {"mean_abs_err": 0.03, "max_abs_err": 0.08, "worst_under": -0.03},
            "torch": {"mean_abs_err": 0.015, "max_abs_err": 0.05, "worst_under": -0.02}}
@@ -84,7 +86,7 @@ KERAS_CASES: List[Dict[str, Any]] = [
     _k("Conv1D", 200, 32, "momentum"), _k("TransformerEncoder", 64, 16, "adamw"),
     _k("TransformerEncoder", 64, 16, "adam", "mixed_float16"), _k("Recommender", 1, 256, "adam"),
     _k("MLP", 784, 64, "sgd", "mixed_bfloat16"),
-]
+] + KERAS_WRITTEN
 
 
 #: rough cost rank of measuring a Keras case on CPU (``--fast-first``)
@@ -122,6 +124,10 @@ def keras_build(c: Dict[str, Any]) -> Tuple[Any, Callable[[int], Tuple[Any, Any]
     rng = np.random.default_rng(0)
     name, size = c["model"], c["size"]
     L = K.layers
+    if any(w["model"] == name for w in KERAS_WRITTEN):
+        model, make, loss = keras_written(name, size, K)
+        _LOSSES[id(model)] = loss
+        return model, make
     if hasattr(K.applications, name) or name in _REGNETS:
         shape = (size, size, 3)
         if hasattr(K.applications, name):
@@ -242,8 +248,13 @@ def _regnet(K, name: str, shape):
     return K.Model(inp, L.Dense(1000, activation="softmax")(x), name=name.lower())
 
 
+_LOSSES: Dict[int, Any] = {}
+
+
 def _keras_loss(model):
     _, K = keras_ns()
+    if id(model) in _LOSSES:  # a hand-written model's own loss
+        return _LOSSES[id(model)]
     act = getattr(model.layers[-1], "activation", None)
     probs = getattr(act, "__name__", "") == "softmax"  # keras.applications end in a softmax
     return K.losses.SparseCategoricalCrossentropy(from_logits=not probs)
@@ -257,7 +268,8 @@ def keras_compiled(c: Dict[str, Any]):
     model.compile(optimizer=keras_optimizer(c["optimizer"]), loss=_keras_loss(model))
     x, y = make(c["batch"])
     x = [tf.constant(a) for a in x] if isinstance(x, list) else tf.constant(x)
-    return tf, model, x, tf.constant(y)
+    y = [tf.constant(a) for a in y] if isinstance(y, list) else tf.constant(y)
+    return tf, model, x, y
 
 
 def add_case_arguments(p) -> None:
@@ -341,7 +353,7 @@ TORCH_CASES: List[Dict[str, Any]] = [
     _t("hf_gpt2", 8, "adamw", "bf16"), _t("hf_gpt2", 8, "adafactor"), _t("hf_llama", 8, "adamw", "bf16"),
     _t("hf_llama", 8, "momentum"), _t("hf_t5", 8, "adafactor", "bf16"), _t("hf_t5", 8, "adamw"),
     _t("hf_bart", 8, "adam", "fp16"), _t("gpt_decoder", 16, "adam", "bf16"),
-]
+] + TORCH_WRITTEN
 
 HF_SEQ = 256
 
@@ -382,6 +394,11 @@ def torch_build(c: Dict[str, Any], device: str):
     """(model, inputs(batch, device) -> (args, kwargs), target(batch, device))."""
     import torch
     name = c["model"]
+    if name in COMPILED:  # the same model, torch.compile'd
+        model, inputs = torch_build(dict(c, model=COMPILED[name]), device)
+        return torch.compile(model), inputs
+    if any(w["model"] == name for w in TORCH_WRITTEN) and name not in ("resnet50", "resnet18"):
+        return torch_written(name, c["size"], device)
     if name == "gpt_decoder":
         sys.path.insert(0, HERE)
         from estimate_accuracy import gpt_decoder

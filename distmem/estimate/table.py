@@ -97,8 +97,9 @@ class Estimate:
     """Per-layer memory of a model for one training step at ``batch_size``.
 
     ``method``: ``"analytic"`` (rules per layer type replayed over the layer graph),
-    ``"simulated"`` (the step run on torch's meta device, counting every buffer) or
-    ``"calibrated"`` (analytic, scaled by a measured small-batch step). ``device``: the device the
+    ``"simulated"`` (the step run on torch's meta device, counting every buffer),
+    ``"measured"`` (real steps at small batches carried to ``batch_size`` by the model; see
+    ``measurement``) or ``"calibrated"`` (analytic, plus a measured small-batch step's excess). ``device``: the device the
     peak models (``"cpu"`` or ``"cuda"``). ``input_bytes_per_sample``: the step's data.
     """
 
@@ -114,6 +115,10 @@ class Estimate:
     warnings: List[str] = field(default_factory=list)
     calibration: Optional[Dict[str, Any]] = None
     extra_persistent_bytes: int = 0
+    #: how the estimate was measured (``method="measured"``): device, batches and peaks, the rule
+    #: that carried them to ``batch_size``, its cost in seconds, the cache key; or ``{"fallback":
+    #: reason}`` where a measurement was asked for and could not run
+    measurement: Optional[Dict[str, Any]] = None
     _peak_fn: Optional[PeakFn] = field(default=None, repr=False, compare=False)
     _parts_fn: Optional[PartsFn] = field(default=None, repr=False, compare=False)
     _cache: Dict[Any, Dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
@@ -271,6 +276,8 @@ class Estimate:
         }
         if self.calibration:
             out["calibration"] = self.calibration
+        if self.measurement:
+            out["measurement"] = self.measurement
         if per_layer:
             out["per_layer"] = [r.to_dict(b) for r in self.layers]
         return out

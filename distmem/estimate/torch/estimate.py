@@ -15,7 +15,7 @@ was made; the buffers still alive when the backward pass starts are that module'
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
 from ..optimizers import torch_optimizer, torch_optimizer_factory
@@ -45,6 +45,23 @@ CUDNN_WORKSPACES = True
 DEFAULT_TORCH_INPUT_SHAPE = (3, 224, 224)
 
 _TABLE_KEYS = ("kept", "rows", "out_bytes", "read_values", "parts")
+
+#: What an estimate of a ``torch.compile``d module says: the meta device cannot run Inductor's
+#: kernels, so the eager module is simulated; compiled graphs fuse element-wise kernels and keep
+#: fewer intermediates (measured on an H200: bench/results/estimate_measured_torch_h200.jsonl).
+COMPILED_NOTE = ("torch.compile: the module is compiled, and the meta device cannot run the compiled graph; "
+                 "the eager module was simulated instead, an upper bound where Inductor fuses kernels (measured "
+                 "compiled peaks were at most the eager ones; see docs/estimate.md). Measure it on a GPU "
+                 "(estimate(..., method='measure')) for the compiled figure")
+
+
+def eager_of(model: Any) -> Tuple[Any, bool]:
+    """``(the eager module, whether model is torch.compile'd)``: an ``OptimizedModule``'s
+    ``_orig_mod``, or a module whose ``compile()`` was called (run eagerly while simulated)."""
+    inner = getattr(model, "_orig_mod", None)
+    if inner is not None and type(model).__name__ == "OptimizedModule":
+        return inner, True
+    return model, getattr(model, "_compiled_call_impl", None) is not None
 
 
 def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Optional[Sequence[int]] = None,
@@ -77,7 +94,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     info = torch_optimizer(optimizer)
     factory = torch_optimizer_factory(optimizer)
     workspace = (CUBLAS_WORKSPACE_BYTES if blas_workspace_bytes is None else int(blas_workspace_bytes)) if cuda else 0
-
+    model, compiled = eager_of(model)
     sim = Simulation(model, example_input=example_input, input_shape=input_shape, input_dtype=input_dtype,
                      loss=loss, cuda=cuda, prec=prec, factory=factory, workspace=workspace,
                      replay_later=REPLAY_LATER_STEPS, memo=MEMO_META_OPS, cudnn=CUDNN_WORKSPACES)
@@ -92,6 +109,8 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                    input_bytes_per_sample=input_bytes(model, example_input, input_shape, input_dtype),
                    extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn, _parts_fn=parts_fn)
     est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in _TABLE_KEYS}
+    if compiled:
+        est.warnings.append(COMPILED_NOTE)
     for where, phase in first["read_values"]:
         who = f"the optimizer's step ({info.name})" if phase == "update" else f"module '{where}' ({phase} pass)"
         est.warnings.append(f"{who} read a tensor's value (.item(), bool() or a data-dependent branch), which a "

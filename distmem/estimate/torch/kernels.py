@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from ...units import MiB
 from .inputs import import_torch
 
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "cudnn_workspace", "CudaDropout", "fused_sdpa"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "CUDNN_ROWS_PER_PARTIAL", "split_k_partials", "cudnn_workspace", "CudaDropout", "fused_sdpa"]
 
 #: cuBLAS workspace torch allocates through its caching allocator, so it is part of
 #: ``max_memory_allocated``: 32 MiB on Hopper (sm90) by default (CUBLAS_WORKSPACE_CONFIG
@@ -23,6 +23,26 @@ CUBLAS_WORKSPACES = 2
 
 def _float32() -> Any:
     return import_torch().float32
+
+
+#: cuDNN's weight gradient of a 1x1 convolution splits its reduction over the batch's N x H x W
+#: positions into partial sums (split-K), one float32 weight-sized buffer each, and gives every
+#: split at least this many positions: the probes of every 1x1 stride-1 weight gradient of
+#: ResNet-50 (fp32, bf16) and ResNeXt-50 on an H200 (bench/results/estimate_cudnn_probe_h200.json)
+#: show one partial per image on 28x28 maps and larger, but 4 (fp32) and 2 (bf16) at 7x7 with 32
+#: images (1,568 positions), 16 to 32 at 14x14. None: one partial per image, the earlier rule.
+CUDNN_ROWS_PER_PARTIAL = 392
+
+
+def split_k_partials(x) -> int:
+    """Partial sums cuDNN's split-K keeps for a 1x1 weight gradient over input ``x`` (N, C, H, W...)."""
+    n = int(x.shape[0])
+    if CUDNN_ROWS_PER_PARTIAL is None:
+        return n
+    rows = n
+    for d in x.shape[2:]:
+        rows *= int(d)
+    return max(1, min(n, -(-rows // CUDNN_ROWS_PER_PARTIAL)))
 
 
 def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
@@ -61,7 +81,9 @@ def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
         return t.numel() * t.element_size()
     if pointwise:
         half = x.dtype == import_torch().float16  # fp16 layers took other engines (ShuffleNet's, MobileNetV3's)
-        return x.shape[0] * w.numel() * 4 if need_weight_grad and not half else 0
+        if not need_weight_grad or half:
+            return 0
+        return split_k_partials(x) * w.numel() * 4
     if x.dtype != _float32():
         return 0  # half-precision kernels read NCHW as it is
     if grad_out is None:

@@ -9,12 +9,13 @@ from typing import Any, Dict, List, Tuple
 from ...errors import ConfigError
 from ..allocators import CudaCachingAllocator, ExactAllocator
 from .autocast import AutocastMode
+from .checkpointing import recomputed_under
 from .dispatch import dispatch_mode, Tracker
 from .inputs import example_inputs, step_loss, import_torch
 from .kernels import CUBLAS_WORKSPACES, CudaDropout, fused_sdpa
 from .trace import peak_parts, replay_steps
 
-__all__ = ["LOSS_SCALE", "foreach_as_torch_picks", "Simulation", "inference_peak"]
+__all__ = ["LOSS_SCALE", "foreach_as_torch_picks", "swapped", "Simulation", "inference_peak"]
 
 #: The loss scale ``GradScaler`` multiplies the loss by under fp16 (its default ``init_scale``).
 LOSS_SCALE = 65536.0
@@ -32,6 +33,23 @@ def foreach_as_torch_picks(opt: Any, cuda: bool) -> None:
     for group in opt.param_groups:
         if "foreach" in group and group["foreach"] is None:
             group["foreach"] = default
+
+
+@contextlib.contextmanager
+def swapped(model: Any, state: Dict[str, Any]):
+    """``model``'s parameters and buffers replaced by ``state`` (name -> tensor) for the block, as
+    ``torch.func.functional_call`` does for one call (tied weights stay tied)."""
+    try:
+        from torch.nn.utils.stateless import _reparametrize_module as reparametrize
+    except ImportError:  # pragma: no cover - torch without it: the parameters swapped by hand
+        reparametrize = None
+    if reparametrize is not None:
+        with reparametrize(model, state, tie_weights=True):
+            yield
+        return
+    from torch.nn.utils import stateless
+    with stateless._reparametrize_module(model, state):  # pragma: no cover
+        yield
 
 
 class Simulation:
@@ -110,9 +128,14 @@ class _Run:
     def _simulate(self) -> None:
         sim = self.sim
         hooks = self._hooks()
+        # a module whose compile() was called runs eagerly here (the meta device has no compiled graph)
+        compiled = sim.model.__dict__.get("_compiled_call_impl")
+        if compiled is not None:
+            sim.model._compiled_call_impl = None
         try:
-            with self.mode, fused_sdpa(sim.cuda, self.autocast), \
-                    (CudaDropout().mode if sim.cuda else contextlib.nullcontext()):
+            dropout = CudaDropout().mode if sim.cuda else None
+            with self.mode, fused_sdpa(sim.cuda, self.autocast), (dropout or contextlib.nullcontext()), \
+                    recomputed_under([dropout, self.autocast]):
                 for step in range(1 if sim.replay_later else self.steps):
                     if not self._step(step):
                         break
@@ -126,16 +149,16 @@ class _Run:
         finally:
             for h in hooks:
                 h.remove()
+            if compiled is not None:
+                sim.model._compiled_call_impl = compiled
 
     def _forward(self, step: int):
-        torch, sim, tracker = import_torch(), self.sim, self.tracker
-        state = dict(self.meta_params)
-        state.update(self.meta_buffers)
+        sim, tracker = self.sim, self.tracker
         # ``with autocast(): out = model(x); loss = crit(out, y)``, then backward outside it
         if self.autocast is not None:
             self.autocast.__enter__()
         try:
-            out = torch.func.functional_call(sim.model, state, self.args, self.kwargs)
+            out = sim.model(*self.args, **self.kwargs)
             value = step_loss(out, sim.loss)
         finally:
             if self.autocast is not None:
@@ -161,14 +184,20 @@ class _Run:
         if step == 0:
             self.before_trace = [(n, "weights" if key in self.weight_keys else "inputs")
                                  for key, n in tracker.size.items()]
-        out, value = self._forward(step)
-        if self.forward_only:
-            self.peaks.append(alloc.peak)
-            self.phases.append(tracker.peak_phase)
-            return False
-        # the output and loss stay referenced through backward and the update, as in
-        # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
-        value.backward()
+        state = dict(self.meta_params)
+        state.update(self.meta_buffers)
+        # the meta weights stand in for the module's own through the backward pass too: a
+        # checkpointed block (torch.utils.checkpoint, Hugging Face's gradient checkpointing)
+        # runs its forward again there
+        with swapped(sim.model, state):
+            out, value = self._forward(step)
+            if self.forward_only:
+                self.peaks.append(alloc.peak)
+                self.phases.append(tracker.peak_phase)
+                return False
+            # the output and loss stay referenced through backward and the update, as in
+            # ``out = model(x); loss = crit(out, y); loss.backward(); opt.step()``
+            value.backward()
         for p_ in self.trainable:
             if p_.grad is not None:
                 serial = tracker.serial.get(p_.grad.untyped_storage()._cdata)
