@@ -7,7 +7,7 @@ what the estimator would otherwise have had tuned on the whole zoo:
 * the measured path's extrapolation rule (``measure.extrapolate.RULES``: offset, linear, ratio,
   measured, model), the one with the least mean absolute error among those whose worst
   under-estimate is no worse than -5% (or the least mean if none is);
-* torch: the cuDNN split-K constant ``torch.kernels.CUDNN_ROWS_PER_PARTIAL`` (None, 196, 392, 784),
+* torch: the cuDNN split-K constant ``torch.kernels.CUDNN_ROWS_PER_PARTIAL`` (None, 196, 392),
   the one with the least mean absolute error of the model alone (``--reestimate``: every prior
   is estimated again on this machine's CPU with each candidate).
 
@@ -40,7 +40,7 @@ for p in (ROOT, HERE):
 from distmem.estimate.measure.extrapolate import RULES, extrapolate, residual_terms  # noqa: E402
 
 WORST_BOUND = -0.05
-CUDNN_CANDIDATES = (None, 196, 392, 784)
+CUDNN_CANDIDATES = (None, 196, 392)
 
 
 def half_of(case_id: str) -> int:
@@ -107,9 +107,13 @@ def load_cases(zoo_files: List[str], measured_files: List[str]) -> List[Dict[str
     return cases
 
 
-def reestimate_torch(cases: List[Dict[str, Any]]) -> None:
+def reestimate_torch(cases: List[Dict[str, Any]], store: Optional[str] = None) -> None:
     """Every prior again with each cuDNN candidate (the recorded priors were made by the estimator
-    of the measuring run)."""
+    of the measuring run); kept in ``store`` (JSON) as they are made, and read back from it."""
+    done: Dict[str, Any] = {}
+    if store and os.path.exists(store):
+        with open(store, encoding="utf-8") as f:
+            done = json.load(f)
     import warnings
     import torch
     import estimate_zoo as Z
@@ -117,6 +121,9 @@ def reestimate_torch(cases: List[Dict[str, Any]]) -> None:
     from distmem.estimate import estimate_torch
     for c in cases:
         if c.get("error"):
+            continue
+        if c["id"] in done:
+            c["priors"] = done[c["id"]]
             continue
         case = {k: c["row"][k] for k in ("model", "size", "batch", "optimizer", "precision")}
         priors: Dict[str, Dict[str, int]] = {}
@@ -135,8 +142,11 @@ def reestimate_torch(cases: List[Dict[str, Any]]) -> None:
                 est = estimate_torch(model, example_input=kwargs or args, batch_size=case["batch"], optimizer=opt,
                                      precision=prec, device="cuda", name=case["model"])
                 priors[str(v)] = {str(b): int(est.train_bytes(b)) for b in [p[0] for p in c["points"]] + [c["batch"]]}
-        kernels.CUDNN_ROWS_PER_PARTIAL = 392
-        c["priors"] = priors
+        kernels.CUDNN_ROWS_PER_PARTIAL = 196
+        c["priors"] = done[c["id"]] = priors
+        if store:
+            with open(store, "w", encoding="utf-8") as f:
+                json.dump(done, f)
         print(f"[heldout] {c['id']}: " + ", ".join(f"{k}: {v[str(c['batch'])] / c['reference'] - 1:+.2%}"
                                                   for k, v in priors.items()), file=sys.stderr, flush=True)
 
@@ -163,10 +173,33 @@ def evaluate(cases: List[Dict[str, Any]], framework: str) -> Dict[str, Any]:
     secs = [c["seconds"] for c in cases if c.get("seconds") is not None]
     out["measured_path_seconds"] = {"median": round(statistics.median(secs), 2) if secs else None,
                                     "max": max(secs) if secs else None}
+    out["production"] = production(scored, framework)
     out["crashes"] = [{"id": c["id"], "error": c["error"][-300:]} for c in cases if c.get("error")]
     out["not_scored"] = [c["id"] for c in cases if not c.get("error") and not c.get("reference")]
     out["rows"] = sorted(per_case, key=lambda r: r["id"])
     return out
+
+
+def production(scored: List[Dict[str, Any]], framework: str) -> Dict[str, Any]:
+    """What the shipped estimator does on every case (its rule, ``RULE``; torch: its cuDNN constant),
+    and each case's points, the model's peaks and the reference, so a test can check the margin."""
+    from distmem.estimate.measure.extrapolate import RULE
+    variant = "None"
+    if framework == "torch":
+        import distmem.estimate.torch.kernels as kernels
+        variant = str(kernels.CUDNN_ROWS_PER_PARTIAL)
+    rule = RULE[framework]
+    cases, path, model = [], [], []
+    for c in scored:
+        prior = c["priors"].get(variant, c["priors"]["None"])
+        path.append(_path_err(c, rule, prior))
+        model.append(prior[str(c["batch"])] / c["reference"] - 1)
+        cases.append({"id": c["id"], "batch": c["batch"], "points": c["points"],
+                      "modelled": [prior[str(b)] for b, _ in c["points"]], "modelled_target": prior[str(c["batch"])],
+                      "reference": c["reference"], "measured_path_err": round(path[-1], 4),
+                      "model_err": round(model[-1], 4), "seconds": c["seconds"]})
+    return {"rule": rule, "cudnn_rows_per_partial": variant, "measured_path": stats(path), "model": stats(model),
+            "cases": cases}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -175,12 +208,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--zoo", required=True, help="comma-separated zoo result files (the references)")
     p.add_argument("--measured", required=True, help="comma-separated measured-path JSON lines (later files win)")
     p.add_argument("--reestimate", action="store_true", help="torch: estimate every prior again per cuDNN candidate")
+    p.add_argument("--priors", default=None, help="with --reestimate: keep the priors in this JSON file (and reuse them)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     t0 = time.time()
     cases = load_cases(args.zoo.split(","), args.measured.split(","))
     if args.reestimate and args.framework == "torch":
-        reestimate_torch(cases)
+        reestimate_torch(cases, args.priors)
     result = {"bench": "estimate_heldout", "framework": args.framework, "zoo": args.zoo.split(","),
               "measured": args.measured.split(","), "split": "sha256(case id) % 2",
               "worst_bound_for_rule_choice": WORST_BOUND, **evaluate(cases, args.framework),

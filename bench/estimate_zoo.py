@@ -287,16 +287,10 @@ def case_of(args) -> Dict[str, Any]:
 
 
 def keras_measure(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
-    tf, model, x, y = keras_compiled(c)
-    info = tf.config.experimental.get_memory_info
-    peaks, times = [], []
-    for _ in range(steps):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        t = time.time()
-        model.train_on_batch(x, y)
-        times.append(round(time.time() - t, 3))
-        peaks.append(int(info("CPU:0")["peak"]))
-    return {"peaks": peaks, "step_seconds": times}
+    from estimate_measure import keras_train_peaks
+    _, model, x, y = keras_compiled(c)
+    out = keras_train_peaks(model, x, y, steps)
+    return {"peaks": out["peaks"], "step_seconds": out["step_seconds"]}
 
 
 def keras_estimate(c: Dict[str, Any]) -> Dict[str, Any]:
@@ -464,21 +458,18 @@ def _ce(out):
 def torch_measure(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
     import contextlib
     import torch
+    from estimate_measure import torch_train_peaks
     model, inputs = torch_build(c, "cuda")
     model.train()
     opt = torch_optimizer(c["optimizer"], model.parameters())
     amp = _amp_dtype(c["precision"])
     scaler = torch.amp.GradScaler("cuda") if c["precision"] == "fp16" else None
     args, kwargs = inputs(c["batch"], "cuda")
-    peaks, reserved, times = [], [], []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t = time.time()
+
+    def step() -> None:
         ctx = torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext()
         with ctx:
-            out = model(*args, **kwargs)
-            loss = _ce(out)
+            loss = _ce(model(*args, **kwargs))
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -487,12 +478,7 @@ def torch_measure(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
             loss.backward()
             opt.step()
         opt.zero_grad(set_to_none=True)
-        del out, loss
-        torch.cuda.synchronize()
-        times.append(round(time.time() - t, 3))
-        peaks.append(int(torch.cuda.max_memory_allocated()))
-        reserved.append(int(torch.cuda.max_memory_reserved()))
-    return {"peaks": peaks, "max_reserved": max(reserved), "step_seconds": times, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    return torch_train_peaks(step, steps)
 
 
 def torch_memtracker(c: Dict[str, Any]) -> Dict[str, Any]:

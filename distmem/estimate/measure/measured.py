@@ -43,7 +43,16 @@ def _key(framework: str, model: Any, batches: Sequence[int], optimizer: Any, opt
                            precision=opts.get("precision"), loss=opts.get("loss", "auto"),
                            steps=MEASURE_STEPS, input_shape=list(input_shape or ()),
                            example=_example_text(opts.get("example_input")),
-                           visible=os.environ.get("CUDA_VISIBLE_DEVICES", "*"))
+                           where=_where(framework, model))
+
+
+def _where(framework: str, model: Any) -> str:
+    """The device a measurement would run on, as far as it is known without starting a framework:
+    a live Keras model's (TensorFlow runs already), else the GPUs this process may see."""
+    if framework == "keras" and not isinstance(model, str):
+        from .keras_steps import keras_device
+        return keras_device()
+    return "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "*")
 
 
 def _example_text(example: Any) -> str:
