@@ -38,10 +38,10 @@ TORCH_ESTIMATE_MARGIN = 0.10
 #: The same for Keras estimates made the default way, measured (``method="measured"``: real steps
 #: at two small batches on TensorFlow's CPU allocator, carried to the batch by the analytic model):
 #: the worst under-estimate of the measured path on the Keras zoo, keras.applications and hand-written
-#: models, TF 2.15 and 2.21 (bench/results/estimate_heldout_keras_tf215.json / _tf221.json: worst
-#: {KERAS_WORST}), rounded up. It was 50% when the analytic model was the default (worst -32.4% on
+#: models, TF 2.15 and 2.21 (bench/results/estimate_heldout_keras_tf215.json / _tf221.json, the
+#: shipped rule on every case: worst -35.2%, LSTMText on TF 2.15, which needs 54.3%), rounded up. It was 50% when the analytic model was the default (worst -32.4% on
 #: keras.applications alone).
-KERAS_ESTIMATE_MARGIN = 0.30
+KERAS_ESTIMATE_MARGIN = 0.55
 
 #: For a Keras estimate of the analytic model alone (``method="analytic"``, where no step could
 #: run): its worst under-estimate on the same zoo (the hand-written models among it: a

@@ -121,7 +121,10 @@ def _step_fn(model, opt, fns, tf):
 def _own_step(model, opt, tf):
     """A compiled model's own ``train_step`` (its compiled loss and metrics), with ``opt`` standing in
     for its optimizer while it runs; None where the model is not compiled."""
-    if not getattr(model, "compiled_loss", None) and not getattr(model, "_compile_loss", None):
+    compiled = getattr(model, "_is_compiled", None)  # tf.keras 2
+    if compiled is None:
+        compiled = getattr(model, "compiled", False)  # Keras 3
+    if not compiled or getattr(model, "loss", None) is None:
         return None
     own = model.train_step
 
