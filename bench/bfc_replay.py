@@ -31,11 +31,12 @@ CHILD = r'''
 import os, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, os.path.dirname(sys.argv[1]))
 import estimate_zoo as z
-tf, _ = z.keras_ns()
+import estimate_zoo_keras as zk
+tf, _ = zk.keras_ns()
 case = {"model": sys.argv[3], "size": int(sys.argv[4]), "batch": int(sys.argv[5]), "optimizer": sys.argv[6],
         "precision": sys.argv[7]}
 tf.profiler.experimental.start(sys.argv[2])  # before the model exists: every allocation is traced
-tf, model, x, y = z.keras_compiled(case)
+tf, model, x, y = zk.keras_compiled(case)
 for _ in range(3):
     model.train_on_batch(x, y)
 tf.profiler.experimental.stop()

@@ -12,6 +12,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import estimate_zoo as Z
+import estimate_zoo_keras as Zk
+import estimate_zoo_torch as Zt
 fw, out = sys.argv[1], sys.argv[2]
 res = {}
 def dump(est, extra_b):
@@ -23,10 +25,10 @@ def dump(est, extra_b):
 if fw == "keras":
     from distmem.estimate import estimate_keras
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else None
-    for c in Z.KERAS_CASES:
+    for c in Zk.KERAS_CASES:
         if names and c["model"] not in names: continue
-        model, _ = Z.keras_build(c)
-        opt = Z.keras_optimizer(c["optimizer"])
+        model, _ = Zk.keras_build(c)
+        opt = Zk.keras_optimizer(c["optimizer"])
         for dev in ("cpu", "gpu"):
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
@@ -34,17 +36,17 @@ if fw == "keras":
                 d = dump(est, c["batch"] * 2 + 1)
             d["pywarn"] = sorted(str(x.message) for x in w)
             res[Z.case_id(c) + "/" + dev] = d
-        Z.keras_ns()[1].mixed_precision.set_global_policy("float32")
+        Zk.keras_ns()[1].mixed_precision.set_global_policy("float32")
         print(Z.case_id(c), res[Z.case_id(c) + "/cpu"]["peak"], flush=True)
 else:
     import torch
     from distmem.estimate import estimate_torch
     names = sys.argv[3].split(",")
-    for c in Z.TORCH_CASES:
+    for c in Zt.TORCH_CASES:
         if c["model"] not in names: continue
-        model, inputs = Z.torch_build(c, "meta")
+        model, inputs = Zt.torch_build(c, "meta")
         args, kwargs = inputs(c["batch"], "meta")
-        opt = Z.torch_optimizer(c["optimizer"], [torch.nn.Parameter(torch.zeros(2, 2))])
+        opt = Zt.torch_optimizer(c["optimizer"], [torch.nn.Parameter(torch.zeros(2, 2))])
         prec = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}.get(c["precision"])
         for dev in ("cuda", "cpu"):
             with warnings.catch_warnings(record=True) as w:

@@ -116,7 +116,7 @@ def reestimate_torch(cases: List[Dict[str, Any]], store: Optional[str] = None) -
             done = json.load(f)
     import warnings
     import torch
-    import estimate_zoo as Z
+    import estimate_zoo_torch as Zt
     import distmem.estimate.torch.kernels as kernels
     from distmem.estimate import estimate_torch
     for c in cases:
@@ -129,13 +129,13 @@ def reestimate_torch(cases: List[Dict[str, Any]], store: Optional[str] = None) -
         priors: Dict[str, Dict[str, int]] = {}
         for v in CUDNN_CANDIDATES:
             kernels.CUDNN_ROWS_PER_PARTIAL = v
-            model, inputs = Z.torch_build(case, "meta")
+            model, inputs = Zt.torch_build(case, "meta")
             args, kwargs = inputs(case["batch"], "meta")
             has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
             if not has_conv and priors:
                 priors[str(v)] = priors["None"]
                 continue
-            opt = Z.torch_optimizer(case["optimizer"], [torch.nn.Parameter(torch.zeros(2, 2))])
+            opt = Zt.torch_optimizer(case["optimizer"], [torch.nn.Parameter(torch.zeros(2, 2))])
             prec = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}.get(case["precision"])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -27,18 +27,20 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 import estimate_zoo as Z  # noqa: E402
+import estimate_zoo_keras as Zk  # noqa: E402
+import estimate_zoo_torch as Zt  # noqa: E402
 
 
 def _keras_case(c: Dict[str, Any]) -> Dict[str, Any]:
     import warnings
     from distmem.estimate import estimate
-    _, K = Z.keras_ns()
-    model, _ = Z.keras_build(c)
-    model.compile(optimizer=Z.keras_optimizer(c["optimizer"]), loss=Z._keras_loss(model))
+    _, K = Zk.keras_ns()
+    model, _ = Zk.keras_build(c)
+    model.compile(optimizer=Zk.keras_optimizer(c["optimizer"]), loss=Zk.keras_loss(model))
     t = time.time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        est = estimate(model, c["batch"], Z.keras_optimizer(c["optimizer"]), method="measure", device="cpu")
+        est = estimate(model, c["batch"], Zk.keras_optimizer(c["optimizer"]), method="measure", device="cpu")
     return _row(est, time.time() - t)
 
 
@@ -46,9 +48,9 @@ def _torch_case(c: Dict[str, Any]) -> Dict[str, Any]:
     import warnings
     import torch
     from distmem.estimate import estimate
-    model, inputs = Z.torch_build(c, "cuda")
+    model, inputs = Zt.torch_build(c, "cuda")
     args, kwargs = inputs(c["batch"], "meta")
-    opt = Z.torch_optimizer(c["optimizer"], [torch.nn.Parameter(torch.zeros(2, 2))])
+    opt = Zt.torch_optimizer(c["optimizer"], [torch.nn.Parameter(torch.zeros(2, 2))])
     prec = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}.get(c["precision"])
     t = time.time()
     with warnings.catch_warnings():
@@ -89,8 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.out:
         p.error("--out is required")
     # the hand-written cases first: a run stopped early has those
-    cases = (Z.KERAS_WRITTEN + [c for c in Z.KERAS_CASES if c not in Z.KERAS_WRITTEN] if args.framework == "keras"
-             else Z.TORCH_WRITTEN + [c for c in Z.TORCH_CASES if c not in Z.TORCH_WRITTEN])
+    cases = (Zk.KERAS_WRITTEN + [c for c in Zk.KERAS_CASES if c not in Zk.KERAS_WRITTEN] if args.framework == "keras"
+             else Zt.TORCH_WRITTEN + [c for c in Zt.TORCH_CASES if c not in Zt.TORCH_WRITTEN])
     if args.models:
         keep = set(args.models.split(","))
         cases = [c for c in cases if c["model"] in keep]

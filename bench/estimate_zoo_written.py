@@ -297,7 +297,7 @@ def _transformer(checkpointing=None, vocab=8000, d=512, heads=8, blocks=6):
 
 def _hf(name: str, device: str):
     import torch
-    import estimate_zoo as Z
+    import estimate_zoo_torch as Z
     base = {"hf_gpt2_ckpt": "hf_gpt2", "hf_llama_ckpt": "hf_llama", "hf_llama_lora": "hf_llama",
             "hf_bert_frozen": "hf_bert"}[name]
     with torch.device(device):
