@@ -13,6 +13,7 @@ afterwards, the user's optimizer and compiled state are not touched.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from typing import Any, Dict, List, Sequence
 
@@ -170,7 +171,9 @@ def keras_step_peaks(model: Any, batches: Sequence[int], optimizer: Any = "adam"
     policy = str(getattr(getattr(model, "dtype_policy", None), "name", "") or "")
     scaled = "mixed_float16" in (str(precision or "") or policy) or policy == "mixed_float16"
     fns = [_loss_fn(l, K) for l in _losses_of(model, K)]
-    # before the optimizer's slots exist: they are the step's, not foreign
+    # before the optimizer's slots exist: they are the step's, not foreign; garbage collected first,
+    # so what is foreign does not shrink under the steps (a peak below it would read as nothing)
+    gc.collect()
     other = max(0, int(info(dev)["current"]) - sum(int(w.nbytes) for w in weights)) if foreign else 0
     try:
         opt = _optimizer(optimizer, K, scaled)
