@@ -3,7 +3,7 @@
 For one zoo case (``bench/estimate_zoo.py``), a fresh process runs the profiler from before the model
 is built through three training steps, so every allocation and free of the process is in the trace
 with its address and requested bytes. The recorded sequence is then replayed, in TensorFlow's own
-order, through distmem's BFC model (``distmem.estimate.liveness.BFCAllocator``), and three peaks
+order, through distmem's BFC model (``distmem.estimate.allocators.BFCAllocator``), and three peaks
 are printed as one JSON line: what TensorFlow's allocator held in chunks (the figure the accuracy
 benchmark measures), what the model holds for the same sequence, and the bytes requested at the
 busiest moment (no allocator). If the model's peak matches TensorFlow's, the allocator model is
@@ -31,11 +31,12 @@ CHILD = r'''
 import os, sys
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, os.path.dirname(sys.argv[1]))
 import estimate_zoo as z
-tf, _ = z.keras_ns()
+import estimate_zoo_keras as zk
+tf, _ = zk.keras_ns()
 case = {"model": sys.argv[3], "size": int(sys.argv[4]), "batch": int(sys.argv[5]), "optimizer": sys.argv[6],
         "precision": sys.argv[7]}
 tf.profiler.experimental.start(sys.argv[2])  # before the model exists: every allocation is traced
-tf, model, x, y = z.keras_compiled(case)
+tf, model, x, y = zk.keras_compiled(case)
 for _ in range(3):
     model.train_on_batch(x, y)
 tf.profiler.experimental.stop()
@@ -67,7 +68,7 @@ def events(logdir: str):
 
 
 def replay(evs):
-    from distmem.estimate.liveness import BFCAllocator
+    from distmem.estimate.allocators import BFCAllocator
     a = BFCAllocator(0)
     live, requested, peaks = {}, 0, {"tf": 0, "model": 0, "requested": 0}
     for _, is_alloc, addr, nbytes, tf_in_use in evs:

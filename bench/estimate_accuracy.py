@@ -108,20 +108,11 @@ def _tf_loss(model):
 
 def tf_measure(name: str, batch: int, steps: int) -> Dict[str, Any]:
     import tensorflow as tf
+    from estimate_measure import keras_train_peaks
     model, make = tf_model(name)
     model.compile(optimizer=tf.keras.optimizers.Adam(), loss=_tf_loss(model))
     x, y = make(batch)
-    x, y = tf.constant(x), tf.constant(y)
-    info = tf.config.experimental.get_memory_info
-    peaks, currents, times = [], [], []
-    for _ in range(steps):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        currents.append(info("CPU:0")["current"])
-        t = time.time()
-        model.train_on_batch(x, y)
-        times.append(round(time.time() - t, 3))
-        peaks.append(info("CPU:0")["peak"])
-    return {"peaks": peaks, "current_before": currents, "step_seconds": times}
+    return keras_train_peaks(model, tf.constant(x), tf.constant(y), steps)
 
 
 def tf_estimate(name: str, batch: int) -> Dict[str, Any]:
@@ -217,27 +208,18 @@ def torch_batch(model, name: str, batch: int, device: str):
 def torch_measure(name: str, batch: int, steps: int) -> Dict[str, Any]:
     import torch
     import torch.nn.functional as F
+    from estimate_measure import torch_train_peaks
     model = torch_model(name, "cuda")
     model.train()
     opt = torch.optim.Adam(model.parameters())
     x, y = torch_batch(model, name, batch, "cuda")
-    peaks, reserved, times = [], [], []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t = time.time()
+
+    def step() -> None:
         out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        del out, loss
-        torch.cuda.synchronize()
-        times.append(round(time.time() - t, 3))
-        peaks.append(torch.cuda.max_memory_allocated())
-        reserved.append(torch.cuda.max_memory_reserved())
-    return {"peaks": peaks, "max_reserved": reserved, "step_seconds": times,
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    return torch_train_peaks(step, steps)
 
 
 def torch_estimate(name: str, batch: int) -> Dict[str, Any]:
@@ -430,7 +412,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row["measured_steps"] = m["peaks"]
                 row["measured_spread"] = round((max(m["peaks"]) - min(m["peaks"])) / max(m["peaks"]), 4)
                 if "max_reserved" in m:
-                    row["max_reserved"] = max(m["max_reserved"])
+                    row["max_reserved"] = m["max_reserved"]
                 row["ours_err"] = round(row["ours"] / row["measured"] - 1, 4)
                 row["baseline_err"] = round(row["baseline"] / row["measured"] - 1, 4)
                 if fw == "tf" and args.with_calibrated:

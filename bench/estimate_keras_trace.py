@@ -32,8 +32,8 @@ MARK = "=== estimate_keras_trace step"
 
 
 def _child(case, steps):
-    import estimate_zoo as z
-    tf, model, x, y = z.keras_compiled(case)
+    import estimate_zoo_keras as zk
+    tf, model, x, y = zk.keras_compiled(case)
     for s in range(steps):
         print(f"{MARK} {s}", file=sys.stderr, flush=True)
         tf.config.experimental.reset_memory_stats("CPU:0")
@@ -90,12 +90,13 @@ def measured_live(log: str):
 
 def estimated_live(case):
     import warnings
-    import estimate_zoo as z
-    from distmem.estimate import from_keras
-    from distmem.estimate.liveness import BFCAllocator, replay
-    _, K = z.keras_ns()
-    model, _ = z.keras_build(case)
-    opt = z.keras_optimizer(case["optimizer"])
+    import estimate_zoo_keras as zk
+    from distmem.estimate.allocators import BFCAllocator
+    from distmem.estimate.keras import estimate as from_keras
+    from distmem.estimate.liveness import replay
+    _, K = zk.keras_ns()
+    model, _ = zk.keras_build(case)
+    opt = zk.keras_optimizer(case["optimizer"])
     captured = {}
     real_replay = from_keras.replay
 

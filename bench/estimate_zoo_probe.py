@@ -29,6 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import estimate_zoo as zoo  # noqa: E402
+import estimate_zoo_torch as zoot  # noqa: E402
 
 
 def main(argv):
@@ -45,7 +46,7 @@ def main(argv):
         row = {"case": zoo.case_id(case), "backend": name, "peak": None}
         try:
             with ctx:
-                row["peak"] = max(zoo.torch_measure(case, 2)["peaks"])
+                row["peak"] = max(zoot.torch_measure(case, 2)["peaks"])
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
         print(json.dumps(row), flush=True)
@@ -124,10 +125,10 @@ def ops_main(out_dir: str, ids) -> int:
 
 def _ops_case(c, Recorder):
     import torch
-    model, inputs = zoo.torch_build(c, "cuda")
+    model, inputs = zoot.torch_build(c, "cuda")
     model.train()
-    opt = zoo.torch_optimizer(c["optimizer"], model.parameters())
-    amp = zoo._amp_dtype(c["precision"])
+    opt = zoot.torch_optimizer(c["optimizer"], model.parameters())
+    amp = zoot.amp_dtype(c["precision"])
     scaler = torch.amp.GradScaler("cuda") if c["precision"] == "fp16" else None
     args, kwargs = inputs(c["batch"], "cuda")
     rec = Recorder()
@@ -140,7 +141,7 @@ def _ops_case(c, Recorder):
             rec.phase = "forward"
             with (torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext()):
                 out = model(*args, **kwargs)
-                loss = zoo._ce(out)
+                loss = zoot.cross_entropy(out)
             rec.phase = "backward"
             if scaler is not None:
                 scaler.scale(loss).backward()

@@ -8,10 +8,12 @@ layer graph) and torch modules (one step simulated on the meta device). No GPU n
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, Optional
 
-from .from_keras import estimate_keras
-from .from_torch import estimate_torch
+from ..errors import ConfigError
+
+from .keras import estimate_keras
+from .torch import estimate_torch
 from .loader import framework_of, load_model, parse_shape
 from .precision import Precision, resolve_precision
 from .table import Estimate, LayerEstimate
@@ -21,14 +23,55 @@ __all__ = ["estimate", "estimate_keras", "estimate_torch", "load_model", "Estima
 
 
 def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input_shape: Any = None,
-             **options: Any) -> Estimate:
+             method: str = "auto", measurement: Optional[Dict[str, Any]] = None, **options: Any) -> Estimate:
     """Estimate a Keras model, a ``torch.nn.Module`` or a spec (``"keras:ResNet50"``,
-    ``"torchvision:resnet50"``, ``"module.path:factory"``) at ``batch_size``.
+    ``"torchvision:resnet50"``, ``"hf:gpt2"``, ``"module.path:factory"``) at ``batch_size``.
+
+    ``method``: ``"auto"`` (default) measures where it can — real training steps at two small
+    batches (:func:`~distmem.estimate.measure.extrapolate.measure_batches`), carried to
+    ``batch_size`` by the model — and falls back to the model alone where it cannot (no GPU for
+    torch, a step that does not run), saying so in a warning and in ``Estimate.measurement``;
+    ``"measure"`` measures or raises; ``"model"`` never runs the model (Keras: analytic, torch:
+    simulated on the meta device). Where the measured steps run: a spec in a child process that
+    rebuilds it (before this process's framework starts a GPU); a live Keras model in this process
+    (weights restored); a live torch module in a forked child before CUDA starts here, on a copy
+    after. A measurement is cached by what determines it (``measure.cache``), so the same call
+    gives the same bytes; ``measurement=`` (an earlier ``Estimate.measurement``) reuses one made
+    elsewhere, e.g. on another rank.
 
     Keyword options go to :func:`estimate_keras` or :func:`estimate_torch` (``precision=``,
     ``device=``, ``example_input=``...)."""
+    from .measure.measured import METHODS, measured_estimate
+    if method not in METHODS:
+        raise ConfigError(f"method={method!r}: use one of {', '.join(METHODS)} ('auto' measures where it can)")
     shape = parse_shape(input_shape)
-    model = load_model(model, shape)
-    if framework_of(model) == "torch":
-        return estimate_torch(model, batch_size=batch_size, optimizer=optimizer, input_shape=shape, **options)
-    return estimate_keras(model, batch_size=batch_size, optimizer=optimizer, **options)
+    spec = model if isinstance(model, str) else None
+    built: Dict[str, Any] = {}
+
+    def loaded() -> Any:
+        if "model" not in built:
+            built["model"] = load_model(model, shape)
+        return built["model"]
+    framework = _spec_framework(spec) if spec is not None else framework_of(model)
+    if framework is None:  # a factory: what it returns decides
+        framework = framework_of(loaded())
+
+    def prior(device: str) -> Estimate:
+        m = loaded()
+        if framework == "torch":
+            return estimate_torch(m, batch_size=batch_size, optimizer=optimizer, input_shape=shape,
+                                  **dict(options, device="cpu" if device == "cpu" else "cuda"))
+        return estimate_keras(m, batch_size=batch_size, optimizer=optimizer,
+                              **dict(options, device="cpu" if device == "cpu" else "gpu"))
+    # a spec is measured by a child that rebuilds it; a live model where it lives
+    return measured_estimate(framework, model if spec is None else None, spec, int(batch_size), optimizer,
+                             options, shape, method, measurement, prior)
+
+
+def _spec_framework(spec: str) -> Optional[str]:
+    kind = spec.partition(":")[0].lower()
+    if kind in ("torchvision", "tv", "hf", "huggingface", "transformers"):
+        return "torch"
+    if kind in ("keras", "tf", "tensorflow") or spec.lower().endswith((".keras", ".h5", ".hdf5")):
+        return "keras"
+    return None

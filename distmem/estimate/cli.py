@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, choices=("gpu", "cuda", "cpu"),
                         help="whose allocator the peak models: gpu (default) or cpu (TensorFlow's CPU "
                              "allocator statistics, as the accuracy benchmark measures)")
+    parser.add_argument("--method", default="auto", choices=("auto", "measure", "model"),
+                        help="auto (default): run real training steps at two small batches on the device the job "
+                             "will use (GPU, else CPU for Keras; torch needs a GPU) and carry them to the batch with "
+                             "the model, or the model alone where nothing can run (said); measure: measure or fail; "
+                             "model: never run the model (Keras analytic, torch simulated on the meta device)")
     parser.add_argument("--calibrate", action="store_true",
                         help="Keras: also run a few small-batch training steps of a copy of the model on CPU and "
                              "add what the analytic estimate missed (the hybrid method; takes seconds)")
@@ -77,6 +82,13 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
     ]
     w = max(len(k) for k, _ in totals)
     lines += [f"{k.ljust(w)}  {v}" for k, v in totals]
+    m = est.measurement or {}
+    if m.get("points"):
+        pts = ", ".join(f"{format_bytes(y)} at batch {b}" for b, y in m["points"])
+        lines += ["", f"measured on {m.get('device')}: {pts} ({m.get('how')}; {m.get('seconds')} s"
+                      f"{', reused' if m.get('reused') else ''}); carried to batch {b} by the '{m.get('rule')}' rule"]
+    elif m.get("fallback"):
+        lines += ["", f"not measured: {m['fallback']}"]
     if per_layer:
         head = ["#", "layer", "type", "params", "weights", "grads", "optimizer", f"act@{b}", f"out@{b}", "dtype"]
         right = [True, False, False, True, True, True, True, True, True, False]
@@ -95,7 +107,6 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``distmem estimate`` with parsed ``args``; returns the exit status."""
-    from . import estimate_keras, estimate_torch
     try:
         if args.batch_size < 1:
             raise DistmemError(f"--batch-size must be a positive integer, got {args.batch_size}")
@@ -103,16 +114,7 @@ def run(args: argparse.Namespace) -> int:
         precision = "mixed_float16" if args.mixed_precision else args.precision
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the estimate lists its own warnings
-            model = load_model(args.model, shape)
-            if framework_of(model) == "torch":
-                device = "cpu" if args.device == "cpu" else "cuda"
-                est = estimate_torch(model, input_shape=shape, batch_size=args.batch_size,
-                                     optimizer=args.optimizer, precision=precision, device=device, name=args.model)
-            else:
-                device = "cpu" if args.device == "cpu" else "gpu"
-                est = estimate_keras(model, batch_size=args.batch_size, optimizer=args.optimizer,
-                                     precision=precision, device=device, calibrate=args.calibrate,
-                                     name=args.model)
+            est = _estimate(args, shape, precision)
     except DistmemError as exc:
         print(f"distmem estimate: {exc}", file=sys.stderr)
         return 2
@@ -123,6 +125,22 @@ def run(args: argparse.Namespace) -> int:
     for w_ in est.warnings:
         print(f"warning: {w_}", file=sys.stderr)
     return 0
+
+
+def _estimate(args: argparse.Namespace, shape, precision) -> Estimate:
+    from . import estimate, estimate_keras
+    if args.calibrate:  # the older hybrid, on the analytic model
+        model = load_model(args.model, shape)
+        if framework_of(model) == "torch":
+            raise DistmemError("--calibrate is for Keras models; use --method measure for a torch module")
+        return estimate_keras(model, batch_size=args.batch_size, optimizer=args.optimizer, precision=precision,
+                              device="cpu" if args.device == "cpu" else "gpu", calibrate=True, name=args.model)
+    torch_spec = args.model.partition(":")[0].lower() in ("torchvision", "tv", "hf", "huggingface", "transformers")
+    device = None if args.device is None else ("cpu" if args.device == "cpu" else ("cuda" if torch_spec else "gpu"))
+    options = {"precision": precision, "name": args.model}
+    if device is not None:
+        options["device"] = device
+    return estimate(args.model, args.batch_size, args.optimizer, input_shape=shape, method=args.method, **options)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional
 
 from ..errors import ConfigError, DistmemError
 
-__all__ = ["needs_child", "call", "tf_context_started", "IN_PROCESS_VAR", "CHILD_TIMEOUT_S"]
+__all__ = ["needs_child", "call", "start_child", "tf_context_started", "IN_PROCESS_VAR", "CHILD_TIMEOUT_S"]
 
 IN_PROCESS_VAR = "DISTMEM_ESTIMATE_IN_PROCESS"
 CHILD_TIMEOUT_S = 900.0
@@ -53,17 +53,18 @@ def needs_child(spec: Any) -> bool:
     return not tf_context_started()
 
 
-def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None) -> Any:
-    """``module:function(**kwargs)`` in a child Python (no GPU visible, estimates in-process there);
-    its return value, or the DistmemError it raised, re-raised here."""
-    from .. import children  # an isolated sys.path: never a module from the working folder
-
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **{IN_PROCESS_VAR: "1"})
+def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None,
+         hide_gpus: bool = True) -> Any:
+    """``module:function(**kwargs)`` in a child Python (estimates in-process there); its return
+    value, or the DistmemError it raised, re-raised here. ``hide_gpus``: the child sees no GPU
+    (an analytic estimate models the GPU allocator without one); False for a measurement, which
+    runs on the GPUs this process would use."""
+    env = {IN_PROCESS_VAR: "1"}
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     limit = CHILD_TIMEOUT_S if timeout is None else timeout
-    user_module = str(kwargs.get("model", "")).partition(":")[0]  # module.path:factory is found where it is here
     try:
-        done = children.run(module=__name__, input=pickle.dumps((target, kwargs)), capture_output=True, env=env,
-                            timeout=limit, extra_paths=children.import_folders(user_module))
+        done = start_child(target, kwargs, env, limit)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"estimating {kwargs.get('model')!r} in a child process took over {limit:.0f} s; pass "
                           "layers= (a LayerCost list) or stages= instead, or set DISTMEM_ESTIMATE_IN_PROCESS=1 "
@@ -82,8 +83,17 @@ def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None
                       "DISTMEM_ESTIMATE_IN_PROCESS=1 to estimate in this process")
 
 
-def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def start_child(target: str, kwargs: Dict[str, Any], env_overrides: Dict[str, str],
+                timeout: float) -> "subprocess.CompletedProcess[bytes]":
+    """Every child this package starts starts here: a Python running :func:`_child` on
+    ``(target, kwargs)``, with ``env_overrides`` over this process's environment; its pickled
+    answer on stdout. Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    from .. import children  # an isolated sys.path: never a module from the working folder
+
+    user_module = str(kwargs.get("model", "")).partition(":")[0]  # module.path:factory is found where it is here
+    return children.run(module=__name__, input=pickle.dumps((target, kwargs)), capture_output=True,
+                        env=dict(os.environ, **env_overrides), timeout=timeout,
+                        extra_paths=children.import_folders(user_module))
 
 
 def _child() -> int:

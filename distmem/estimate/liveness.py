@@ -5,28 +5,19 @@ writing :class:`Tensor` s. The replay allocates each node's outputs and temporar
 after its last forward reader unless a node keeps it for the backward pass, then walks the nodes
 backwards: each allocates the gradients of its inputs and weights, frees the gradients of its
 outputs and the tensors only it still kept. Every allocation and free goes through an allocator
-model (:class:`ExactAllocator` counts requested bytes; :class:`BFCAllocator` reproduces
-TensorFlow's best-fit-with-coalescing allocator, whose chunks can be larger than the request), and
+model (``allocators``: requested bytes exactly, TensorFlow's BFC allocator or torch's CUDA
+caching allocator, whose chunks can be larger than the request), and
 the largest amount in use on the way is the peak the framework reports. What each node keeps is
-the framework's business (see ``from_keras``); this module only counts.
+the framework's business (see ``keras.rules``); this module only counts.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["needs_gradient", "Tensor", "Node", "Graph", "Replay", "replay", "ExactAllocator", "BFCAllocator", "PARTS",
-           "CudaCachingAllocator",
-           "BFC_MIN_ALLOCATION", "BFC_FIRST_REGION", "BFC_MAX_INTERNAL_FRAGMENTATION"]
+from .allocators import ExactAllocator
 
-#: TensorFlow's BFC allocator rounds every request up to a multiple of 256 bytes.
-BFC_MIN_ALLOCATION = 256
-#: With growth enabled its first region is 2 MiB; each later region doubles the previous one.
-BFC_FIRST_REGION = 2 * 1024 * 1024
-#: A free chunk is split only if it is at least twice the request or would waste 128 MiB or more;
-#: otherwise the whole chunk is handed out and counted as in use.
-BFC_MAX_INTERNAL_FRAGMENTATION = 128 * 1024 * 1024
+__all__ = ["needs_gradient", "Tensor", "Node", "Graph", "Replay", "replay"]
 
 
 @dataclass
@@ -101,216 +92,6 @@ class Graph:
             t = self.tensors[t].alias  # type: ignore[assignment]
         return t
 
-
-#: The named parts of an allocator peak (:meth:`ExactAllocator.parts`), in display order.
-#: ``weights``: stored weights and buffers; ``gradients``: weight gradients; ``optimizer state``:
-#: the optimizer's slots; ``inputs``: the step's batch; ``activations``: tensors kept for the
-#: backward pass (forward outputs still alive at a forward peak among them); ``temporaries``:
-#: everything else a step allocates and frees (unkept outputs, kernel temporaries, activation
-#: gradients, optimizer update temporaries); ``workspaces``: library buffers kept for the process
-#: (cuBLAS); ``allocator rounding``: what the allocator hands out beyond the requests.
-PARTS = ("weights", "gradients", "optimizer state", "inputs", "activations", "temporaries", "workspaces",
-         "allocator rounding")
-
-
-class ExactAllocator:
-    """Counts requested bytes; buffers below ``min_alloc`` are not counted (served from a pool
-    the allocator's statistics leave out). With ``track=True`` every allocation carries one of
-    :data:`PARTS` and :meth:`parts` splits the peak into them."""
-
-    def __init__(self, min_alloc: int = 0, track: bool = False):
-        self.min_alloc = min_alloc
-        self.sizes: Dict[object, int] = {}
-        self.in_use = 0
-        self.peak = 0
-        self.track = track
-        self.by_part: Dict[str, int] = {}
-        self.part_of: Dict[object, Tuple[str, int]] = {}
-        self.peak_parts: Dict[str, int] = {}
-
-    def reset_peak(self) -> None:
-        self.peak = self.in_use
-        if self.track:
-            self.peak_parts = dict(self.by_part)
-
-    def _count(self, key: object, size: int, chunk: int, part: str) -> None:
-        """Book a new allocation (``chunk`` bytes handed out for ``size`` requested)."""
-        self.in_use += chunk
-        if self.track:
-            self.part_of[key] = (part, size)
-            self.by_part[part] = self.by_part.get(part, 0) + size
-            if chunk != size:
-                self.by_part["allocator rounding"] = self.by_part.get("allocator rounding", 0) + chunk - size
-        if self.in_use > self.peak:
-            self.peak = self.in_use
-            if self.track:
-                self.peak_parts = dict(self.by_part)
-
-    def _uncount(self, key: object, chunk: int) -> None:
-        self.in_use -= chunk
-        if self.track:
-            part, size = self.part_of.pop(key)
-            self.by_part[part] -= size
-            if chunk != size:
-                self.by_part["allocator rounding"] -= chunk - size
-
-    def parts(self) -> Dict[str, int]:
-        """The peak split into :data:`PARTS` (bytes; they sum to :attr:`peak`). Needs ``track``."""
-        out = {p: int(self.peak_parts.get(p, 0)) for p in PARTS}
-        out["allocator rounding"] += self.peak - sum(out.values())  # 0 unless a part was never tracked
-        return out
-
-    def alloc(self, key: object, size: int, part: str = "temporaries") -> None:
-        if size <= 0 or size < self.min_alloc:
-            return
-        self.sizes[key] = size
-        self._count(key, size, size, part)
-
-    def free(self, key: object) -> None:
-        chunk = self.sizes.pop(key, None)
-        if chunk is not None:
-            self._uncount(key, chunk)
-
-
-class BFCAllocator(ExactAllocator):
-    """TensorFlow's best-fit-with-coalescing allocator, as far as its byte count goes.
-
-    Requests round up to :data:`BFC_MIN_ALLOCATION`; the smallest free chunk that fits is taken
-    and split only when it is at least twice the request (else the whole chunk counts as in use);
-    freed chunks merge with free neighbours of their region; a new region is the next power-of-two
-    multiple of :data:`BFC_FIRST_REGION` (or the request, if larger).
-    """
-
-    def __init__(self, min_alloc: int = 0, track: bool = False):
-        super().__init__(min_alloc, track)
-        self.region_bytes = BFC_FIRST_REGION
-        self.free_chunks: List[Tuple[int, int, int, int]] = []  # (pool, size, address, region), sorted
-        self.pool_of_region: Dict[int, int] = {}
-        self.chunks: Dict[int, Tuple[int, int, bool]] = {}  # address -> (size, region, in_use)
-        self.next_addr = 0
-        self.where: Dict[object, int] = {}
-        self.free_ending_at: Dict[int, int] = {}  # end address -> address of the free chunk ending there
-
-    def _take_free(self, size: int, addr: int, region: int) -> None:
-        item = (self.pool_of_region[region], size, addr, region)
-        i = bisect.bisect_left(self.free_chunks, item)
-        if i < len(self.free_chunks) and self.free_chunks[i] == item:
-            del self.free_chunks[i]
-        else:
-            self.free_chunks.remove(item)
-        self.free_ending_at.pop(addr + size, None)
-
-    def _add_free(self, size: int, addr: int, region: int) -> None:
-        bisect.insort(self.free_chunks, (self.pool_of_region[region], size, addr, region))
-        self.chunks[addr] = (size, region, False)
-        self.free_ending_at[addr + size] = addr
-
-    def _round(self, size: int) -> int:
-        return max(BFC_MIN_ALLOCATION, -(-size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
-
-    def _split(self, chunk: int, rounded: int) -> bool:
-        return chunk >= 2 * rounded or chunk - rounded >= BFC_MAX_INTERNAL_FRAGMENTATION
-
-    def _pool(self, rounded: int) -> int:
-        return 0
-
-    def _extend(self, rounded: int) -> None:
-        grew = False
-        while rounded > self.region_bytes:
-            self.region_bytes *= 2
-            grew = True
-        size = self.region_bytes
-        addr = self.next_addr
-        self.next_addr += size
-        self.pool_of_region[addr] = 0
-        self._add_free(size, addr, addr)
-        if not grew:
-            self.region_bytes *= 2
-
-    def alloc(self, key: object, size: int, part: str = "temporaries") -> None:
-        if size <= 0 or size < self.min_alloc:
-            return
-        rounded = self._round(size)
-        pool = self._pool(rounded)
-        i = bisect.bisect_left(self.free_chunks, (pool, rounded, -1, -1))
-        if i == len(self.free_chunks) or self.free_chunks[i][0] != pool:
-            self._extend(rounded)
-            i = bisect.bisect_left(self.free_chunks, (pool, rounded, -1, -1))
-        _, csize, addr, region = self.free_chunks[i]
-        self._take_free(csize, addr, region)
-        if self._split(csize, rounded):
-            self._add_free(csize - rounded, addr + rounded, region)
-            csize = rounded
-        self.chunks[addr] = (csize, region, True)
-        self.where[key] = addr
-        self.sizes[key] = csize
-        self._count(key, size, csize, part)
-
-    def free(self, key: object) -> None:
-        addr = self.where.pop(key, None)
-        if addr is None:
-            return
-        self._uncount(key, self.sizes.pop(key))
-        size, region, _ = self.chunks.pop(addr)
-        nxt = addr + size
-        if nxt in self.chunks and not self.chunks[nxt][2] and self.chunks[nxt][1] == region:
-            nsize = self.chunks.pop(nxt)[0]
-            self._take_free(nsize, nxt, region)
-            size += nsize
-        prev = self._prev_free(addr, region)
-        if prev is not None:
-            psize = self.chunks.pop(prev)[0]
-            self._take_free(psize, prev, region)
-            addr, size = prev, psize + size
-        self._add_free(size, addr, region)
-
-    def _prev_free(self, addr: int, region: int) -> Optional[int]:
-        a = self.free_ending_at.get(addr)
-        if a is None:
-            return None
-        chunk = self.chunks.get(a)
-        return a if chunk is not None and not chunk[2] and chunk[1] == region else None
-
-
-#: torch's CUDA caching allocator rounds every request up to 512 bytes (kMinBlockSize).
-CUDA_MIN_BLOCK = 512
-#: Requests up to 1 MiB come from a pool of 2 MiB segments; a free block is split when at least
-#: 512 bytes would remain.
-CUDA_SMALL_SIZE = 1024 * 1024
-CUDA_SMALL_SEGMENT = 2 * 1024 * 1024
-#: Larger requests below 10 MiB get a 20 MiB segment; from 10 MiB a segment is the request
-#: rounded up to 2 MiB. A large free block is split only when more than 1 MiB would remain, so a
-#: reused block up to 1 MiB larger than the request counts whole in ``memory_allocated``.
-CUDA_MIN_LARGE_ALLOC = 10 * 1024 * 1024
-CUDA_LARGE_SEGMENT = 20 * 1024 * 1024
-CUDA_ROUND_LARGE = 2 * 1024 * 1024
-
-
-class CudaCachingAllocator(BFCAllocator):
-    """torch's CUDA caching allocator as far as ``max_memory_allocated`` goes: best fit within a
-    small and a large pool, the split rules and segment sizes above, segments kept (cached)."""
-
-    def _round(self, size: int) -> int:
-        return max(CUDA_MIN_BLOCK, -(-size // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK)
-
-    def _pool(self, rounded: int) -> int:
-        return 0 if rounded <= CUDA_SMALL_SIZE else 1
-
-    def _split(self, chunk: int, rounded: int) -> bool:
-        remaining = chunk - rounded
-        return remaining >= CUDA_MIN_BLOCK if rounded <= CUDA_SMALL_SIZE else remaining > CUDA_SMALL_SIZE
-
-    def _extend(self, rounded: int) -> None:
-        if rounded <= CUDA_SMALL_SIZE:
-            size = CUDA_SMALL_SEGMENT
-        elif rounded < CUDA_MIN_LARGE_ALLOC:
-            size = CUDA_LARGE_SEGMENT
-        else:
-            size = -(-rounded // CUDA_ROUND_LARGE) * CUDA_ROUND_LARGE
-        addr = self.next_addr
-        self.next_addr += size
-        self.pool_of_region[addr] = self._pool(rounded)
-        self._add_free(size, addr, addr)
 
 
 @dataclass
@@ -403,64 +184,92 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
     which needs no allocation (peak fields are 0).
     """
     g = graph
-    root = g.root
     size = [0 if t.alias is not None else t.at(batch) for t in g.tensors]
-    nodes = g.nodes
-    a = allocator if allocator is not None else ExactAllocator()
-
-    needs_grad, needs_backward, kept_until, last_read, held, freed_after = _plan(g, train)
+    plan = _plan(g, train)
+    kept_until, held = plan[2], plan[4]
     saved_by_row: Dict[int, int] = {}
     for t, k in kept_until.items():
         if t not in held:
-            saved_by_row[nodes[k].row] = saved_by_row.get(nodes[k].row, 0) + size[t]
+            saved_by_row[g.nodes[k].row] = saved_by_row.get(g.nodes[k].row, 0) + size[t]
     saved_total = sum(saved_by_row.values())
     if saved_only:
         return Replay(batch, 0, "forward", -1, saved_total, saved_by_row, 0)
+    step = _Step(g, size, plan, allocator if allocator is not None else ExactAllocator(), grads_held)
+    for _ in range(max(1, steps)):
+        step.early()
+        step.forward()
+        if not train:
+            step.drop_forward()
+            return Replay(batch, step.forward_peak, "forward", -1, 0, {}, step.forward_peak)
+        step.backward()
+        step.after_backward()
+    peak, phase, where, saved_at, grads_at = step.best
+    out = Replay(batch, int(peak), str(phase), int(where), saved_total, saved_by_row, step.forward_peak,
+                 int(saved_at), int(grads_at))
+    if step.a.track:
+        out.parts = step.a.parts()
+    return out
 
-    pparts = g.persistent_parts
-    for i, nbytes in enumerate(g.persistent):
-        a.alloc(("w", i), nbytes, pparts[i] if i < len(pparts) else "weights")
-    for t in held:
-        a.alloc(t, size[t], "inputs")
-    best = [a.in_use, "forward", -1, 0, 0]
-    forward_peak = a.in_use
-    kept_live = [0]
-    weight_grads = [0]
 
-    overlap = max(0.0, float(g.update_overlap))
+class _Step:
+    """One replay's running state: the allocator, what is allocated, the peak so far and where."""
 
-    def finish_update(k: int) -> None:
-        n = nodes[k]
+    def __init__(self, g: Graph, size: List[int], plan, a: ExactAllocator, grads_held: bool):
+        self.g, self.size, self.a, self.grads_held = g, size, a, grads_held
+        self.nodes = g.nodes
+        (self.needs_grad, self.needs_backward, self.kept_until, self.last_read, self.held,
+         self.freed_after) = plan
+        pparts = g.persistent_parts
+        for i, nbytes in enumerate(g.persistent):
+            a.alloc(("w", i), nbytes, pparts[i] if i < len(pparts) else "weights")
+        for t in self.held:
+            a.alloc(t, size[t], "inputs")
+        self.best = [a.in_use, "forward", -1, 0, 0]
+        self.forward_peak = a.in_use
+        self.kept_live = 0
+        self.weight_grads = 0
+        self.overlap = max(0.0, float(g.update_overlap))
+        self.allocated: set = set()
+
+    def mark(self, phase: str, k: int) -> None:
+        if self.a.in_use > self.best[0]:
+            self.best[:] = [self.a.in_use, phase, k, self.kept_live, self.weight_grads]
+
+    def finish_update(self, k: int) -> None:
+        a, n = self.a, self.nodes[k]
         for j in range(len(n.update_temps)):
             a.free(("ut", k, j))
         for j in range(len(n.early_update_temps)):
             a.free(("et", k, j))
         for j, nbytes in enumerate(n.grads):
             if ("wg", k, j) in a.sizes:
-                weight_grads[0] -= nbytes
+                self.weight_grads -= nbytes
             a.free(("wg", k, j))
 
-    def mark(phase: str, k: int) -> None:
-        if a.in_use > best[0]:
-            best[:] = [a.in_use, phase, k, kept_live[0], weight_grads[0]]
-
-    for _ in range(max(1, steps)):
-        allocated = set(held)
-        kept_live[0] = 0
-        for k, n in enumerate(nodes):
+    def early(self) -> None:
+        """What a step's start allocates before any layer runs: update terms that need no
+        gradient and the copies decoupled weight decay makes."""
+        a = self.a
+        self.allocated = set(self.held)
+        self.kept_live = 0
+        for k, n in enumerate(self.nodes):
             for j, nbytes in enumerate(n.early_update_temps):
                 a.alloc(("et", k, j), nbytes)
             for j, nbytes in enumerate(n.held_read_copies):
                 a.alloc(("rc", k, j), nbytes)
-        for k, n in enumerate(nodes):
+
+    def forward(self) -> None:
+        a, size, root = self.a, self.size, self.g.root
+        allocated, kept_until, held, last_read = self.allocated, self.kept_until, self.held, self.last_read
+        for k, n in enumerate(self.nodes):
             fresh = list(dict.fromkeys(root(t) for t in (*n.outputs, *n.temps) if root(t) not in allocated))
             allocated.update(fresh)
             for t in fresh:
                 a.alloc(t, size[t], "activations" if t in kept_until else "temporaries")
                 if t in kept_until and t in a.sizes:  # counted by the allocator (not below its floor)
-                    kept_live[0] += size[t]
-            mark("forward", k)
-            forward_peak = max(forward_peak, a.in_use)
+                    self.kept_live += size[t]
+            self.mark("forward", k)
+            self.forward_peak = max(self.forward_peak, a.in_use)
             for t in fresh:
                 if t in kept_until or t in held or last_read.get(t, -1) > k:
                     continue
@@ -470,89 +279,98 @@ def replay(graph: Graph, batch: int, *, grads_held: bool, train: bool = True,
                 if last_read.get(t) == k and t not in kept_until and t not in held and t in allocated:
                     a.free(t)
                     allocated.discard(t)
-        if not train:
-            for t in list(allocated):
-                if t not in held:
-                    a.free(t)
-            return Replay(batch, forward_peak, "forward", -1, 0, {}, forward_peak)
 
-        grad_of: Dict[int, bool] = {}
-        pending: List[Tuple[str, int, int]] = []
+    def drop_forward(self) -> None:
+        for t in list(self.allocated):
+            if t not in self.held:
+                self.a.free(t)
+
+    def backward(self) -> None:
+        """The backward pass in reverse node order; with gradients applied as they come, each
+        weight update starts beside it (see :attr:`Graph.update_overlap`)."""
+        self.grad_of: Dict[int, bool] = {}
+        self.pending: List[Tuple[str, int, int]] = []
         # weight updates still running: (node, backward bytes allocated when it started, its bytes)
-        in_flight: List[Tuple[int, int, int]] = []
-        work = [0]
-        for k in range(len(nodes) - 1, -1, -1):
-            if not needs_backward[k]:
+        self.in_flight: List[Tuple[int, int, int]] = []
+        self.work = 0
+        for k in range(len(self.nodes) - 1, -1, -1):
+            if self.needs_backward[k]:
+                self.backward_node(k)
+
+    def backward_node(self, k: int) -> None:
+        a, size, root, n = self.a, self.size, self.g.root, self.nodes[k]
+        grad_of = self.grad_of
+        extra = []
+        for i in dict.fromkeys(root(t) for t in n.inputs):
+            if i not in self.needs_grad:
                 continue
-            n = nodes[k]
-            extra = []
-            for i in dict.fromkeys(root(t) for t in n.inputs):
-                if i not in needs_grad:
-                    continue
-                if i in grad_of:
-                    extra.append((("g+", i), size[i]))  # a second contribution, summed into the first
-                else:
-                    grad_of[i] = True
-                    a.alloc(("g", i), size[i])
-            for j, t in enumerate(n.backward_temps):
-                extra.append((("bt", k, j), size[root(t)]))
-            for key, nbytes in extra:
-                a.alloc(key, nbytes)
-            for j, nbytes in enumerate(n.grads):
-                a.alloc(("wg", k, j), nbytes, "gradients")
-                if ("wg", k, j) in a.sizes:
-                    weight_grads[0] += nbytes
-            mark("backward", k)
-            if not grads_held:
-                for j, nbytes in enumerate(n.update_temps):
-                    a.alloc(("ut", k, j), nbytes)
-                mark("backward", k)
-                cost = sum(n.grads) + sum(n.update_temps)
-                work[0] += sum(nb for _, nb in extra) + cost
-                if cost:
-                    in_flight.append((k, work[0], cost))
-                for item in [f for f in in_flight if work[0] - f[1] >= overlap * f[2]]:
-                    in_flight.remove(item)
-                    finish_update(item[0])
+            if i in grad_of:
+                extra.append((("g+", i), size[i]))  # a second contribution, summed into the first
             else:
-                pending.extend(("wg", k, j) for j in range(len(n.grads)))
-            for key, _ in extra:
-                a.free(key)
-            for j in range(len(n.held_read_copies)):
-                a.free(("rc", k, j))
-            for o in dict.fromkeys(root(t) for t in n.outputs):
-                if grad_of.pop(o, False):
-                    a.free(("g", o))
-            for t in freed_after.get(k, ()):
-                if t in a.sizes:
-                    kept_live[0] -= size[t]
-                a.free(t)
-        while in_flight:
-            finish_update(in_flight.pop(0)[0])
-        for i in list(grad_of):
+                grad_of[i] = True
+                a.alloc(("g", i), size[i])
+        for j, t in enumerate(n.backward_temps):
+            extra.append((("bt", k, j), size[root(t)]))
+        for key, nbytes in extra:
+            a.alloc(key, nbytes)
+        for j, nbytes in enumerate(n.grads):
+            a.alloc(("wg", k, j), nbytes, "gradients")
+            if ("wg", k, j) in a.sizes:
+                self.weight_grads += nbytes
+        self.mark("backward", k)
+        if not self.grads_held:
+            self.update_beside(k, n, extra)
+        else:
+            self.pending.extend(("wg", k, j) for j in range(len(n.grads)))
+        for key, _ in extra:
+            a.free(key)
+        for j in range(len(n.held_read_copies)):
+            a.free(("rc", k, j))
+        for o in dict.fromkeys(root(t) for t in n.outputs):
+            if grad_of.pop(o, False):
+                a.free(("g", o))
+        for t in self.freed_after.get(k, ()):
+            if t in a.sizes:
+                self.kept_live -= size[t]
+            a.free(t)
+
+    def update_beside(self, k: int, n: Node, extra) -> None:
+        """Start node ``k``'s weight update and finish those the backward has outrun."""
+        for j, nbytes in enumerate(n.update_temps):
+            self.a.alloc(("ut", k, j), nbytes)
+        self.mark("backward", k)
+        cost = sum(n.grads) + sum(n.update_temps)
+        self.work += sum(nb for _, nb in extra) + cost
+        if cost:
+            self.in_flight.append((k, self.work, cost))
+        for item in [f for f in self.in_flight if self.work - f[1] >= self.overlap * f[2]]:
+            self.in_flight.remove(item)
+            self.finish_update(item[0])
+
+    def after_backward(self) -> None:
+        """Finish the updates still running, free the last gradients; with gradients held, the
+        optimizer step over every node; then free the step's unkept tensors."""
+        a, nodes = self.a, self.nodes
+        while self.in_flight:
+            self.finish_update(self.in_flight.pop(0)[0])
+        for i in list(self.grad_of):
             a.free(("g", i))
         for k, n in enumerate(nodes):
             for j in range(len(n.held_read_copies)):
                 a.free(("rc", k, j))
-        if grads_held:
+        if self.grads_held:
             for k, n in enumerate(nodes):
                 # one node's update temporaries are alive together, as when its gradients are not held
                 for j, nbytes in enumerate(n.update_temps):
                     a.alloc(("ut", k, j), nbytes)
-                mark("update", k)
+                self.mark("update", k)
                 for j in range(len(n.update_temps)):
                     a.free(("ut", k, j))
                 for j in range(len(n.early_update_temps)):
                     a.free(("et", k, j))
-            for key in pending:
+            for key in self.pending:
                 a.free(key)
-            weight_grads[0] = 0
-        for t in allocated:
-            if t not in held and t not in kept_until:
+            self.weight_grads = 0
+        for t in self.allocated:
+            if t not in self.held and t not in self.kept_until:
                 a.free(t)
-    peak, phase, where, saved_at, grads_at = best
-    out = Replay(batch, int(peak), str(phase), int(where), saved_total, saved_by_row, forward_peak,
-                 int(saved_at), int(grads_at))
-    if a.track:
-        out.parts = a.parts()
-    return out

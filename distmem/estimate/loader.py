@@ -83,7 +83,7 @@ def _keras_app(name: str, shape: Optional[Tuple[int, ...]]):
                           f"--input-shape H,W,C that the model accepts (e.g. 96,96,3 or 224,224,3)") from None
 
 
-def _torchvision(name: str, shape: Optional[Tuple[int, ...]]):
+def _torchvision(name: str, shape: Optional[Tuple[int, ...]], device: str = "meta"):
     missing = [m for m in ("torch", "torchvision") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"torchvision:{name} needs {' and '.join(missing)}, which this Python "
@@ -105,10 +105,12 @@ def _torchvision(name: str, shape: Optional[Tuple[int, ...]]):
             known = ", ".join(sorted(builders.list_models())) if hasattr(builders, "list_models") else ""
             raise ConfigError(f"torchvision:{name} is not a torchvision model builder; known: {known}") from None
     try:
-        with torch.device("meta"):  # no weights are allocated or initialised
+        with torch.device(device):  # on meta: no weights are allocated or initialised
             model = fn(weights=None)
     except (NotImplementedError, RuntimeError):  # a builder that computes its widths with tensors
         model = fn(weights=None)
+        if device != "meta":
+            model = model.to(device)
     model._distmem_input_shape = tuple(shape) if shape else (3, 224, 224)
     return model
 
@@ -146,7 +148,7 @@ def _hf_config(name: str):
                       f"(huggingface-cli download {name} config.json) or give the path to a config.json")
 
 
-def _hf(name: str, shape: Optional[Tuple[int, ...]]):
+def _hf(name: str, shape: Optional[Tuple[int, ...]], device: str = "meta"):
     try:
         import torch
         import transformers
@@ -163,7 +165,7 @@ def _hf(name: str, shape: Optional[Tuple[int, ...]]):
     model, errors = None, []
     for cls in candidates:
         try:
-            with torch.device("meta"):  # no weights are allocated or initialised
+            with torch.device(device):  # on meta: no weights are allocated or initialised
                 model = cls._from_config(cfg) if hasattr(cls, "_from_config") else cls.from_config(cfg)
             break
         except Exception as exc:  # this head does not exist for the config: try the next one
@@ -258,11 +260,12 @@ def _saved_keras(path: str, shape: Optional[Tuple[int, ...]]):
     return model
 
 
-def load_model(spec: Any, input_shape: Optional[Sequence[int]] = None) -> Any:
+def load_model(spec: Any, input_shape: Optional[Sequence[int]] = None, *, device: str = "meta") -> Any:
     """A built model for ``spec`` (``keras:NAME``, ``torchvision:NAME``, ``hf:NAME``,
     ``module.path:factory``); a model object is returned unchanged. ``input_shape``: one sample, no
     batch dimension — for Keras (height, width, channels), for torchvision (channels, height,
-    width), for ``hf:`` (tokens,)."""
+    width), for ``hf:`` (tokens,). ``device``: where ``torchvision:``/``hf:`` models are built
+    (``"meta"``: shapes only, nothing allocated; ``"cuda"`` to run them)."""
     if not isinstance(spec, str):
         return spec
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up lines, before it imports
@@ -279,7 +282,7 @@ def load_model(spec: Any, input_shape: Optional[Sequence[int]] = None) -> Any:
     if kind.lower() in ("keras", "tf", "tensorflow"):
         return _keras_app(rest, shape)
     if kind.lower() in ("torchvision", "tv"):
-        return _torchvision(rest, shape)
+        return _torchvision(rest, shape, device)
     if kind.lower() in ("hf", "huggingface", "transformers"):
-        return _hf(rest, shape)
+        return _hf(rest, shape, device)
     return _user_factory(spec, shape)

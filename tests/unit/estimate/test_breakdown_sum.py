@@ -16,10 +16,12 @@ UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 CASES = {
     "keras": ["--model", "keras:MobileNetV2", "--input-shape", "32,32,3", "--batch-size", "4",
-              "--optimizer", "adam"],
+              "--optimizer", "adam", "--method", "model"],
     "torch": ["--model", "torchvision:resnet18", "--input-shape", "3,32,32", "--batch-size", "4",
-              "--optimizer", "adam"],
+              "--optimizer", "adam", "--method", "model"],
 }
+#: the measured path's breakdown adds what the measurement showed beyond the model (either sign)
+MEASURED = "measured, not modelled"
 
 
 def _distmem(args):
@@ -46,13 +48,15 @@ def _bytes(text):
     return float(num) * UNITS[unit]
 
 
-@pytest.mark.parametrize("framework", sorted(CASES))
+@pytest.mark.parametrize("framework", sorted(CASES) + ["keras measured"])
 def test_json_breakdown_sums_to_the_peak(framework):
-    _needs(framework)
-    out = json.loads(_distmem(CASES[framework] + ["--json"]))
+    _needs(framework.split()[0])
+    args = CASES[framework] if framework in CASES else CASES["keras"][:-1] + ["measure"]
+    out = json.loads(_distmem(args + ["--json"]))
     parts = out["breakdown"]
-    assert set(parts) <= NAMED, f"unnamed parts: {set(parts) - NAMED}"
-    assert all(v >= 0 for v in parts.values()), parts
+    assert set(parts) <= NAMED | {MEASURED}, f"unnamed parts: {set(parts) - NAMED}"
+    assert (MEASURED in parts) == (framework == "keras measured"), parts
+    assert all(v >= 0 for k, v in parts.items() if k != MEASURED), parts
     assert sum(parts.values()) == out["peak_bytes"], parts
     # what the totals say is held for the whole step is in the peak under its own name, not another's
     assert parts["weights"] >= out["param_bytes"]  # torch's buffers (BatchNorm statistics) are stored weights too

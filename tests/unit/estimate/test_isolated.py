@@ -63,9 +63,11 @@ AUTO = ("import json, sys, distmem\n"
         " 'layout': plan.extras['fit']['layout']}))\n")
 
 
-def test_strategy_auto_fits_a_keras_spec_without_starting_tensorflow_here():
+def test_strategy_auto_fits_a_keras_spec_without_starting_tensorflow_here(tmp_path):
+    # fit estimates the default way, measured: the second door reads the first one's measurement
+    # back from the cache, so both plan the same bytes
     env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0",
-               OMPI_COMM_WORLD_LOCAL_SIZE="2")
+               OMPI_COMM_WORLD_LOCAL_SIZE="2", DISTMEM_MEASURE_CACHE=str(tmp_path))
     child = _run(AUTO, **env)
     here = _run(AUTO, DISTMEM_ESTIMATE_IN_PROCESS="1", **env)
     assert child["started"] is False and here["started"] is True

@@ -18,7 +18,8 @@ tf = pytest.importorskip("tensorflow")
 K = tf.keras
 
 from distmem.estimate import estimate_keras  # noqa: E402
-from distmem.estimate import from_keras, optimizers  # noqa: E402
+from distmem.estimate import optimizers  # noqa: E402
+from distmem.estimate.keras import estimate as keras_estimate, kernels, rules  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -90,11 +91,11 @@ def test_depthwise_grouped_conv_gradient_holds_xla_dense_filters(monkeypatch):
     est = _estimate("grouped", "sgd", 4, monkeypatch)
     assert abs(est / measured - 1) < 0.15, (est, measured)
     # without the rule the estimate misses the XLA temporary (it is most of this peak)
-    monkeypatch.setattr(from_keras, "XLA_CPU_DEPTHWISE_FILTER_COPIES", 0)
+    monkeypatch.setattr(kernels, "XLA_CPU_DEPTHWISE_FILTER_COPIES", 0)
     without = _estimate("grouped", "sgd", 4, monkeypatch)
     assert without < 0.6 * measured, (without, measured)
     # GPU estimates do not carry the CPU backend's expansion
-    monkeypatch.setattr(from_keras, "XLA_CPU_DEPTHWISE_FILTER_COPIES", 2)
+    monkeypatch.setattr(kernels, "XLA_CPU_DEPTHWISE_FILTER_COPIES", 2)
     gpu = estimate_keras(_build("grouped"), batch_size=4, optimizer="sgd", device="gpu").peak_bytes
     assert gpu < 0.6 * est
 
@@ -104,7 +105,7 @@ def test_decoupled_weight_decay_copies_held_kernels(monkeypatch):
     est = _estimate("dense_stack", "adamw", 8, monkeypatch)
     assert abs(est / measured - 1) < 0.10, (est, measured)
     # the copies are about as large as the weights here: without them the estimate is far low
-    monkeypatch.setattr(from_keras, "keras_decays_weights", lambda opt: False)
+    monkeypatch.setattr(keras_estimate, "keras_decays_weights", lambda opt: False)
     without = _estimate("dense_stack", "adamw", 8, monkeypatch)
     assert without < 0.90 * measured, (without, measured)
 
@@ -136,7 +137,7 @@ print("=== END", file=sys.stderr, flush=True)
 def test_16bit_cpu_conv_gradient_column_buffer(shape):
     """The weight gradient of a 16-bit convolution on TensorFlow's own CPU kernel requests exactly
     the column buffer ``_cpu_conv_col_buffer`` sizes (largest request the BFC allocator logs)."""
-    if from_keras.onednn_has_16bit("bfloat16"):
+    if kernels.onednn_has_16bit("bfloat16"):
         pytest.skip("oneDNN runs bfloat16 convolutions on this CPU: TensorFlow's own kernel is not used")
     import re
     n, h, cin, cout, k = shape
@@ -150,9 +151,9 @@ def test_16bit_cpu_conv_gradient_column_buffer(shape):
     inp = K.Input((h, h, cin))
     layer = K.layers.Conv2D(cout, k, padding="same", use_bias=False)
     K.Model(inp, layer(inp))
-    node = from_keras._Node("c", layer, [0], [0], [h * h * cin * 2], [h * h * cout * 2], [(None, h, h, cin)],
+    node = rules.LayerNode("c", layer, [0], [0], [h * h * cin * 2], [h * h * cout * 2], [(None, h, h, cin)],
                             [(None, h, h, cout)])
-    assert max(requests) == from_keras._cpu_conv_col_buffer(layer, node, 2), (sorted(requests)[-3:],)
+    assert max(requests) == kernels.cpu_conv_col_buffer(layer, node, 2), (sorted(requests)[-3:],)
 
 
 def test_bfc_model_reproduces_tensorflows_chunk_peak_in_its_own_order(monkeypatch, tmp_path):
@@ -174,6 +175,6 @@ def test_bfc_model_reproduces_tensorflows_chunk_peak_in_its_own_order(monkeypatc
     # case from run to run): closer to TensorFlow's peak than the requests alone
     assert abs(peaks["model"] - peaks["tf"]) < abs(peaks["requested"] - peaks["tf"]), peaks
     # a model that never splits a free chunk (every request takes a whole free chunk) is far off
-    from distmem.estimate import liveness
-    monkeypatch.setattr(liveness.BFCAllocator, "_split", lambda self, chunk, rounded: False)
+    from distmem.estimate import allocators
+    monkeypatch.setattr(allocators.BFCAllocator, "_split", lambda self, chunk, rounded: False)
     assert bfc_replay.replay(evs)["model"] > 1.1 * peaks["tf"]

@@ -141,7 +141,7 @@ def test_autocast_emulation_matches_cuda_autocast(dtype):
     """The meta-device emulation gives every module the output dtype real CUDA autocast gives it
     (fake CUDA tensors run autocast's own kernels in a forward pass, no GPU needed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from distmem.estimate.autocast import AutocastMode
+    from distmem.estimate.torch.autocast import AutocastMode
     model = _Block()
     with FakeTensorMode():
         x = torch.empty(2, 8, 16, device="cuda")
@@ -213,7 +213,7 @@ def _wide():  # weights dwarf activations: the peak is in the optimizer update
 def test_fast_paths_change_nothing(monkeypatch, opt, build, shape):
     """Replaying later steps from the first one's trace and reusing meta-kernel answers give the
     same peaks, step by step, as simulating every step and running every meta kernel."""
-    import distmem.estimate.from_torch as ft
+    import distmem.estimate.torch.estimate as ft
     fast = estimate_torch(build(), input_shape=shape, batch_size=8, optimizer=opt)
     monkeypatch.setattr(ft, "REPLAY_LATER_STEPS", False)
     monkeypatch.setattr(ft, "MEMO_META_OPS", False)
@@ -273,25 +273,30 @@ def test_attention_with_a_learned_bias_keeps_the_score_matrix_on_cuda():
 
 def test_cudnn_workspace_rules_as_measured_on_h200():
     import torch
-    from distmem.estimate.from_torch import _cudnn_workspace
+    from distmem.estimate.torch.kernels import cudnn_workspace
     m = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
-    # 1x1 stride-1 weight gradient: one float32 partial per image (SqueezeNet's classifier: 125 MiB)
+    # 1x1 stride-1 weight gradient: float32 split-K partials, at most one per image and one per 196
+    # positions of the reduction (SqueezeNet's classifier took 64: 125 MiB; the bound allows 56)
     args = (m(64, 1000, 13, 13), m(64, 512, 13, 13), m(1000, 512, 1, 1), None, [1, 1], [0, 0], [1, 1], False,
             [0, 0], 1, [True, True, True])
-    assert _cudnn_workspace("convolution_backward", args) == 64 * 1000 * 512 * 4
+    assert cudnn_workspace("convolution_backward", args) == 56 * 1000 * 512 * 4
+    # at 7x7 (ResNet-50's last stage, 32 images) few partials, not 32
+    last = (m(32, 2048, 7, 7), m(32, 512, 7, 7), m(2048, 512, 1, 1), None, [1, 1], [0, 0], [1, 1], False,
+            [0, 0], 1, [True, True, True])
+    assert cudnn_workspace("convolution_backward", last) == 8 * 2048 * 512 * 4
     # depthwise: torch's own kernels, none
     dw = (m(8, 32, 56, 56), m(32, 1, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 32)
-    assert _cudnn_workspace("convolution", dw) == 0
+    assert cudnn_workspace("convolution", dw) == 0
     # a 3x3 float32 convolution: NHWC copies of input, output and weight
     c3 = (m(2, 16, 8, 8), m(32, 16, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-    assert _cudnn_workspace("convolution", c3) == (2 * 16 * 64 + 2 * 32 * 64 + 32 * 16 * 9) * 4
+    assert cudnn_workspace("convolution", c3) == (2 * 16 * 64 + 2 * 32 * 64 + 32 * 16 * 9) * 4
 
 
 def test_adafactor_runs_its_for_loop_on_cuda_as_torch_does():
     import torch
-    from distmem.estimate.from_torch import _foreach_as_torch_picks
+    from distmem.estimate.torch.simulate import foreach_as_torch_picks
     p = [torch.nn.Parameter(torch.zeros(2, 2))]
     ada, adam = torch.optim.Adafactor(p), torch.optim.Adam(p)
-    _foreach_as_torch_picks(ada, cuda=True)
-    _foreach_as_torch_picks(adam, cuda=True)
+    foreach_as_torch_picks(ada, cuda=True)
+    foreach_as_torch_picks(adam, cuda=True)
     assert ada.param_groups[0]["foreach"] is False and adam.param_groups[0]["foreach"] is True

@@ -1,5 +1,5 @@
 """CUDA autocast, reproduced for the meta device, so a mixed-precision step is simulated with the
-dtypes (and therefore the kept tensors) the GPU run has. Internal to ``from_torch``.
+dtypes (and therefore the kept tensors) the GPU run has. Internal to ``estimate.torch``.
 
 ``torch.autocast("cuda")`` casts at the dispatcher, and only tensors on a CUDA device are eligible:
 a meta tensor passes through uncast, and fake CUDA tensors cannot run a backward pass without a
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-__all__ = ["AutocastMode", "LOWER", "FP32", "FP32_OUT"]
+__all__ = ["LOWER", "FP32", "FP32_OUT", "AutocastMode"]
 
 #: functions autocast runs in the lower-precision compute dtype (names as ``func.__name__``)
 LOWER = frozenset({

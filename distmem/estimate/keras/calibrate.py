@@ -1,6 +1,6 @@
 """Measure one small-batch Keras training step on CPU, for calibrating the analytic estimate.
 
-The hybrid method: the analytic table (``from_keras``) is exact about what each layer keeps, but
+The hybrid method: the analytic table (``keras.estimate``) is exact about what each layer keeps, but
 a few effects sit outside any layer's rule — TensorFlow's executor running loop iterations and
 updates in parallel, per-timestep weight-gradient partials of a recurrent layer, a sparse
 embedding update's temporaries. A real step at a small batch shows them: the part of the measured
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
-__all__ = ["measure_keras_step", "CALIBRATION_STEPS", "calibration_batch"]
+__all__ = ["CALIBRATION_STEPS", "calibration_batch", "measure_keras_step"]
 
 #: Steps measured per calibration: one that creates the optimizer's slots, then three whose
 #: median peak is used.
