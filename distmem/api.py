@@ -15,6 +15,7 @@ from .discover import identity, runtime
 from .errors import ConfigError, DistmemError, DoesNotFitError
 from .observe.snapshot import Snapshot, take
 from .plan import Plan, PlanRequest
+from .plan.request import plan_in
 from .plan import get as get_strategy
 from .plan.foreign import foreign_warnings
 from .report.aggregate import Report
@@ -55,26 +56,57 @@ def resolve_overhead(value: Any, framework: str) -> Any:
     return measured
 
 
+def _job_agreement() -> Any:
+    """In a launched job of several ranks with a transport up: a function that runs a computation on
+    rank 0 (an estimate's measurement, strategy auto's search) and hands every rank its result or its
+    error; None otherwise (one process, or no transport yet: the request then plans from the model)."""
+    if identity.detect().size <= 1:
+        return None
+    try:
+        comm = get_comm()
+    except ConfigError:
+        return None
+    from .estimate.isolated import CHILD_TIMEOUT_S
+
+    # Rank 0 may measure a model for minutes; the others wait as long as a measurement may take.
+    wait = max(resolve_timeout(None), CHILD_TIMEOUT_S + 60.0)
+
+    def agree(compute: Any) -> Any:
+        answer = None
+        if comm.rank == 0:
+            try:
+                answer = ("ok", compute())
+            except Exception as exc:  # noqa: BLE001 - every rank raises rank 0's error, not a timeout
+                answer = ("error", exc)
+        kind, value = comm.allgather(answer, wait)[0]
+        if kind == "error":
+            raise value
+        return value
+
+    return agree
+
+
 def _request(strategy: str, framework: Optional[str], memory: Optional[str], reserve: Any, limit: Any, overhead: Any,
-             foreign: Any, fleet: Optional[str], options: Dict[str, Any]) -> PlanRequest:
+             foreign: Any, fleet: Optional[str], estimate: Optional[str], options: Dict[str, Any]) -> PlanRequest:
     settings.validate()
     if overhead is None:
         overhead = settings.overhead()
     return PlanRequest(strategy=strategy, options=dict(options), framework=framework,
                        memory=None if memory in (None, "auto") else memory, reserve=reserve, limit=limit,
-                       overhead=resolve_overhead(overhead, framework), foreign=foreign, fleet=fleet)
+                       overhead=resolve_overhead(overhead, framework), foreign=foreign, fleet=fleet, estimate=estimate,
+                       agree=_job_agreement())
 
 
 def _planned(request: PlanRequest) -> Plan:
     ctx, strategy, opts = request.context()
-    plan = strategy.plan(ctx, opts)
+    plan = plan_in(ctx, strategy, opts)
     session.state.topology, session.state.inventory, session.state.layout = ctx.topo, ctx.inventory, ctx.layout
     return plan
 
 
 def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, memory: Optional[str] = None,
                   reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
-                  fleet: Optional[str] = None, **options: Any) -> Plan:
+                  fleet: Optional[str] = None, estimate: Optional[str] = None, **options: Any) -> Plan:
     """The plan :func:`init` would apply, computed the same way (one :class:`~distmem.plan.PlanRequest`:
     the same defaults, ``DISTMEM_*`` settings, fleet and layout), without applying anything.
 
@@ -84,12 +116,13 @@ def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, me
     ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"`` or ``"a=2x80GiB;b=2x16GiB"``) declares GPUs
     for a dry run on a machine without them; real GPUs found through NVML take precedence.
     """
-    return _planned(_request(strategy, framework, memory, reserve, limit, overhead, foreign, fleet, options))
+    return _planned(_request(strategy, framework, memory, reserve, limit, overhead, foreign, fleet, estimate, options))
 
 
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
          reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
-         fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, **strategy_options: Any) -> Plan:
+         fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, estimate: Optional[str] = None,
+         **strategy_options: Any) -> Plan:
     """Plan this job's GPU memory and apply this rank's share to the framework. Returns the Plan.
 
     Call it first, before the framework touches a GPU (before or after ``hvd.init()``).
@@ -110,6 +143,9 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     included when the job runs NCCL.
     foreign: memory other jobs hold on each GPU that the plan must leave alone.
     fleet: ``"4x16GiB"`` to plan against declared GPUs where none are present (dry run).
+    estimate: how a ``model=`` is estimated: ``"auto"`` (default: measured with a few real training
+    steps where the hardware is at hand - once per job, on rank 0, handed to every rank over the
+    job's transport - else the model alone, warned), ``"measure"`` or ``"model"``.
     enforce: ``"framework"`` (the framework's own limit) or ``"native"`` (also require distmem's
     LD_PRELOAD cap, launched through ``distmem-exec``).
     The strategy's own options (``stages=``, ``tenants=``, ``headroom=``...) follow; an unknown one
@@ -122,7 +158,7 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     PlanRequest(strategy=strategy, options=dict(strategy_options), framework=framework, limit=limit).strategy_options(
         get_strategy(strategy))
     asked = dict(strategy=strategy, framework=framework, memory=memory, reserve=reserve, limit=limit,
-                 overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, **strategy_options)
+                 overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, estimate=estimate, **strategy_options)
     earlier = session.state.options
     if session.state.plan is not None and earlier is not None:
         changed = {k: (earlier.get(k), asked.get(k)) for k in sorted(set(earlier) | set(asked))
@@ -138,7 +174,7 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     fw_adapter = adapter(fw)
     # Read before planning (the estimator may build a model): what the framework started on its own.
     live = None if session.was_reset else fw_adapter.started()
-    plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, strategy_options))
+    plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, estimate, strategy_options))
     inv = session.state.inventory
     assert inv is not None  # set by _planned
     plan.warnings.extend(foreign_warnings(plan, inv, os.getpid()))

@@ -70,6 +70,9 @@ def add_request_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[st
                    help="per-process memory outside the allocator (default DISTMEM_OVERHEAD, else 768MiB; auto: the "
                         "measured model)")
     p.add_argument("--foreign", default=None, help="memory other jobs hold on each GPU (default 0)")
+    p.add_argument("--estimate", default=None, choices=["auto", "measure", "model"],
+                   help="how --model is estimated: auto (measured with a few training steps where the hardware is "
+                        "at hand, else the model; default), measure, model")
     offered = set()
     try:
         mine = get(chosen)
@@ -162,7 +165,8 @@ def request_from_args(args: argparse.Namespace, *, job: bool = True, env: Any = 
                           reserve=args.reserve,
                           overhead=resolve_overhead(args.overhead if args.overhead is not None else
                                                     settings.overhead(env), args.framework),
-                          foreign=args.foreign or 0, fleet=args.gpus, env=env, fleet_what="--gpus")
+                          foreign=args.foreign or 0, fleet=args.gpus, env=env, fleet_what="--gpus",
+                          estimate=args.estimate)
     if job:
         fleet, what = request.resolved_fleet()
         gpus_here = 0

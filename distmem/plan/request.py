@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .. import defaults, settings
 from ..discover import runtime
@@ -33,12 +33,14 @@ from .strategy import Strategy, get, make_options
 from .types import Allocation, Plan
 
 __all__ = ["PlanRequest", "JobLayout", "Context", "MAPPINGS", "MAX_RANKS", "REQUEST_ARGUMENTS", "worst_host", "job_hosts",
-           "used_gpus"]
+           "used_gpus", "plan_in", "ESTIMATE_METHODS"]
 
 #: How a launcher maps ranks to hosts: ``block`` fills each host in turn (mpirun --map-by slot,
 #: horovodrun -H, srun --distribution=block); ``cyclic`` deals ranks round the hosts (mpirun
 #: --map-by node, srun --distribution=cyclic).
 MAPPINGS = ("block", "cyclic")
+#: How ``model=`` is estimated (:func:`distmem.estimate.estimate`'s ``method``).
+ESTIMATE_METHODS = ("auto", "measure", "model")
 #: The most ranks a declared job may have (a dry run builds every rank's view).
 MAX_RANKS = 1_000_000
 
@@ -192,6 +194,28 @@ class Context:
     host_gpus: List[List[Gpu]]
     declared: bool = False
     given_overhead: Optional[int] = None  #: the overhead the caller or DISTMEM_OVERHEAD gave (None: default or modelled)
+    estimate_method: str = "auto"  #: how model= is estimated: auto (measured where it can), measure, model
+    #: In a launched job of several ranks: runs a computation on rank 0 and hands every rank its
+    #: result (or its error), so what is measured once is planned alike everywhere. None: compute here.
+    agree: Optional[Callable[[Callable[[], Any]], Any]] = None
+    warnings: List[str] = field(default_factory=list)
+
+    def agreed(self, compute: Callable[[], Any]) -> Any:
+        """``compute()``'s result, the same on every rank of the job (see :attr:`agree`)."""
+        return compute() if self.agree is None else self.agree(compute)
+
+    def estimate_layers(self, model: Any, **options: Any) -> List[Any]:
+        """Per-layer costs of ``model`` (:func:`distmem.plan.layers.estimate_layers`) with the request's
+        estimate method; in a job of several ranks rank 0 measures and every rank plans from that
+        one measurement, so every rank plans the same bytes."""
+        from .layers import estimate_layers
+
+        method = self.estimate_method
+        if self.agree is None:
+            return estimate_layers(model, method=method, **options)[0]
+        measured = self.agree(lambda: estimate_layers(model, method=method, **options)[1])
+        usable = measured if measured and "fallback" not in measured else None
+        return estimate_layers(model, method=method if usable else "model", measurement=usable, **options)[0]
 
     def seen_gpus(self) -> Dict[str, Set[str]]:
         """Per host, the UUIDs of the GPUs its known ranks can see."""
@@ -232,6 +256,17 @@ def used_gpus(views: Sequence[RankView]) -> List[Gpu]:
     return [replace(g, index=i) for i, g in enumerate(ordered)]
 
 
+def plan_in(ctx: Context, strategy: Strategy, opts: Any) -> Plan:
+    """``strategy``'s plan from ``ctx``, with what resolving the request had to say."""
+    plan = strategy.plan(ctx, opts)
+    plan.warnings.extend(w for w in ctx.warnings if w not in plan.warnings)
+    return plan
+
+
+def _takes_a_model(opts: Any) -> bool:
+    return getattr(opts, "model", None) is not None
+
+
 def _host_counts(layout: Layout) -> Dict[str, int]:
     counts: Dict[str, int] = {}
     for v in layout.views:
@@ -259,6 +294,7 @@ class PlanRequest:
     overhead: Optional[Any] = field(default=None, metadata={"argument": True})
     foreign: SizeLike = field(default=0, metadata={"argument": True})
     fleet: Optional[str] = field(default=None, metadata={"argument": True})
+    estimate: Optional[str] = field(default=None, metadata={"argument": True})
     job: Optional[JobLayout] = None
     env: Optional[Mapping[str, str]] = None
     topology: Optional[Topology] = None
@@ -270,6 +306,9 @@ class PlanRequest:
     exchange_timeout: Optional[float] = None
     assume_on_timeout: bool = False
     notes: List[str] = field(default_factory=list)
+    #: How a launched job of several ranks agrees on what rank 0 computed (the facade gives the
+    #: job's transport); None where there is none yet.
+    agree: Optional[Callable[[Callable[[], Any]], Any]] = None
 
     # -- what the request reads ------------------------------------------------------------------
 
@@ -338,14 +377,27 @@ class PlanRequest:
                                 headroom=headroom)
         if hasattr(opts, "headroom"):
             opts = replace(opts, headroom=budget.headroom)
+        method = self.estimate if self.estimate is not None else "auto"
+        if method not in ESTIMATE_METHODS:
+            raise ConfigError(f"estimate={method!r}: use auto (measured where the hardware is at hand, else the model), "
+                              "measure or model")
+        warnings: List[str] = []
+        agree = None
+        if not declared and topo.size > 1 and self.topology is None:
+            agree = self.agree
+            if agree is None and method != "model" and _takes_a_model(opts):
+                warnings.append("model= was estimated from the model alone: a measured estimate is made once per job, "
+                                "on rank 0, and needs the job's transport at init() (hvd.init(), torch.distributed or "
+                                "mpirun with mpi4py first); pass estimate='model' to say so, or call init() later")
+                method = "model"
         ctx = Context(topo, inv, layout, places(layout), budget, framework, inv.source, host_gpus, declared,
-                      None if overhead is None or modelled else budget.overhead_bytes)
+                      None if overhead is None or modelled else budget.overhead_bytes, method, agree, warnings)
         return ctx, strategy, opts
 
     def plan(self) -> Plan:
         """The plan: resolve, then let the strategy plan from the context."""
         ctx, strategy, opts = self.context()
-        return strategy.plan(ctx, opts)
+        return plan_in(ctx, strategy, opts)
 
     def _where(self) -> Tuple[Topology, Inventory, Layout, List[List[Gpu]], bool]:
         """Where the ranks run: (this rank or rank 0, its host's GPUs, the layout known here, every

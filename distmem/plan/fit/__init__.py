@@ -45,7 +45,8 @@ def _gpus_of(gpus: Any, hosts: Optional[int]) -> Tuple[List[Gpu], str, int]:
 
 
 def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = "adam", input_shape: Any = None,
-                     batch_size: int = 8, device: Optional[str] = None, **estimate_options: Any) -> Dict[str, Costs]:
+                     batch_size: int = 8, device: Optional[str] = None, method: str = "auto",
+                     **estimate_options: Any) -> Dict[str, Costs]:
     """One :class:`EstimateCosts` per precision through ``distmem.estimate`` (imported here, not at
     module level, so the solver stays free of frameworks)."""
     import importlib
@@ -58,7 +59,7 @@ def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = 
         if device is not None:
             opts["device"] = device
         est = est_mod.estimate(loaded, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
-                               precision=prec, **opts)
+                               precision=prec, method=method, **opts)
         out[prec] = EstimateCosts(est)
     return out
 
@@ -67,7 +68,7 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
         framework: Optional[str] = None, precision: Any = "auto", optimizer: Any = "adam",
         input_shape: Any = None, layers: Optional[Sequence[Any]] = None, layers_batch_size: Optional[int] = None,
         costs: Optional[Dict[str, Costs]] = None, estimate_batch_size: Optional[int] = None,
-        device: Optional[str] = None, name: Optional[str] = None, **options: Any) -> FitResult:
+        device: Optional[str] = None, name: Optional[str] = None, estimate: str = "auto", **options: Any) -> FitResult:
     """Which layouts of ``model`` at ``global_batch_size`` fit every rank of ``hosts`` hosts of
     ``gpus`` (``"8x80GiB"`` per host, an Inventory, or a list of Gpu), best first.
 
@@ -77,7 +78,8 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
     dicts) for ONE sample batch of ``layers_batch_size``. Other options go to :func:`solve_fit`
     (``headroom``, ``reserve``, ``overhead``, ``foreign``, ``schedules``, ``recompute``,
     ``ranks_per_gpu``, ``pipelines``, ``micro_batches``, ``nccl``, ``nccl_buffsize``, ``top``,
-    ``rejected``)."""
+    ``rejected``). ``estimate``: how the model is estimated (``"auto"``: measured where the hardware
+    is at hand, ``"measure"``, ``"model"``)."""
     gl, source, hosts = _gpus_of(gpus, hosts)
     precisions = precision_choices(precision)
     if costs is None:
@@ -95,7 +97,7 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
         else:
             b = estimate_batch_size or max(1, min(8, global_batch_size))
             costs = costs_from_model(model, precisions, optimizer=optimizer, input_shape=input_shape,
-                                     batch_size=b, device=device)
+                                     batch_size=b, device=device, method=estimate)
     fw = framework or next(iter(costs.values())).framework
     label = name or (model if isinstance(model, str) else type(model).__name__ if model is not None else "layers")
     return solve_fit(costs, global_batch_size=global_batch_size, gpus=gl, hosts=hosts, model_name=str(label),

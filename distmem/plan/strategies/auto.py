@@ -73,7 +73,7 @@ def _given(budget: Any, what: str) -> Any:
 
 def _fit(ctx: "Context", opts: AutoOptions) -> Any:
     from ...estimate import isolated
-    from ..fit import fit
+    from ..fit import fit, fit_without_costs
     from ..request import worst_host
 
     gpus = worst_host(ctx.host_gpus)
@@ -90,13 +90,17 @@ def _fit(ctx: "Context", opts: AutoOptions) -> Any:
         layers_batch_size=opts.layers_batch_size, costs=opts.costs, headroom=ctx.budget.headroom,
         reserve=_given(ctx.budget, "reserve"), foreign=_given(ctx.budget, "foreign"), fixed_local_size=local, top=1,
         rejected=opts.rejected, recompute=opts.recompute, nccl=opts.nccl, nccl_buffsize=opts.nccl_buffsize,
-        overhead=ctx.given_overhead)
+        overhead=ctx.given_overhead, estimate=ctx.estimate_method)
     for name in ("schedules", "pipelines", "micro_batches"):
         if getattr(opts, name) is not None:
             args[name] = getattr(opts, name)
-    if opts.costs is None and opts.layers is None and isolated.needs_child(opts.model):
-        # Building a Keras model here would start TensorFlow's GPUs before init() applies the plan.
-        return isolated.call("distmem.plan.fit:fit_without_costs", dict(args, model=opts.model))
+    if opts.costs is None and opts.layers is None:
+        # One search per job: rank 0 estimates (and measures) and every rank gets its result. A Keras
+        # model is built in a child: building it here would start TensorFlow's GPUs before init() applies.
+        if isolated.needs_child(opts.model):
+            return ctx.agreed(lambda: isolated.call("distmem.plan.fit:fit_without_costs", dict(args, model=opts.model)))
+        return ctx.agreed(lambda: fit_without_costs(opts.model, **args)) if ctx.agree is not None else \
+            fit(opts.model, **args)
     return fit(opts.model, **args)
 
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
 from ...errors import ConfigError, DoesNotFitError
 from ...units import SizeLike, format_bytes, parse_bytes, plural
 from ..budget import idle_warnings, slot
-from ..layers import layers_from_model
 from ..partition import Partition, layers_from_dicts, partition_model
 from ..strategy import Strategy, option
 from ..types import Allocation, Plan
@@ -94,7 +93,7 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
         offers += [_gpus_per_rank(None, len(gpus), ctx.topo.local_size) for gpus in ctx.host_gpus if gpus]
         g = min([g] + offers)
     if model is not None:
-        layers = layers_from_model(model, batch_size=batch_size, optimizer=opts.optimizer,
+        layers = ctx.estimate_layers(model, batch_size=batch_size, optimizer=opts.optimizer,
                                    input_shape=opts.input_shape)
     part: Partition = partition_model(layers_from_dicts(list(layers or [])), g,
                                       input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"))

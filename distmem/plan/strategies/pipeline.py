@@ -23,7 +23,6 @@ from ...errors import ConfigError, DoesNotFitError
 from ...units import SizeLike, format_bytes, parse_bytes, plural
 from ...discover.gpus import Gpu
 from ..budget import Budget, growth_note, idle_warnings, slot
-from ..layers import layers_from_model
 from ..partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
 from ..strategy import Strategy, option
 from ..types import Allocation, Plan
@@ -137,8 +136,8 @@ def _does_not_fit(stage: StageDemand, rank: int, gpu: Gpu, share: int, shared_by
         f"per-process overhead {format_bytes(budget.overhead_bytes)}); " + ", ".join(remedies))
 
 
-def stage_demands_of(opts: PipelineOptions, default_stages: int) -> Tuple[List[StageDemand], int, Optional[int],
-                                                                     Optional[Partition]]:
+def stage_demands_of(ctx: "Context", opts: PipelineOptions,
+                     default_stages: int) -> Tuple[List[StageDemand], int, Optional[int], Optional[Partition]]:
     """The stages' demands, their count, the micro-batches per step and the partition (None for
     stated bytes). Raises on options that do not make a pipeline."""
     given = [k for k, v in (("stages", opts.stages), ("layers", opts.layers), ("model", opts.model)) if v is not None]
@@ -166,7 +165,7 @@ def stage_demands_of(opts: PipelineOptions, default_stages: int) -> Tuple[List[S
     m = opts.num_micro_batches if opts.num_micro_batches is not None else p
     layers = opts.layers
     if opts.model is not None:
-        layers = layers_from_model(opts.model, batch_size=opts.micro_batch_size, optimizer=opts.optimizer,
+        layers = ctx.estimate_layers(opts.model, batch_size=opts.micro_batch_size, optimizer=opts.optimizer,
                                    input_shape=opts.input_shape)
     part = partition_pipeline(layers_from_dicts(list(layers or [])), p, num_micro_batches=m, schedule=opts.schedule,
                               recompute=opts.recompute, input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"))
@@ -175,7 +174,7 @@ def stage_demands_of(opts: PipelineOptions, default_stages: int) -> Tuple[List[S
 
 def plan(ctx: "Context", opts: PipelineOptions) -> Plan:
     budget = ctx.budget
-    demands, p, m, partition = stage_demands_of(opts, ctx.ranks_per_host("num_stages"))
+    demands, p, m, partition = stage_demands_of(ctx, opts, ctx.ranks_per_host("num_stages"))
     explicit = partition is None
     stage_of_rank(0, ctx.topo.size, p, opts.rank_order)  # validates size % p and the order
     wants = [budget.limit_for(d.total_bytes) for d in demands]

@@ -36,9 +36,11 @@ def test_keras_spec_is_estimated_without_starting_tensorflow_here():
     assert got["started"] is False and got["stages"] == 2 and got["limit"] > 0
 
 
-def test_the_same_plan_as_an_estimate_in_process():
+def test_the_same_plan_as_an_estimate_in_process(tmp_path):
+    # the pipeline estimates the default way, measured: the second door reads the first one's
+    # measurement back from the cache, so both plan the same bytes
     env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0",
-               OMPI_COMM_WORLD_LOCAL_SIZE="2")
+               OMPI_COMM_WORLD_LOCAL_SIZE="2", DISTMEM_MEASURE_CACHE=str(tmp_path))
     child = _run(PLAN, **env)
     here = _run(PLAN, DISTMEM_ESTIMATE_IN_PROCESS="1", **env)
     assert here["started"] is True  # what the child process avoids

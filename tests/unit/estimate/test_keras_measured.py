@@ -66,13 +66,19 @@ print(json.dumps(peaks))
 '''
 
 
-def _measure(model: str, optimizer: str, batch: int) -> int:
+def _measure(model: str, optimizer: str, batch: int, runs: int = 1) -> int:
+    """TensorFlow's peak over the steps of ``runs`` fresh processes: its executor orders buffers
+    differently on every run (the same step's peak moved 140 -> 157 MB between two runs on a loaded
+    machine), and the estimate is of the worst of them."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", CHILD, MODELS, model, optimizer, str(batch)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return max(json.loads(out.stdout.strip().splitlines()[-1]))
+    peaks = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", CHILD, MODELS, model, optimizer, str(batch)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        peaks.append(max(json.loads(out.stdout.strip().splitlines()[-1])))
+    return max(peaks)
 
 
 def _build(model: str):
@@ -101,7 +107,7 @@ def test_depthwise_grouped_conv_gradient_holds_xla_dense_filters(monkeypatch):
 
 
 def test_decoupled_weight_decay_copies_held_kernels(monkeypatch):
-    measured = _measure("dense_stack", "adamw", 8)
+    measured = _measure("dense_stack", "adamw", 8, runs=3)
     est = _estimate("dense_stack", "adamw", 8, monkeypatch)
     assert abs(est / measured - 1) < 0.10, (est, measured)
     # the copies are about as large as the weights here: without them the estimate is far low

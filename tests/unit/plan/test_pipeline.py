@@ -217,15 +217,16 @@ def test_model_goes_through_the_estimator(monkeypatch):
     class FakeKerasModel:
         layers = []
 
-    def estimate_keras(model, **kwargs):
+    def estimate(model, **kwargs):
         seen.update(kwargs, model=model)
         return Estimate()
 
     fake = types.ModuleType("distmem.estimate")
-    fake.estimate_keras = estimate_keras
+    fake.estimate = estimate
     monkeypatch.setitem(sys.modules, "distmem.estimate", fake)
     model = FakeKerasModel()
     plan = make_plan("pipeline", topo(2, 2), CPU, model=model, micro_batch_size=8, optimizer="adam")
-    assert seen == {"batch_size": 8, "optimizer": "adam", "model": model}
+    assert seen == {"batch_size": 8, "optimizer": "adam", "model": model, "input_shape": None, "method": "auto",
+                    "measurement": None}
     assert plan.extras["pipeline"]["source"] == "model"
     assert sum(len(p["layers"]) for p in plan.extras["pipeline"]["partition"]["parts"]) == 4
