@@ -62,6 +62,8 @@ def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None
     env = {IN_PROCESS_VAR: "1"}
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    else:  # a child that sees the GPUs takes what it uses, never the whole device
+        env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
     limit = CHILD_TIMEOUT_S if timeout is None else timeout
     try:
         done = start_child(target, kwargs, env, limit)

@@ -37,7 +37,10 @@ def estimate_layers(model: Any, *, batch_size: Optional[int] = None, optimizer: 
             # Building a Keras model here would start TensorFlow's GPUs before init() applies the plan.
             return isolated.call("distmem.plan.layers:estimate_layers",
                                  dict(model=model, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
-                                      method=method, measurement=measurement, **estimate_options))
+                                      method=method, measurement=measurement, **estimate_options),
+                                 # a measurement runs on the GPUs this process would use (its child inherits
+                                 # this one's devices); the model alone needs none
+                                 hide_gpus=method == "model")
     try:
         # import_module consults sys.modules first, unlike `from .. import estimate`, which would
         # return the package attribute even where the module has been replaced or removed.

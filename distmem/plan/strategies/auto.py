@@ -98,7 +98,8 @@ def _fit(ctx: "Context", opts: AutoOptions) -> Any:
         # One search per job: rank 0 estimates (and measures) and every rank gets its result. A Keras
         # model is built in a child: building it here would start TensorFlow's GPUs before init() applies.
         if isolated.needs_child(opts.model):
-            return ctx.agreed(lambda: isolated.call("distmem.plan.fit:fit_without_costs", dict(args, model=opts.model)))
+            return ctx.agreed(lambda: isolated.call("distmem.plan.fit:fit_without_costs", dict(args, model=opts.model),
+                                                          hide_gpus=ctx.estimate_method == "model"))
         return ctx.agreed(lambda: fit_without_costs(opts.model, **args)) if ctx.agree is not None else \
             fit(opts.model, **args)
     return fit(opts.model, **args)

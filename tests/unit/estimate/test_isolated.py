@@ -74,3 +74,17 @@ def test_strategy_auto_fits_a_keras_spec_without_starting_tensorflow_here(tmp_pa
     here = _run(AUTO, DISTMEM_ESTIMATE_IN_PROCESS="1", **env)
     assert child["started"] is False and here["started"] is True
     assert child["limit"] == here["limit"] and child["layout"] == here["layout"]
+
+
+@pytest.mark.parametrize("method,hidden", [("auto", False), ("measure", False), ("model", True)])
+def test_a_measuring_child_sees_the_gpus_this_process_would_use(monkeypatch, method, hidden):
+    # The child that estimates a spec starts the measuring child: hiding the GPUs from the first
+    # would measure a GPU job's steps on the CPU (and key the measurement apart from this process's).
+    from distmem.estimate import isolated
+    from distmem.plan import layers
+
+    seen = {}
+    monkeypatch.setattr(isolated, "needs_child", lambda spec: True)
+    monkeypatch.setattr(isolated, "call", lambda target, kwargs, **kw: seen.update(kw) or ([], None))
+    layers.estimate_layers("keras:MobileNetV2", batch_size=2, method=method)
+    assert seen.get("hide_gpus", True) is hidden
