@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "report": ("distmem.cli.report", "render a saved report (table, plot)"),
     "doctor": ("distmem.cli.doctor", "what distmem sees: launcher, GPUs, NVML, frameworks"),
     "launch-tf": ("distmem.cli.launch_tf", "start N local tf.distribute workers with TF_CONFIG"),
+    "postmortem": ("distmem.cli.postmortem", "after an out-of-memory error: which rank, by how much, why, what to change"),
+    "top": ("distmem.cli.top", "a live view of every rank of a running job (planned / current / peak)"),
 }
 
 
