@@ -276,44 +276,49 @@ def apply(plan: Any, *, backend: Any = None, expandable_segments: Optional[bool]
     b.set_device(first)
     actions.append(f"pinned to cuda:{first}" + (" (CUDA had already started there)" if initialised else ""))
     for idx, group in groups.items():
-        uuid = _check_same_gpu(plan, idx, group[0].nvml_index, b)
-        planned = sum(s.planned_bytes for s in group)
-        info: Dict[str, Any] = {"planned_bytes": planned, "uuid": uuid, "enforced": False}
-        out["devices"][idx] = info
-        if not any(s.enforce for s in group):
-            actions.append(f"cuda:{idx}: grows on demand, budget {format_bytes(planned)} (not enforced)")
-            _applied.pop(idx, None)
-            continue
-        free, total = b.mem_get_info(idx)
-        if initialised:
-            reserved = int(b.memory_stats(idx).get("reserved_bytes.all.current", 0) or 0)
-            if reserved > planned:
-                raise _too_late(f"limit cuda:{idx} to {format_bytes(planned)}",
-                                f"the caching allocator already holds {format_bytes(reserved)}",
-                                f"{format_bytes(planned)}")
-        fraction = to_fraction(planned, total)
-        b.set_memory_fraction(fraction, idx)
-        limit = int(fraction * total)
-        info.update(enforced=True, total_bytes=total, free_bytes=free, fraction=fraction, limit_bytes=limit)
-        _applied[idx] = {"limit_bytes": limit, "fraction": fraction, "total_bytes": total}
-        line = f"cuda:{idx}: hard limit {format_bytes(planned)} = {fraction:.6f} of {format_bytes(total)}"
-        if len(group) > 1:
-            line += (f" (one allocator per device in torch: {len(group)} slices "
-                     f"{[s.label or s.planned_bytes for s in group]} share this one limit)")
-        actions.append(line)
-        if planned > total:
-            plan.warnings.append(f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA "
-                                 "reports, so the limit is the whole device; lower limit= or reserve=")
-        k = max(s.shared_by for s in group)
-        need = k * (planned + plan.overhead_bytes)
-        if k > 1 and need > total:
-            plan.warnings.append(
-                f"GPU {idx}: {k} ranks x (limit {format_bytes(planned)} + per-process overhead "
-                f"{format_bytes(plan.overhead_bytes)}) = {format_bytes(need)}, but CUDA reports a total of "
-                f"{format_bytes(total)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
-                f"run out {format_bytes(need - total)} below its share; pass reserve= at least "
-                f"{format_bytes(plan.reserve_bytes + need - total)}")
+        out["devices"][idx] = _limit_device(plan, idx, group, b, initialised, actions)
     return out
+
+
+def _limit_device(plan: Any, idx: int, group: list, b: Any, initialised: bool, actions: List[str]) -> Dict[str, Any]:
+    """Hard-limit (or leave growing) CUDA device ``idx`` for the plan's slots ``group`` on it; what was done."""
+    uuid = _check_same_gpu(plan, idx, group[0].nvml_index, b)
+    planned = sum(s.planned_bytes for s in group)
+    info: Dict[str, Any] = {"planned_bytes": planned, "uuid": uuid, "enforced": False}
+    if not any(s.enforce for s in group):
+        actions.append(f"cuda:{idx}: grows on demand, budget {format_bytes(planned)} (not enforced)")
+        _applied.pop(idx, None)
+        return info
+    free, total = b.mem_get_info(idx)
+    if initialised:
+        reserved = int(b.memory_stats(idx).get("reserved_bytes.all.current", 0) or 0)
+        if reserved > planned:
+            raise _too_late(f"limit cuda:{idx} to {format_bytes(planned)}",
+                            f"the caching allocator already holds {format_bytes(reserved)}",
+                            f"{format_bytes(planned)}")
+    fraction = to_fraction(planned, total)
+    b.set_memory_fraction(fraction, idx)
+    limit = int(fraction * total)
+    info.update(enforced=True, total_bytes=total, free_bytes=free, fraction=fraction, limit_bytes=limit)
+    _applied[idx] = {"limit_bytes": limit, "fraction": fraction, "total_bytes": total}
+    line = f"cuda:{idx}: hard limit {format_bytes(planned)} = {fraction:.6f} of {format_bytes(total)}"
+    if len(group) > 1:
+        line += (f" (one allocator per device in torch: {len(group)} slices "
+                 f"{[s.label or s.planned_bytes for s in group]} share this one limit)")
+    actions.append(line)
+    if planned > total:
+        plan.warnings.append(f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA "
+                             "reports, so the limit is the whole device; lower limit= or reserve=")
+    k = max(s.shared_by for s in group)
+    need = k * (planned + plan.overhead_bytes)
+    if k > 1 and need > total:
+        plan.warnings.append(
+            f"GPU {idx}: {k} ranks x (limit {format_bytes(planned)} + per-process overhead "
+            f"{format_bytes(plan.overhead_bytes)}) = {format_bytes(need)}, but CUDA reports a total of "
+            f"{format_bytes(total)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
+            f"run out {format_bytes(need - total)} below its share; pass reserve= at least "
+            f"{format_bytes(plan.reserve_bytes + need - total)}")
+    return info
 
 
 def started(*, backend: Any = None) -> Optional[List[int]]:
