@@ -68,12 +68,16 @@ def _is_oom_one(exc: BaseException) -> bool:
 def is_oom(exc: Optional[BaseException]) -> bool:
     """True when ``exc`` (or an explicit ``__cause__`` of it, up to 5 deep) is an out-of-memory error.
     Once :func:`install` ran, an OOM seen here for the first time also writes this rank's record."""
-    first = exc
+    found = _is_oom_chain(exc)
+    if found and _hooks["on"] and exc is not None:
+        _seen_exception(exc, "guard")
+    return found
+
+
+def _is_oom_chain(exc: Optional[BaseException]) -> bool:
     depth = 0
     while exc is not None and depth < 5:
         if _is_oom_one(exc):
-            if _hooks["on"] and first is not None:
-                _seen_exception(first, "guard")
             return True
         exc = exc.__cause__
         depth += 1
@@ -177,7 +181,7 @@ def install(run_dir: Optional[str] = None, allocator: Any = None) -> None:
     _hooks["excepthook"] = sys.excepthook
 
     def excepthook(kind: Any, value: Any, tb: Any) -> None:
-        if value is not None and is_oom(value):
+        if value is not None and _is_oom_chain(value):
             _seen_exception(value, "exception")
         (_hooks["excepthook"] or sys.__excepthook__)(kind, value, tb)
 
@@ -185,7 +189,7 @@ def install(run_dir: Optional[str] = None, allocator: Any = None) -> None:
     _hooks["thread_hook"] = threading.excepthook
 
     def thread_hook(args: Any) -> None:
-        if args.exc_value is not None and is_oom(args.exc_value):
+        if args.exc_value is not None and _is_oom_chain(args.exc_value):
             _seen_exception(args.exc_value, "exception")
         (_hooks["thread_hook"] or threading.__excepthook__)(args)
 
