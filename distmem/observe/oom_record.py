@@ -118,12 +118,13 @@ def largest_free_block(segments: Sequence[Dict[str, Any]], device: Optional[int]
     return max(sizes) if sizes else (0 if segments else None)
 
 
-_LIBRARY = ("/torch/", "/site-packages/", "/dist-packages/", "/distmem/", "/tensorflow/", "/keras/")
+_LIBRARY = ("/torch/", "/site-packages/", "/dist-packages/", "/tensorflow/", "/keras/")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # distmem's own frames
 
 
 def _user_frames(frames: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     stdlib = os.path.dirname(os.__file__)
-    return [f for f in frames if f.get("filename") and not str(f["filename"]).startswith(("<", stdlib))
+    return [f for f in frames if f.get("filename") and not str(f["filename"]).startswith(("<", stdlib, _PACKAGE))
             and not any(part in str(f["filename"]) for part in _LIBRARY)]
 
 
@@ -232,11 +233,17 @@ def _gpu_processes(plan: Any, devices: Sequence[int]) -> Tuple[List[Dict[str, An
     me = os.getpid()
     job = {v.pid: v.rank for v in (session.state.layout.views if session.state.layout is not None else []) if v.pid}
     out: List[Dict[str, Any]] = []
+    note = nvml_error()
     for g in discover_gpus.with_live_processes([g for g in inv.gpus if g.index in devices]):
-        for pid, used in g.holders().items():
-            who = "self" if pid == me else (f"rank {job[pid]}" if pid in job else "other")
+        holders = g.holders()
+        mapped = me in holders or not holders
+        if not mapped:  # NVML lists pids of another pid namespace (a container): whose is whose is unknown
+            note = (f"NVML lists {len(holders)} processes on GPU {g.index} but not this one (pid {me}): its pids "
+                    "are of another pid namespace, so none is called foreign")
+        for pid, used in holders.items():
+            who = ("self" if pid == me else (f"rank {job[pid]}" if pid in job else "other")) if mapped else "unknown"
             out.append({"device": g.index, "uuid": g.uuid, "pid": pid, "bytes": used, "who": who})
-    return out, nvml_error()
+    return out, note
 
 
 def build_record(*, source: str, error: str = "", request_bytes: Optional[int] = None, device: Optional[int] = None,
