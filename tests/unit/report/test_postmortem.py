@@ -176,3 +176,33 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert page["first"] == 2 and page["entries"][0]["causes"][0]["kind"] == "over_plan"
     assert (tmp_path / "pm.png").stat().st_size > 1000
     assert main(["postmortem", str(tmp_path / "nothing")]) == 1
+
+
+def test_an_oom_inside_the_guard_writes_its_record(hooks):
+    from distmem.guard.protocol import attempt
+
+    _, run = hooks
+
+    def work():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    status = attempt(work, [False])[0]
+    assert status.name == "OOM"
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["source"] == "guard" and r["request_bytes"] == 512 * MiB
+
+
+def test_tensorflow_resource_exhausted_uncaught(hooks, capsys):
+    import sys
+
+    tf = pytest.importorskip("tensorflow")
+    _, run = hooks
+    try:
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[64,1024] and type "
+                                                           "float on /job:localhost/replica:0/task:0/device:GPU:0")
+    except tf.errors.ResourceExhaustedError:
+        sys.excepthook(*sys.exc_info())
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["source"] == "exception" and r["request_bytes"] == 64 * 1024 * 4
+    assert "ResourceExhaustedError" in r["error"]
+    capsys.readouterr()
