@@ -247,6 +247,9 @@ def reset() -> None:
     check run in a fresh process)."""
     session.clear()
     set_comm(None)
+    from .guard.oom import uninstall
+
+    uninstall()
 
 
 def snapshot(step: Optional[int] = None) -> Snapshot:
