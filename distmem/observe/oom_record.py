@@ -268,6 +268,11 @@ def build_record(*, source: str, error: str = "", request_bytes: Optional[int] =
         "enforced": bool(mine is not None and any(d.enforce for d in mine.devices)),
         "foreign_planned_bytes": int((plan.options or {}).get("foreign_bytes") or 0) if plan is not None else 0,
         "device_total_bytes": next((d.total_bytes for d in mine.devices if d.index == dev), None) if mine else None,
+        "shared_by": next((d.shared_by for d in mine.devices if d.index == dev), 1) if mine else 1,
+        "overhead_bytes": plan.overhead_bytes if plan is not None else None,
+        "driver_reserved_bytes": next((g.reserved_bytes for g in (session.state.inventory.gpus if
+                                                                  session.state.inventory is not None else [])
+                                       if g.index == dev), 0),
         "stages": _stage_rows(plan), "request_bytes": request_bytes if request_bytes is not None
         else request_from_text(error), "cap_bytes": cap_bytes, "device_free_bytes": device_free_bytes,
         "allocated_bytes": None, "reserved_bytes": None, "peak_bytes": None, "largest_free_bytes": None,

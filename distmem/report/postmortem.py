@@ -90,22 +90,44 @@ def fragmentation(rec: Record, **_: Any) -> Optional[Cause]:
                       "buffers first and keep sizes steady (pad odd shapes to a few buckets)"}
 
 
+def _device_others(rec: Record) -> Optional[int]:
+    """Where NVML's pids cannot be told apart (another pid namespace): the device's used bytes
+    (total - what the driver keeps - free at the failure) less this process (its pool and overhead) and the job's other ranks
+    on the GPU (their limits and overheads): what someone else must hold. None without the figures."""
+    total, free, res = rec.get("device_total_bytes"), rec.get("device_free_bytes"), rec.get("reserved_bytes")
+    if total is None or free is None or res is None:
+        return None
+    over = int(rec.get("overhead_bytes") or 0)
+    mates = max(int(rec.get("shared_by") or 1) - 1, 0) * (int(rec.get("limit_bytes") or 0) + over)
+    driver = int(rec.get("driver_reserved_bytes") or 0)  # NVML's total counts what CUDA's free never can
+    return max(int(total) - driver - int(free) - int(res) - over - mates, 0)
+
+
 def foreign_process(rec: Record, **_: Any) -> Optional[Cause]:
     """Within its plan, but processes outside the job hold bytes on its GPU the plan did not reserve."""
-    others = [p for p in rec.get("gpu_processes") or [] if p.get("who") == "other"]
+    procs = rec.get("gpu_processes") or []
+    others = [p for p in procs if p.get("who") == "other"]
     held = sum(int(p.get("bytes") or 0) for p in others)
+    estimated = False
+    if not others and any(p.get("who") == "unknown" for p in procs):
+        held, estimated = _device_others(rec) or 0, True
     unplanned = held - int(rec.get("foreign_planned_bytes") or 0)
     need, limit = needed_bytes(rec), rec.get("limit_bytes")
     if unplanned < defaults.FOREIGN_MIN_BYTES or (need is not None and limit and need > limit):
         return None
     pids = ", ".join(f"pid {p['pid']} {_fmt(p.get('bytes'))}" for p in sorted(others, key=lambda p: -(p.get("bytes")
                                                                                                       or 0))[:6])
+    if estimated:
+        pids = ("NVML's pids are of another pid namespace: the device's used memory less this process and the "
+                "job's planned ranks")
     free = rec.get("device_free_bytes")
     within = f"within its plan ({_fmt(need)} of {_fmt(limit)})" if need is not None and limit else "the device ran out"
     return {"kind": "foreign_process", "foreign_bytes": held, "unplanned_bytes": unplanned,
             "pids": [p["pid"] for p in others], "over_by_bytes": unplanned,
-            "message": f"a foreign process: {within}, but {plural(len(others), 'process', 'processes')} outside the "
-                       f"job held {_fmt(held)} on its GPU ({pids}); the plan reserved "
+            "estimated": estimated,
+            "message": f"a foreign process: {within}, but "
+                       + (f"{plural(len(others), 'process', 'processes')} outside the job" if not estimated
+                          else "processes outside the job") + f" held {_fmt(held)} on its GPU ({pids}); the plan reserved "
                        f"{_fmt(rec.get('foreign_planned_bytes') or 0)} for others"
                        + (f" and the device had {_fmt(free)} free" if free is not None else ""),
             "remedy": f"stop those processes, or plan around them: foreign='{_fmt(held)}' (distmem plan --foreign "

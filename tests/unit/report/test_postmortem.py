@@ -206,3 +206,13 @@ def test_tensorflow_resource_exhausted_uncaught(hooks, capsys):
     assert r["source"] == "exception" and r["request_bytes"] == 64 * 1024 * 4
     assert "ResourceExhaustedError" in r["error"]
     capsys.readouterr()
+
+
+def test_foreign_process_when_nvml_pids_are_of_another_namespace():
+    procs = [{"device": 0, "pid": 9001, "bytes": 100 * GiB, "who": "unknown"},
+             {"device": 0, "pid": 9002, "bytes": 12 * GiB, "who": "unknown"}]
+    r = rec(gpu_processes=procs, device_total_bytes=140 * GiB, device_free_bytes=200 * MiB, reserved_bytes=12 * GiB,
+            allocated_bytes=12 * GiB, overhead_bytes=768 * MiB, shared_by=1, limit_bytes=40 * GiB)
+    causes = pm.diagnose(r)
+    assert [c["kind"] for c in causes] == ["foreign_process"] and causes[0]["estimated"]
+    assert causes[0]["foreign_bytes"] == 140 * GiB - 200 * MiB - 12 * GiB - 768 * MiB
