@@ -282,6 +282,10 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
         # The job's periodic reports (ReportEvery, the Keras callback) collected a timeline: the final
         # report carries it, so `distmem report FILE --plot` draws it.
         rep.timeline = list(session.state.extra["timeline"])
+    if settings.postmortem():
+        from .report.postmortem import attach_to_report
+
+        attach_to_report(rep, settings.run_dir())
     if print_table:
         print_report(rep)
     if path:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from .. import defaults
 from ..units import MiB, format_bytes, plural
 
-__all__ = ["CAUSES", "RULES", "needed_bytes", "over_plan", "fragmentation", "foreign_process", "wrong_stage",
+__all__ = ["attach_to_report", "job_records", "CAUSES", "RULES", "needed_bytes", "over_plan", "fragmentation", "foreign_process", "wrong_stage",
            "diagnose", "postmortem", "render_text", "would_hold"]
 
 CAUSES = ("over_plan", "fragmentation", "foreign_process", "wrong_stage", "unexplained")
@@ -248,3 +248,38 @@ def render_text(page: Dict[str, Any]) -> str:
         lines.append(f"next run planned from this one: {page['next_plan']} (each rank's limit from its observed "
                      f"peak + {defaults.FROM_REPORT_MARGIN:.0%}; what ran out from what it needed)")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def job_records(records: Sequence[Record], pids: Sequence[int], since: Optional[float]) -> List[Record]:
+    """The records of this job: written by a process that reported (its pid), or since ``since``
+    (this process's start) by a rank that did not - not a record an earlier run left in the folder."""
+    mine = set(pids)
+    return [r for r in records if r.get("pid") in mine or (since is not None and (r.get("time") or 0) >= since)]
+
+
+def _process_start() -> Optional[float]:
+    import os
+
+    try:
+        return os.stat(f"/proc/{os.getpid()}").st_ctime
+    except OSError:
+        return None
+
+
+def attach_to_report(report: Any, run_dir: str) -> Optional[Dict[str, Any]]:
+    """Rank 0's report, while the job still can make one: the out-of-memory records of this job in
+    ``run_dir`` as ``aggregates["postmortem"]`` (ranks, causes) and one warning per rank that ran out."""
+    from ..observe.oom_record import read_records
+
+    records = job_records(read_records(run_dir), [s.pid for s in report.ranks], _process_start())
+    if not records:
+        return None
+    page = postmortem(records, run_dir=run_dir, world_size=report.world_size)
+    report.aggregates["postmortem"] = {"run_dir": run_dir, "ranks_out": page["ranks_out"], "first": page["first"],
+                                       "causes": page["causes"]}
+    for e in page["entries"]:
+        c = e["causes"][0]
+        report.warnings.append(f"rank {e['rank']} ran out of memory" + (f" at step {e['step']}" if e.get("step")
+                                                                          is not None else "")
+                               + f": {c['message']}; {c['remedy']} (distmem postmortem {run_dir})")
+    return page

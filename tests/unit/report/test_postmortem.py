@@ -216,3 +216,19 @@ def test_foreign_process_when_nvml_pids_are_of_another_namespace():
     causes = pm.diagnose(r)
     assert [c["kind"] for c in causes] == ["foreign_process"] and causes[0]["estimated"]
     assert causes[0]["foreign_bytes"] == 140 * GiB - 200 * MiB - 12 * GiB - 768 * MiB
+
+
+def test_the_report_names_this_jobs_oom_and_not_an_earlier_runs(tmp_path, monkeypatch, capsys):
+    import distmem
+
+    distmem.reset()
+    monkeypatch.setenv("DISTMEM_RUN_DIR", str(tmp_path))
+    distmem.init(strategy="data", fleet="1x16GiB", framework="none", verbose=False)
+    oom_record.write_record(rec(rank=0, pid=os.getpid(), allocated_bytes=19 * GiB, step=7), str(tmp_path))
+    rep = distmem.report(print_table=False)
+    assert rep.aggregates["postmortem"]["ranks_out"] == [0]
+    assert any(w.startswith("rank 0 ran out of memory at step 7: over its plan") for w in rep.warnings)
+    # a record an earlier run left (another pid, written before this process started) is not this job's
+    oom_record.write_record(rec(rank=0, pid=1, time=1.0, allocated_bytes=19 * GiB), str(tmp_path))
+    assert "postmortem" not in distmem.report(print_table=False).aggregates
+    distmem.reset()
