@@ -2,7 +2,10 @@
 hooks, and whether `distmem postmortem` names each cause; then the closed loop: k processes sharing
 the GPU planned from the estimate vs from a first run's report.
 
-    PYTHONPATH=. python bench/postmortem_gpu.py --out OUT_DIR
+    PYTHONPATH=. python bench/postmortem_gpu.py --out /tmp/pmout --copy-to "$OUT"   # the device run
+
+(``--copy-to`` copies the two results files and one picture per case: six files, the device run's
+limit is eight; the run folders stay in ``--out``.)
 
 Cases (each its own run folder):
   over_plan      a process allocates past its plan's hard limit (torch's per-process fraction, 4 GiB)
@@ -221,6 +224,7 @@ def main() -> int:
     ap.add_argument("--child", nargs="+")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "postmortem_run"))
     ap.add_argument("--skip-loop", action="store_true")
+    ap.add_argument("--copy-to", help="copy the results files and one picture per case here")
     a = ap.parse_args()
     if a.child:
         child(a.child[0], a.child[1:])
@@ -247,7 +251,18 @@ def main() -> int:
         loop["device"] = device
         with open(os.path.join(a.out, "from_report_gpu.json"), "w") as f:
             json.dump(loop, f, indent=1, default=str)
-        print(json.dumps({k: v for k, v in loop.items() if k not in ("failures",)}), flush=True)
+        print(json.dumps({k: v for k, v in loop.items() if k not in ("failures", "traceback")}), flush=True)
+    if a.copy_to:
+        import shutil
+
+        os.makedirs(a.copy_to, exist_ok=True)
+        for name in ("postmortem_gpu.json", "from_report_gpu.json"):
+            if os.path.exists(os.path.join(a.out, name)):
+                shutil.copy(os.path.join(a.out, name), a.copy_to)
+        for case in cases:
+            png = os.path.join(a.out, "oom-" + case, "postmortem.png")
+            if os.path.exists(png):
+                shutil.copy(png, os.path.join(a.copy_to, f"postmortem_{case}.png"))
     return 0
 
 
