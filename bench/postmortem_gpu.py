@@ -126,7 +126,23 @@ def spawn(case: str, run_dir: str, *args: str, **extra: str) -> subprocess.Popen
                             env=env(run_dir, **extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def wait(p: subprocess.Popen, timeout: float) -> str:
+    """The child's output; a child past ``timeout`` is killed and says so (the bench goes on)."""
+    try:
+        return p.communicate(timeout=timeout)[0] or ""
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return (p.communicate()[0] or "") + f"\n[killed after {timeout:.0f} s]"
+
+
 def postmortem(run_dir: str) -> dict:
+    try:
+        return _postmortem(run_dir)
+    except (subprocess.TimeoutExpired, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+
+
+def _postmortem(run_dir: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "distmem.cli", "postmortem", run_dir, "--json"], cwd=ROOT,
                          env=env(run_dir), capture_output=True, text=True, timeout=60)
     text = subprocess.run([sys.executable, "-m", "distmem.cli", "postmortem", run_dir, "--plot",
@@ -152,16 +168,16 @@ def oom_cases(out: str) -> dict:
             line = hog.stdout.readline()
             logs.append("hog: " + line.strip())
             p = spawn(case, run_dir)
-            logs.append(p.communicate(timeout=60)[0][-1500:])
+            logs.append(wait(p, 90)[-1500:])
             hog.kill()
-            hog.communicate(timeout=30)
+            wait(hog, 30)
         elif case == "wrong_stage":
             ps = [spawn(case, run_dir, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                         TORCHELASTIC_RUN_ID=f"pm-{os.getpid()}") for r in range(2)]
-            logs += [p.communicate(timeout=90)[0][-1500:] for p in ps]
+            logs += [wait(p, 120)[-1500:] for p in ps]
         else:
             p = spawn(case, run_dir, DISTMEM_TORCH_EXPANDABLE_SEGMENTS="0")
-            logs.append(p.communicate(timeout=60)[0][-1500:])
+            logs.append(wait(p, 90)[-1500:])
         page = postmortem(run_dir)
         named = [c["kind"] for e in page.get("entries", []) for c in e["causes"]]
         results[case] = {"expected": cause, "named": named, "correct": bool(named) and named[0] == cause,
@@ -180,7 +196,7 @@ def run_phase(out: str, k: int, limit: int, src: str) -> list:
         ps.append(spawn("loop", d, str(limit), src, d))
     rows = []
     for p in ps:
-        text = p.communicate(timeout=150)[0]
+        text = wait(p, 150)
         last = [ln for ln in text.splitlines() if ln.startswith("{")]
         rows.append(json.loads(last[-1]) if last else {"ooms": None, "error": text[-1500:], "rc": p.returncode})
     return rows
