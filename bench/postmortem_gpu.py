@@ -31,6 +31,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this tree's distmem, not an installed one
 MiB, GiB = 1024**2, 1024**3
 WIDTH, DEPTH, BATCH, STEPS = 8192, 4, 512, 8
 BUDGET = 40 * GiB
