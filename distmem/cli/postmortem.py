@@ -41,7 +41,7 @@ def plot(page: Dict[str, Any], path: str) -> str:
                      + sum(p.get("bytes") or 0 for p in e["gpu_processes"] if p.get("who") == "other")
                      for e in entries])
     unit, uname = (GiB, "GiB") if top >= GiB else (MiB, "MiB")
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.9 * max(len(entries), 1)))
+    fig, ax = plt.subplots(figsize=(10, 1.9 + 0.9 * max(len(entries), 1)))
     for y, e in enumerate(entries):
         alloc = (e.get("allocated_bytes") or 0) / unit
         free = max((e.get("reserved_bytes") or 0) - (e.get("allocated_bytes") or 0), 0) / unit
@@ -57,7 +57,7 @@ def plot(page: Dict[str, Any], path: str) -> str:
             ax.vlines(e["limit_bytes"] / unit, y - 0.45, y + 0.45, colors="#222222", linewidth=2.5,
                       label="planned limit" if first else None)
         kinds = ", ".join(c["kind"].replace("_", " ") for c in e["causes"])
-        ax.text(0.01 * top / unit, y + 0.42, kinds, fontsize=8, va="top")
+        ax.text(0.01 * top / unit, y + 0.42, kinds, fontsize=8, va="bottom", color="white")
     ax.set_yticks(range(len(entries)))
     ax.set_yticklabels([f"rank {e['rank']}" + (f" / stage {e['stage']}" if e.get("stage") is not None else "")
                         for e in entries])
@@ -65,7 +65,8 @@ def plot(page: Dict[str, Any], path: str) -> str:
     ax.set_xlabel(uname)
     ax.set_title(f"out of memory: {len(entries)} of {page.get('world_size') or '?'} ranks ({page['run_dir']})",
                  fontsize=10)
-    ax.legend(loc="lower right", fontsize=7)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=5,
+              frameon=False)
     fig.tight_layout()
     with atomic_path(path, ".png") as tmp:
         fig.savefig(tmp, format="png", dpi=110)
