@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["is_oom", "describe", "OOM_MESSAGES", "install", "uninstall", "record_oom", "installed"]
+__all__ = ["is_oom", "describe", "OOM_MESSAGES", "install", "uninstall", "record_oom", "installed", "use_allocator"]
 
 #: Lower-case fragments that mark an allocator failure inside a RuntimeError / OpError message.
 OOM_MESSAGES: Tuple[str, ...] = (
@@ -194,6 +194,14 @@ def install(run_dir: Optional[str] = None, allocator: Any = None) -> None:
         (_hooks["thread_hook"] or threading.__excepthook__)(args)
 
     threading.excepthook = thread_hook
+
+
+def use_allocator(allocator: Any) -> None:
+    """Read (and observe) ``allocator`` instead of torch's, leaving the hooks as they are: on where
+    ``init()`` installed them, off under ``DISTMEM_POSTMORTEM=0`` (tests pass a fake CUDA allocator)."""
+    if allocator is not _hooks["allocator"] and getattr(allocator, "attach", None) is not None:
+        allocator.attach(_observer)
+    _hooks["allocator"] = allocator
 
 
 def uninstall() -> None:

@@ -42,6 +42,15 @@ def test_mpirun_one_rank_out_of_memory(tmp_path, oom_rank):
     check(res, run_dir, oom_rank)
 
 
+def test_no_record_when_turned_off(tmp_path):
+    pytest.importorskip("mpi4py")
+    run_dir = tmp_path / "run"
+    res = mpirun(4, [PROG], timeout=240, env={"OOM_RANK": "1", "DISTMEM_RUN_DIR": str(run_dir),
+                                                "DISTMEM_POSTMORTEM": "0"})
+    assert not res.timed_out and res.rc != 0 and "CUDA out of memory" in res.out
+    assert not (run_dir / "oom").exists()
+
+
 def test_horovodrun_one_rank_out_of_memory(tmp_path):
     if not have("horovodrun"):
         pytest.skip("horovodrun is not installed here")

@@ -50,7 +50,7 @@ class FakeCuda(FakeCudaBase):
 
 plan = distmem.init(strategy="data", fleet="1x16GiB", framework="none", memory="limit", verbose=False)
 cuda = FakeCuda(plan.mine.limit_bytes)
-oom.install(allocator=cuda)
+oom.use_allocator(cuda)  # init() installed the hooks (unless DISTMEM_POSTMORTEM=0); they read this allocator
 oom_record.note_step(0)
 for step in range(1, 6):
     oom_record.note_step(step)
