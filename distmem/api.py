@@ -87,14 +87,15 @@ def _job_agreement() -> Any:
 
 
 def _request(strategy: str, framework: Optional[str], memory: Optional[str], reserve: Any, limit: Any, overhead: Any,
-             foreign: Any, fleet: Optional[str], estimate: Optional[str], options: Dict[str, Any]) -> PlanRequest:
+             foreign: Any, fleet: Optional[str], estimate: Optional[str], options: Dict[str, Any],
+             from_report: Optional[str] = None, from_margin: Optional[float] = None) -> PlanRequest:
     settings.validate()
     if overhead is None:
         overhead = settings.overhead()
     return PlanRequest(strategy=strategy, options=dict(options), framework=framework,
                        memory=None if memory in (None, "auto") else memory, reserve=reserve, limit=limit,
                        overhead=resolve_overhead(overhead, framework), foreign=foreign, fleet=fleet, estimate=estimate,
-                       agree=_job_agreement())
+                       agree=_job_agreement(), from_report=from_report, from_margin=from_margin)
 
 
 def _planned(request: PlanRequest) -> Plan:
@@ -106,7 +107,8 @@ def _planned(request: PlanRequest) -> Plan:
 
 def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, memory: Optional[str] = None,
                   reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
-                  fleet: Optional[str] = None, estimate: Optional[str] = None, **options: Any) -> Plan:
+                  fleet: Optional[str] = None, estimate: Optional[str] = None, from_report: Optional[str] = None,
+                  from_margin: Optional[float] = None, **options: Any) -> Plan:
     """The plan :func:`init` would apply, computed the same way (one :class:`~distmem.plan.PlanRequest`:
     the same defaults, ``DISTMEM_*`` settings, fleet and layout), without applying anything.
 
@@ -115,14 +117,16 @@ def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, me
     learnt through a bounded host-local exchange (:mod:`distmem.discover.layout`).
     ``fleet`` (or ``DISTMEM_FLEET``, e.g. ``"4x16GiB"`` or ``"a=2x80GiB;b=2x16GiB"``) declares GPUs
     for a dry run on a machine without them; real GPUs found through NVML take precedence.
+    ``from_report``: the last run's report (or run folder), as in :func:`init`.
     """
-    return _planned(_request(strategy, framework, memory, reserve, limit, overhead, foreign, fleet, estimate, options))
+    return _planned(_request(strategy, framework, memory, reserve, limit, overhead, foreign, fleet, estimate, options,
+                             from_report, from_margin))
 
 
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
          reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
          fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, estimate: Optional[str] = None,
-         **strategy_options: Any) -> Plan:
+         from_report: Optional[str] = None, from_margin: Optional[float] = None, **strategy_options: Any) -> Plan:
     """Plan this job's GPU memory and apply this rank's share to the framework. Returns the Plan.
 
     Call it first, before the framework touches a GPU (before or after ``hvd.init()``).
@@ -148,6 +152,12 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     job's transport - else the model alone, warned), ``"measure"`` or ``"model"``.
     enforce: ``"framework"`` (the framework's own limit) or ``"native"`` (also require distmem's
     LD_PRELOAD cap, launched through ``distmem-exec``).
+    from_report: the last run's report (``runs/last/report.json``) or run folder: each rank's (or
+    pipeline stage's) limit is its observed peak - or, where it ran out, what it needed - plus
+    ``from_margin`` (default 10%, :data:`distmem.defaults.FROM_REPORT_MARGIN`); a rank with no
+    figure keeps the estimate's. ``plan.extras["from_report"]`` lists what changed.
+    An out-of-memory error on this rank writes its record to ``RUN_DIR/oom/`` (``distmem postmortem
+    RUN_DIR``) unless ``DISTMEM_POSTMORTEM=0``.
     The strategy's own options (``stages=``, ``tenants=``, ``headroom=``...) follow; an unknown one
     is an error naming what the strategy takes. ``plan_from_env`` with the same arguments returns
     the same plan without applying it.
@@ -158,7 +168,8 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     PlanRequest(strategy=strategy, options=dict(strategy_options), framework=framework, limit=limit).strategy_options(
         get_strategy(strategy))
     asked = dict(strategy=strategy, framework=framework, memory=memory, reserve=reserve, limit=limit,
-                 overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, estimate=estimate, **strategy_options)
+                 overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, estimate=estimate,
+                 **({"from_report": from_report, "from_margin": from_margin} if from_report else {}), **strategy_options)
     earlier = session.state.options
     if session.state.plan is not None and earlier is not None:
         changed = {k: (earlier.get(k), asked.get(k)) for k in sorted(set(earlier) | set(asked))
@@ -174,7 +185,8 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     fw_adapter = adapter(fw)
     # Read before planning (the estimator may build a model): what the framework started on its own.
     live = None if session.was_reset else fw_adapter.started()
-    plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, estimate, strategy_options))
+    plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, estimate, strategy_options,
+                             from_report, from_margin))
     inv = session.state.inventory
     assert inv is not None  # set by _planned
     plan.warnings.extend(foreign_warnings(plan, inv, os.getpid()))
@@ -198,6 +210,10 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     plan.warnings.extend(applied.get("warnings") or [])
     session.state.plan, session.state.framework, session.state.applied = plan, fw, applied
     session.state.options = asked
+    if settings.postmortem():  # every OOM of this rank writes its record (distmem postmortem RUN_DIR)
+        from .guard.oom import install
+
+        install()
     if verbose:
         mine = plan.mine
         topo = session.state.topology
@@ -208,6 +224,13 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
         where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not inv.real
                                                           else f"{fw}: nothing to apply")
         say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
+        if from_report:
+            from .plan.from_report import describe_changes
+
+            for line in describe_changes(plan)[:1] + [ln.strip() for ln in describe_changes(plan)[1:]
+                                                      if ln.strip().startswith(f"rank {mine.rank}:")
+                                                      or ln.strip().startswith(f"rank {mine.rank} ")]:
+                say(f"[distmem rank {mine.rank}] {line.strip()}")
         for w in plan.warnings:
             say(f"[distmem rank {mine.rank}] WARNING: {w}")
     return plan
@@ -224,6 +247,9 @@ def reset() -> None:
     check run in a fresh process)."""
     session.clear()
     set_comm(None)
+    from .guard.oom import uninstall
+
+    uninstall()
 
 
 def snapshot(step: Optional[int] = None) -> Snapshot:
@@ -256,6 +282,10 @@ def report(path: Optional[str] = None, timeout: Optional[float] = None, *, detai
         # The job's periodic reports (ReportEvery, the Keras callback) collected a timeline: the final
         # report carries it, so `distmem report FILE --plot` draws it.
         rep.timeline = list(session.state.extra["timeline"])
+    if settings.postmortem():
+        from .report.postmortem import attach_to_report
+
+        attach_to_report(rep, settings.run_dir())
     if print_table:
         print_report(rep)
     if path:

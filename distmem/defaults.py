@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 __all__ = ["OVERHEAD_BYTES", "RESERVE", "LIMIT_HEADROOM", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
-           "headroom", "MIN_LIMIT_BYTES", "MAX_LIMIT_BYTES"]
+           "headroom", "MIN_LIMIT_BYTES", "MAX_LIMIT_BYTES", "FROM_REPORT_MARGIN", "FRAGMENTATION_MIN_BYTES",
+           "FOREIGN_MIN_BYTES"]
 
 _MiB = 1024**2
 
@@ -50,3 +51,18 @@ def headroom(framework: str, enforced: bool = True) -> float:
     if enforced:
         return LIMIT_HEADROOM
     return TORCH_CACHE_HEADROOM if framework == "torch" else TF_GPU_ALLOCATOR_HEADROOM
+
+
+#: The margin a limit planned from a run's observed peak gets (``distmem plan --from``,
+#: ``init(from_report=...)``): the peak plus 10%, the same figure as :data:`LIMIT_HEADROOM` (the
+#: smallest limit each H200 workload ran under was its peak plus fragmentation, below 10%).
+FROM_REPORT_MARGIN = 0.10
+
+#: An out-of-memory error is put down to fragmentation only when the allocator held at least this
+#: much free in its pool (reserved - allocated) besides the request not fitting its largest free
+#: block: a few MiB of slack is every allocator's normal rounding, not a cause.
+FRAGMENTATION_MIN_BYTES = 64 * _MiB
+
+#: Another process's memory on a rank's GPU is named as a cause only above this many bytes the plan
+#: did not reserve (a monitoring agent's context is a few MiB).
+FOREIGN_MIN_BYTES = 64 * _MiB

@@ -21,6 +21,8 @@ variable                               meaning
 ``DISTMEM_LAYOUT_TIMEOUT``             seconds a rank waits for its host's other ranks (default DISTMEM_TIMEOUT, else 30)
 ``DISTMEM_LAUNCH_TIMEOUT``             seconds ``distmem launch-tf`` lets a job run (default 3600)
 ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``  ``1`` / ``0``: torch's expandable segments on / off
+``DISTMEM_POSTMORTEM``                 ``0``: write no out-of-memory record (default ``1``: every rank writes one)
+``DISTMEM_RUN_DIR``                    the run folder: OOM records go to ``RUN_DIR/oom/`` (default: the report's folder, else runs/last)
 ``DISTMEM_CAP_*``                      the native cap's settings, written by ``distmem-exec``
 =====================================  ==========================================================
 """
@@ -32,13 +34,14 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "postmortem", "run_dir", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
            "MAX_SECONDS"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
              "DISTMEM_REPORT", "DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_COMM", "DISTMEM_LAYOUT_DIR",
-             "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS")
+             "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS",
+             "DISTMEM_POSTMORTEM", "DISTMEM_RUN_DIR")
 
 
 def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -143,6 +146,22 @@ def plain(env: Optional[Mapping[str, str]] = None) -> bool:
     return bool(flag("DISTMEM_PLAIN", env))
 
 
+def postmortem(env: Optional[Mapping[str, str]] = None) -> bool:
+    """``DISTMEM_POSTMORTEM``: ``0`` turns off the out-of-memory record every rank writes (default on)."""
+    value = flag("DISTMEM_POSTMORTEM", env)
+    return True if value is None else value
+
+
+def run_dir(env: Optional[Mapping[str, str]] = None) -> str:
+    """``DISTMEM_RUN_DIR``: the run folder (out-of-memory records go to its ``oom/``); default the
+    folder of ``DISTMEM_REPORT`` when that is set, else ``runs/last``; relative to the working folder."""
+    text = raw("DISTMEM_RUN_DIR", env)
+    if text is None:
+        report = report_path(env)
+        text = os.path.dirname(report) if report and os.path.dirname(report) else os.path.join("runs", "last")
+    return os.path.abspath(text)
+
+
 def comm(env: Optional[Mapping[str, str]] = None) -> str:
     """``DISTMEM_COMM``: ``auto`` (default) or ``mpi`` (use MPI whenever mpirun launched the job)."""
     text = raw("DISTMEM_COMM", env) or "auto"
@@ -160,7 +179,8 @@ def validate(env: Optional[Mapping[str, str]] = None) -> None:
     launch_timeout(env)
     memory(env)
     comm(env)
-    for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE"):
+    for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE",
+                 "DISTMEM_POSTMORTEM"):
         flag(name, env)
     from .units import check_size
 

@@ -73,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
         print("  " + a.describe() + (f" on {a.host}" if len(per_host) > 1 else "") + extra)
     if len(plan.allocations) > 256:
         print(f"  ... {len(plan.allocations) - 256} more ranks")
+    from ..plan.from_report import describe_changes
+
+    for line in describe_changes(plan):
+        print(line)
     for w in plan.warnings:
         print(f"WARNING: {w}")
     return 0

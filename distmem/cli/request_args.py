@@ -73,6 +73,11 @@ def add_request_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[st
     p.add_argument("--estimate", default=None, choices=["auto", "measure", "model"],
                    help="how --model is estimated: auto (measured with a few training steps where the hardware is "
                         "at hand, else the model; default), measure, model")
+    p.add_argument("--from", dest="from_report", default=None, metavar="REPORT",
+                   help="plan from the last run: its report (runs/last/report.json) or run folder; each rank's limit "
+                        "is its observed peak (what it needed where it ran out) + --from-margin")
+    p.add_argument("--from-margin", dest="from_margin", type=float, default=None, metavar="RATIO",
+                   help="the margin over the last run's peak (default 0.1: 10%%)")
     offered = set()
     try:
         mine = get(chosen)
@@ -166,7 +171,8 @@ def request_from_args(args: argparse.Namespace, *, job: bool = True, env: Any = 
                           overhead=resolve_overhead(args.overhead if args.overhead is not None else
                                                     settings.overhead(env), args.framework),
                           foreign=args.foreign or 0, fleet=args.gpus, env=env, fleet_what="--gpus",
-                          estimate=args.estimate)
+                          estimate=args.estimate, from_report=getattr(args, "from_report", None),
+                          from_margin=getattr(args, "from_margin", None))
     if job:
         fleet, what = request.resolved_fleet()
         gpus_here = 0

@@ -199,6 +199,9 @@ class Context:
     #: result (or its error), so what is measured once is planned alike everywhere. None: compute here.
     agree: Optional[Callable[[Callable[[], Any]], Any]] = None
     warnings: List[str] = field(default_factory=list)
+    #: What the last run used (``from_report=``): the plan's limits follow it (distmem.plan.from_report).
+    observed: Optional[Any] = None
+    observed_margin: Optional[float] = None
 
     def agreed(self, compute: Callable[[], Any]) -> Any:
         """``compute()``'s result, the same on every rank of the job (see :attr:`agree`)."""
@@ -259,6 +262,10 @@ def used_gpus(views: Sequence[RankView]) -> List[Gpu]:
 def plan_in(ctx: Context, strategy: Strategy, opts: Any) -> Plan:
     """``strategy``'s plan from ``ctx``, with what resolving the request had to say."""
     plan = strategy.plan(ctx, opts)
+    if ctx.observed is not None:
+        from .from_report import apply_observed
+
+        apply_observed(plan, ctx.observed, ctx, ctx.observed_margin)
     plan.warnings.extend(w for w in ctx.warnings if w not in plan.warnings)
     return plan
 
@@ -295,6 +302,10 @@ class PlanRequest:
     foreign: SizeLike = field(default=0, metadata={"argument": True})
     fleet: Optional[str] = field(default=None, metadata={"argument": True})
     estimate: Optional[str] = field(default=None, metadata={"argument": True})
+    #: The last run's report (or run folder): each rank's limit from its observed peak + ``from_margin``
+    #: (default :data:`distmem.defaults.FROM_REPORT_MARGIN`), see :mod:`distmem.plan.from_report`.
+    from_report: Optional[str] = field(default=None, metadata={"argument": True})
+    from_margin: Optional[float] = field(default=None, metadata={"argument": True})
     job: Optional[JobLayout] = None
     env: Optional[Mapping[str, str]] = None
     topology: Optional[Topology] = None
@@ -356,6 +367,10 @@ class PlanRequest:
         """Resolve everything (see the module docstring): the context, the strategy and its options."""
         env = self.environ
         settings.validate(env)
+        if self.from_margin is not None and (isinstance(self.from_margin, bool) or not isinstance(
+                self.from_margin, (int, float)) or not 0 <= self.from_margin <= 10):
+            raise ConfigError(f"from_margin={self.from_margin!r}: give the margin over the last run's peak as a ratio "
+                              f"(default {defaults.FROM_REPORT_MARGIN:g}, i.e. {defaults.FROM_REPORT_MARGIN:.0%})")
         strategy = self.resolved_strategy()
         opts = self.strategy_options(strategy)
         framework = self.resolved_framework()
@@ -392,6 +407,10 @@ class PlanRequest:
                 method = "model"
         ctx = Context(topo, inv, layout, places(layout), budget, framework, inv.source, host_gpus, declared,
                       None if overhead is None or modelled else budget.overhead_bytes, method, agree, warnings)
+        if self.from_report:
+            from .from_report import read_observed
+
+            ctx.observed, ctx.observed_margin = read_observed(str(self.from_report)), self.from_margin
         return ctx, strategy, opts
 
     def plan(self) -> Plan:

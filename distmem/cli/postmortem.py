@@ -1,0 +1,98 @@
+"""``distmem postmortem RUN_DIR``: after an out-of-memory error, every rank's record on one page -
+which rank, by how much, why, and what to change (:mod:`distmem.report.postmortem`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Dict
+
+from ..errors import ConfigError
+from ..observe.oom_record import OOM_FOLDER, read_records
+from ..report.postmortem import postmortem, render_text
+from ..units import GiB, MiB
+
+__all__ = ["add_arguments", "run", "plot"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="the run folder (DISTMEM_RUN_DIR; default the report's folder, else runs/last): its oom/ "
+                        "holds one record per rank that ran out")
+    p.add_argument("--json", action="store_true", help="the page as JSON")
+    p.add_argument("--plot", metavar="PNG", help="draw each rank that ran out: held, free in its pool, asked for, "
+                                                  "others on its GPU, against its planned limit")
+
+
+def plot(page: Dict[str, Any], path: str) -> str:
+    """A PNG of the page: one bar per rank that ran out (allocated, free in the pool, the request,
+    other processes' bytes) and its planned limit, the cause written beside it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError(f"--plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot") from None
+    from ..report.sinks.files import atomic_path
+
+    entries = page["entries"]
+    top = max([1] + [max((e.get("reserved_bytes") or 0), (e.get("needed_bytes") or 0), e.get("limit_bytes") or 0)
+                     + sum(p.get("bytes") or 0 for p in e["gpu_processes"] if p.get("who") == "other")
+                     for e in entries])
+    unit, uname = (GiB, "GiB") if top >= GiB else (MiB, "MiB")
+    fig, ax = plt.subplots(figsize=(10, 1.9 + 0.9 * max(len(entries), 1)))
+    for y, e in enumerate(entries):
+        alloc = (e.get("allocated_bytes") or 0) / unit
+        free = max((e.get("reserved_bytes") or 0) - (e.get("allocated_bytes") or 0), 0) / unit
+        req = (e.get("request_bytes") or 0) / unit
+        other = sum(p.get("bytes") or 0 for p in e["gpu_processes"] if p.get("who") == "other") / unit
+        first = y == 0
+        ax.barh(y, alloc, color="#1F4E79", label="allocated" if first else None)
+        ax.barh(y, free, left=alloc, color="#9BBBD9", label="free in its pool (reserved - allocated)" if first else None)
+        ax.barh(y, req, left=alloc + free, color="#D64545", label="asked for" if first else None)
+        if other:
+            ax.barh(y, other, left=alloc + free + req, color="#7B3FA0", label="other processes" if first else None)
+        if e.get("limit_bytes"):
+            ax.vlines(e["limit_bytes"] / unit, y - 0.45, y + 0.45, colors="#222222", linewidth=2.5,
+                      label="planned limit" if first else None)
+        kinds = ", ".join(c["kind"].replace("_", " ") for c in e["causes"])
+        ax.text(0.01 * top / unit, y + 0.42, kinds, fontsize=8, va="bottom", color="white")
+    ax.set_yticks(range(len(entries)))
+    ax.set_yticklabels([f"rank {e['rank']}" + (f" / stage {e['stage']}" if e.get("stage") is not None else "")
+                        for e in entries])
+    ax.invert_yaxis()
+    ax.set_xlabel(uname)
+    ax.set_title(f"out of memory: {len(entries)} of {page.get('world_size') or '?'} ranks ({page['run_dir']})",
+                 fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=5,
+              frameon=False)
+    fig.tight_layout()
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{run_dir!r} is not a folder; give the run folder whose {OOM_FOLDER}/ holds the records "
+                          "(DISTMEM_RUN_DIR, default runs/last)")
+    records = read_records(run_dir)
+    size = None
+    report = os.path.join(run_dir, "report.json")
+    if os.path.isfile(report):
+        try:
+            with open(report, encoding="utf-8") as f:
+                size = int(json.load(f).get("world_size") or 0) or None
+        except (OSError, ValueError, TypeError, AttributeError):
+            size = None
+    page = postmortem(records, run_dir=run_dir, world_size=size)
+    if args.plot:
+        plot(page, args.plot)
+    if args.json:
+        print(json.dumps(page, indent=1, default=str))
+    else:
+        print(render_text(page), end="")
+    return 0 if records else 1

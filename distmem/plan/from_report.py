@@ -1,0 +1,239 @@
+"""The next plan from the last run: each rank's (or pipeline stage's) limit from what it was seen to
+use, plus a stated margin (:data:`distmem.defaults.FROM_REPORT_MARGIN`).
+
+A step of the plan request (:class:`distmem.plan.request.PlanRequest` ``from_report=``), so every
+door gets it: ``distmem plan --from runs/last/report.json``, ``init(from_report=...)``,
+``plan_from_env(from_report=...)``. What a rank was seen to use is its allocator peak in the report
+(``distmem.report()``/``ReportEvery`` JSON) and, where it ran out of memory, what it needed at the
+failing allocation (allocated + asked for, from its ``oom/rank-N.json`` record beside the report).
+A pipeline stage takes the largest figure of its ranks. A rank with no figure keeps the estimate's
+limit. No limit goes above what the GPU offers the rank (its equal share); a rank that needed more
+is named. The plan's ``extras["from_report"]`` lists every rank that changed and by how much.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .. import defaults
+from ..errors import ConfigError
+from ..units import MiB, format_bytes
+
+__all__ = ["Observed", "read_observed", "observed_from_dicts", "apply_observed", "describe_changes"]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a run used: ``ranks`` (rank -> bytes) and ``stages`` (stage -> the largest of its
+    ranks), with ``sources`` saying per rank whether the figure is its ``peak`` or, where it ran
+    out, what it ``needed``."""
+
+    path: str
+    world_size: Optional[int]
+    strategy: Optional[str]
+    ranks: Dict[int, int] = field(default_factory=dict)
+    stages: Dict[int, int] = field(default_factory=dict)
+    sources: Dict[int, str] = field(default_factory=dict)
+    stage_of: Dict[int, Optional[int]] = field(default_factory=dict)
+
+
+def observed_from_dicts(report: Optional[Dict[str, Any]], records: List[Dict[str, Any]], path: str = "") -> Observed:
+    """:class:`Observed` from a report's plain data and the out-of-memory records beside it."""
+    ranks: Dict[int, int] = {}
+    sources: Dict[int, str] = {}
+    stage_of: Dict[int, Optional[int]] = {}
+    size = strategy = None
+    if report is not None:
+        size, strategy = report.get("world_size"), report.get("strategy")
+        for row in report.get("ranks") or []:
+            rank = row.get("rank")
+            peak = row.get("peak_bytes") if row.get("peak_bytes") is not None else row.get("current_bytes")
+            if rank is None or peak is None:
+                continue
+            ranks[int(rank)], sources[int(rank)] = int(peak), "peak"
+            stage_of[int(rank)] = row.get("stage")
+    for rec in records:
+        rank, a, r = rec.get("rank"), rec.get("allocated_bytes"), rec.get("request_bytes")
+        if rank is None or a is None or r is None:
+            continue
+        need = int(a) + int(r)
+        if need > ranks.get(int(rank), 0):
+            ranks[int(rank)], sources[int(rank)] = need, "needed"
+        stage_of.setdefault(int(rank), rec.get("stage"))
+        size = size or rec.get("world_size")
+        strategy = strategy or rec.get("strategy")
+    stages: Dict[int, int] = {}
+    for rank, b in ranks.items():
+        s = stage_of.get(rank)
+        if s is not None:
+            stages[int(s)] = max(stages.get(int(s), 0), b)
+    return Observed(path, size, strategy, ranks, stages, sources, stage_of)
+
+
+def read_observed(path: str) -> Observed:
+    """The figures of a report JSON (``runs/last/report.json``) or of a run folder (its
+    ``report.json`` and ``oom/``); the records of ``oom/`` beside a report are read too."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    report_file = os.path.join(path, "report.json") if os.path.isdir(path) else path
+    report = None
+    if os.path.isfile(report_file):
+        try:
+            with open(report_file, encoding="utf-8") as f:
+                report = json.load(f)
+        except ValueError as exc:
+            raise ConfigError(f"--from {path!r}: {report_file} is not JSON ({exc}); give the report "
+                              "distmem.report(path=...) or ReportEvery(path=...) wrote") from None
+        if not isinstance(report, dict) or "world_size" not in report:
+            raise ConfigError(f"--from {path!r}: {report_file} is not a distmem report (no 'world_size'); give the "
+                              "report distmem.report(path=...) or ReportEvery(path=...) wrote")
+    elif not os.path.isdir(path):
+        raise ConfigError(f"--from {path!r} does not exist; give the last run's report (runs/last/report.json) or "
+                          "its run folder")
+    records = _records(folder)
+    if report is None and not records:
+        raise ConfigError(f"--from {path!r}: the folder holds neither report.json nor oom/ records; give the last "
+                          "run's report file")
+    return observed_from_dicts(report, records, path)
+
+
+def _records(folder: str) -> List[Dict[str, Any]]:
+    out: List[Dict[str, Any]] = []
+    oom = os.path.join(folder, "oom")
+    try:
+        names = sorted(os.listdir(oom))
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                fd = os.open(os.path.join(oom, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                with os.fdopen(fd, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and data.get("distmem_oom"):
+                out.append(data)
+    return out
+
+
+def _ceil_mib(n: float) -> int:
+    return -(-int(n) // MiB) * MiB
+
+
+def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optional[float] = None) -> Any:
+    """Re-limit ``plan``'s ranks from ``observed`` (in place; returns the plan): figure x (1 + margin),
+    in whole MiB, at most the GPU's share for the rank where ``ctx`` tells it. A pipeline rank takes
+    its stage's figure; a rank with no figure keeps its limit. Records the changes in
+    ``plan.extras["from_report"]``."""
+    margin = defaults.FROM_REPORT_MARGIN if margin is None else float(margin)
+    if not 0 <= margin <= 10:
+        raise ConfigError(f"from_margin={margin!r}: give the margin over the observed peak as a ratio, e.g. 0.1 for "
+                          "10%")
+    by_stage = plan.strategy == "pipeline" and bool(observed.stages)
+    same_job = observed.world_size in (None, plan.world_size)
+    changed: List[Dict[str, Any]] = []
+    kept: List[int] = []
+    capped: List[Dict[str, Any]] = []
+    rows = {r.get("stage"): r for r in ((plan.extras.get("pipeline") or {}).get("stages") or [])}
+    for a in plan.allocations:
+        figure = source = None
+        if by_stage and a.stage is not None and a.stage in observed.stages:
+            figure, source = observed.stages[a.stage], f"stage {a.stage}"
+        elif same_job and a.rank in observed.ranks:
+            figure, source = observed.ranks[a.rank], observed.sources.get(a.rank, "peak")
+        if figure is None or len(a.devices) != 1:
+            kept.append(a.rank)
+            continue
+        d = a.devices[0]
+        new = _ceil_mib(figure * (1 + margin))
+        share = _share(ctx, d)
+        if share is not None and new > share:
+            capped.append({"rank": a.rank, "wanted_bytes": new, "share_bytes": share, "slot": d, "alloc": a,
+                           "figure": figure, "source": source})
+            continue
+        old = d.planned_bytes
+        if new == old:
+            kept.append(a.rank)
+            continue
+        d.planned_bytes = new
+        a.breakdown["planned_bytes"] = new
+        a.breakdown["observed_bytes"] = figure
+        if a.demand_bytes is not None:
+            a.breakdown["headroom_bytes"] = new - a.demand_bytes
+        a.headroom = margin
+        a.notes.append(f"limit {format_bytes(old)} -> {format_bytes(new)} from the last run ({source} "
+                       f"{format_bytes(figure)} + {margin:.0%})")
+        changed.append({"rank": a.rank, "stage": a.stage, "old_bytes": old, "new_bytes": new, "observed_bytes": figure,
+                        "source": source, "change_bytes": new - old})
+        if a.stage in rows and by_stage:
+            rows[a.stage]["planned_bytes"] = new
+    # What the ranks that need less leave on their GPU goes to those on it that need more, in rank order.
+    left: Dict[str, int] = {}
+    for c in changed:
+        a = next(x for x in plan.allocations if x.rank == c["rank"])
+        share = _share(ctx, a.devices[0])
+        if share is not None and c["new_bytes"] < share:
+            key = a.devices[0].uuid or str(a.devices[0].index)
+            left[key] = left.get(key, 0) + share - c["new_bytes"]
+    for c in capped:
+        d, a = c.pop("slot"), c.pop("alloc")
+        key = d.uuid or str(d.index)
+        extra = min(c["wanted_bytes"] - c["share_bytes"], left.get(key, 0)) // MiB * MiB
+        left[key] = left.get(key, 0) - extra
+        new, old = c["share_bytes"] + extra, d.planned_bytes
+        c["given_bytes"] = new
+        figure, source = c.pop("figure"), c.pop("source")
+        if new != old:
+            d.planned_bytes = a.breakdown["planned_bytes"] = new
+            a.breakdown["observed_bytes"] = figure
+            a.notes.append(f"limit {format_bytes(old)} -> {format_bytes(new)} from the last run ({source} "
+                           f"{format_bytes(figure)}; what the GPU's other ranks left)")
+            changed.append({"rank": a.rank, "stage": a.stage, "old_bytes": old, "new_bytes": new,
+                            "observed_bytes": figure, "source": source, "change_bytes": new - old})
+        else:
+            kept.append(a.rank)
+    capped = [c for c in capped if c["given_bytes"] < c["wanted_bytes"]]
+    changed.sort(key=lambda c: c["rank"])
+    plan.extras["from_report"] = {"path": observed.path, "margin": margin, "changed": changed, "kept": kept,
+                                  "capped": capped, "report_world_size": observed.world_size}
+    if not same_job and not by_stage:
+        plan.warnings.append(f"the report at {observed.path} is of a job of {observed.world_size} ranks, this one has "
+                             f"{plan.world_size}: ranks are planned from the estimate")
+    for c in capped:
+        plan.warnings.append(f"rank {c['rank']} needed {format_bytes(c['wanted_bytes'])} last run (with the margin) but "
+                             f"its GPU offers it {format_bytes(c['given_bytes'])}: it will run out again; run fewer "
+                             "ranks per GPU, a smaller batch, or more stages")
+    return plan
+
+
+def _share(ctx: Any, slot: Any) -> Optional[int]:
+    """What the GPU of ``slot`` offers each of the ranks sharing it (None where ``ctx`` cannot say)."""
+    if ctx is None:
+        return None
+    gpus = [g for host in (ctx.host_gpus or []) for g in host] + list(getattr(ctx.inventory, "gpus", []))
+    gpu = next((g for g in gpus if slot.uuid and g.uuid == slot.uuid), None)
+    if gpu is None:
+        gpu = next((g for g in gpus if g.total_bytes == slot.total_bytes), None)
+    if gpu is None:
+        return None
+    return int(ctx.budget.share_or_zero(gpu, max(slot.shared_by, 1))) or None
+
+
+def describe_changes(plan: Any) -> List[str]:
+    """One line per rank the last run re-planned (and one for those that kept the estimate)."""
+    info = plan.extras.get("from_report")
+    if not info:
+        return []
+    lines = [f"from {info['path']}: limits are the observed peak + {info['margin']:.0%} "
+             f"({len(info['changed'])} changed, {len(info['kept'])} kept)"]
+    for c in info["changed"][:256]:
+        sign = "+" if c["change_bytes"] > 0 else "-"
+        lines.append(f"  rank {c['rank']}" + (f" stage {c['stage']}" if c.get("stage") is not None else "")
+                     + f": {format_bytes(c['old_bytes'])} -> {format_bytes(c['new_bytes'])} ({sign}"
+                     f"{format_bytes(abs(c['change_bytes']))}; {c['source']} {format_bytes(c['observed_bytes'])})")
+    if info["kept"]:
+        lines.append(f"  kept (no figure, or unchanged): ranks {', '.join(map(str, info['kept'][:32]))}"
+                     + (" ..." if len(info["kept"]) > 32 else ""))
+    return lines
