@@ -199,6 +199,8 @@ class Context:
     #: result (or its error), so what is measured once is planned alike everywhere. None: compute here.
     agree: Optional[Callable[[Callable[[], Any]], Any]] = None
     warnings: List[str] = field(default_factory=list)
+    #: the environment the request read (``HOROVOD_*`` says which wrapper's buffers a plan counts)
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def agreed(self, compute: Callable[[], Any]) -> Any:
         """``compute()``'s result, the same on every rank of the job (see :attr:`agree`)."""
@@ -391,7 +393,8 @@ class PlanRequest:
                                 "mpirun with mpi4py first); pass estimate='model' to say so, or call init() later")
                 method = "model"
         ctx = Context(topo, inv, layout, places(layout), budget, framework, inv.source, host_gpus, declared,
-                      None if overhead is None or modelled else budget.overhead_bytes, method, agree, warnings)
+                      None if overhead is None or modelled else budget.overhead_bytes, method, agree, warnings,
+                      env=dict(self.environ))
         return ctx, strategy, opts
 
     def plan(self) -> Plan:

@@ -42,14 +42,20 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import ConfigError
 from ..units import MiB, format_bytes
 
-__all__ = ["WRAPPERS", "SHARDED_WRAPPERS", "ModelState", "Wrapper", "WrapperDemand", "wrapper_demand",
-           "rank_peak", "zero_partition", "horovod_from_env", "wrapper_from_env", "check_wrapper",
+__all__ = ["WRAPPER_CHOICES", "WRAPPERS", "SHARDED_WRAPPERS", "SHARDINGS", "sharding_wrapper", "added_bytes", "grad_fraction", "ModelState", "Wrapper", "WrapperDemand", "wrapper_demand",
+           "rank_peak", "zero_partition", "plan_wrapper", "horovod_from_env", "wrapper_from_env", "check_wrapper",
            "DEFAULT_BUCKET_CAP_MB", "HOROVOD_FUSION_DEFAULT", "STATE_PARTS"]
 
 #: Every wrapper a plan knows; None (no wrapper) is also accepted everywhere.
 WRAPPERS = ("ddp", "fsdp2", "zero1", "zero2", "horovod", "tf_distribute")
 #: The wrappers that shard model state over the data-parallel degree.
 SHARDED_WRAPPERS = ("fsdp2", "zero1", "zero2")
+#: What ``wrapper=`` takes on the strategies that count a wrapper's buffers (pipeline, model).
+WRAPPER_CHOICES = ("auto", "none", "horovod", "ddp", "tf_distribute")
+#: How ``fit`` and the ``sharded`` strategy name a sharded data-parallel layout: ZeRO's stages, and
+#: FSDP2 resharding after the forward (``fsdp2``) or keeping units gathered to the backward
+#: (``fsdp2_keep``: ``reshard_after_forward=False``).
+SHARDINGS = ("zero1", "zero2", "fsdp2", "fsdp2_keep")
 #: ``DistributedDataParallel(bucket_cap_mb=25)``: torch's default.
 DEFAULT_BUCKET_CAP_MB = 25.0
 #: ``HOROVOD_FUSION_THRESHOLD``'s default: 128 MiB (Horovod 0.28).
@@ -301,6 +307,49 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         if sum(back.values()) > sum(out.values()):
             out = back
     return sum(out.values()), out, d
+
+
+def sharding_wrapper(name: str, degree: int, *, prefetch: int = 1) -> Wrapper:
+    """The :class:`Wrapper` of a sharding named in :data:`SHARDINGS` over ``degree`` ranks."""
+    if name not in SHARDINGS:
+        raise ConfigError(f"sharding {name!r} is not one of {', '.join(SHARDINGS)}")
+    if name.startswith("fsdp2"):
+        return check_wrapper(Wrapper("fsdp2", int(degree), reshard_after_forward=name == "fsdp2", prefetch=prefetch))
+    return check_wrapper(Wrapper(name, int(degree)))
+
+
+def grad_fraction(optimizer: Optional[str]) -> float:
+    """The gradients' share of a layer's state (weights + gradients + optimizer slots) when only the
+    state's total is known: ``1 / (2 + slots)``, with Adam's 2 slots, momentum's 1, SGD's 0."""
+    slots = {"sgd": 0, "momentum": 1, "rmsprop": 1, "adagrad": 1}.get(str(optimizer or "adam").lower(), 2)
+    return 1.0 / (2 + slots)
+
+
+def added_bytes(w: Optional[Wrapper], grad_bytes: int) -> int:
+    """What a wrapper that shards nothing (``ddp``, ``horovod``, ``tf_distribute``) adds to a
+    demand whose gradients are ``grad_bytes``: the larger of its backward and update buffers."""
+    if w is None or w.kind is None:
+        return 0
+    if w.kind in SHARDED_WRAPPERS:
+        raise ConfigError(f"wrapper={w.kind!r} shards the model state: plan it with strategy='sharded' (or fit), "
+                          "which replaces the state by each rank's shard")
+    if w.kind == "ddp" and w.gradient_as_bucket_view:
+        return 0  # the buckets are the gradients the demand already holds
+    d = wrapper_demand(w, ModelState(0, int(grad_bytes), 0))
+    return max(d.backward_buffers, d.update_buffers, d.persistent_buffers)
+
+
+def plan_wrapper(kind: Optional[str], *, world_size: int, on_gpu: bool,
+                 env: Optional[Mapping[str, str]] = None) -> Optional[Wrapper]:
+    """The wrapper a ``pipeline`` or ``model`` plan counts: ``wrapper=`` as the strategy got it
+    (``"auto"``, the default: Horovod's fusion buffer when ``HOROVOD_*`` variables say the job runs
+    under Horovod, nothing otherwise; ``"none"``; ``"ddp"``, ``"horovod"``, ``"tf_distribute"``)."""
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(f"wrapper={kind!r}: give a name such as 'horovod', 'ddp', 'auto' or 'none'")
+    w = wrapper_from_env(kind, env, world_size=world_size, on_gpu=on_gpu)
+    if w is not None and w.kind in SHARDED_WRAPPERS:
+        added_bytes(w, 0)  # raises: sharding is strategy='sharded'
+    return w
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
