@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python bench/wrappers_gpu.py --out $OUT/wrappers_gpu.jsonl              # on a GPU
     PYTHONPATH=. python bench/wrappers_gpu.py --device cpu --tiny --out /tmp/w.jsonl      # plumbing on CPU
+    python bench/wrappers_measure.py --out measured.jsonl                                 # the GPU side alone
+    PYTHONPATH=. python bench/wrappers_gpu.py --measured measured.jsonl --out FILE         # predicted here
 
 For each model (small LLM configs and vision models, AdamW, float32) and world size N (2, 8, 64),
 one process is rank 0 of N through PyTorch's fake process group (``fake_pg``: collectives return
@@ -18,20 +20,18 @@ the same cases: PyTorch's ``FSDPMemTracker`` (FSDP2, under FakeTensorMode, as to
 and DeepSpeed's published model-state formulas (``estimate_zero2_model_states_mem_needs``:
 ``4 P + 16 P / N`` bytes for P parameters; ``estimate_zero3_model_states_mem_needs``:
 ``4 x largest layer + 18 P / N``), written out here (DeepSpeed is not installed on the GPU machine).
-One JSON line per case, then a summary line per wrapper.
+One JSON line per case, then a summary line per wrapper. The measured side is
+``bench/wrappers_measure.py``: run alone on the GPU, its lines are held against distmem's
+prediction and the peers' here (``--measured``); the estimator then runs on this machine's torch.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import os
 import sys
 import time
-import traceback
 import warnings
-from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,82 +48,7 @@ def log(msg: str) -> None:
     print(f"[wrappers-bench {time.time() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ models
-
-def _hf(kind: str, tiny: bool):
-    import transformers as T
-    if kind == "llama":
-        cfg = T.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-                            num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024)
-        model = T.LlamaForCausalLM(cfg)
-        return model, list(model.model.layers), cfg.vocab_size
-    cfg = T.GPT2Config(vocab_size=50257, n_embd=768, n_layer=6, n_head=12, n_positions=1024)
-    model = T.GPT2LMHeadModel(cfg)
-    return model, list(model.transformer.h), cfg.vocab_size
-
-
-#: name -> (batch, seq or image size); tiny: for the CPU check
-MODELS = OrderedDict([
-    ("gpt-6l", (8, 512)), ("gpt-12l-1024", (4, 512)), ("hf_llama", (4, 512)), ("hf_gpt2", (4, 512)),
-    ("resnet50", (32, 224)), ("vit_b_16", (16, 224)), ("convnext_tiny", (32, 224)),
-])
-
-
-def build(name: str, device: str, tiny: bool) -> Tuple[Any, List[Any], Callable[[int, str], Tuple[tuple, dict]]]:
-    """(model, FSDP2 units, inputs(batch, device) -> (args, kwargs)) on ``device``."""
-    import torch
-    import torchvision
-
-    seq_or_size = MODELS[name][1] if not tiny else 32
-    with torch.device(device):
-        if name.startswith("gpt-"):
-            import fit as fitbench
-            d, layers = (768, 6) if name == "gpt-6l" else (1024, 12)
-            if tiny:
-                d, layers = 64, 2
-            model = fitbench._gpt(d=d, layers=layers, heads=8 if tiny else (12 if d == 768 else 16),
-                                  seq=seq_or_size, vocab=1000 if tiny else 32000)
-            units = [m for n, m in model.named_children() if n.startswith("block")]
-            vocab = 1000 if tiny else 32000
-            return model, units, lambda b, dev: ((_ids(b, seq_or_size, vocab, dev),), {})
-        if name.startswith("hf_"):
-            model, units, vocab = _hf(name[3:], tiny)
-            return model, units, lambda b, dev: ((), {"input_ids": _ids(b, seq_or_size, vocab, dev)})
-        if name == "resnet50":
-            import fit as fitbench
-            model = fitbench._resnet(18 if tiny else 50)
-            units = [m for n, m in model.named_children() if n.startswith("layer")]
-        elif name == "vit_b_16":
-            model = torchvision.models.vit_b_16(weights=None, image_size=seq_or_size if not tiny else 32)
-            units = list(model.encoder.layers)
-        else:
-            model = torchvision.models.convnext_tiny(weights=None)
-            units = [blk for stage in model.features for blk in (stage if isinstance(stage, torch.nn.Sequential)
-                                                                 else []) if type(blk).__name__ == "CNBlock"]
-    s = seq_or_size
-    return model, units, lambda b, dev: ((_image(b, s, dev),), {})
-
-
-def _ids(b: int, seq: int, vocab: int, dev: str):
-    import torch
-    if dev == "meta":
-        return torch.empty((b, seq), dtype=torch.long, device=dev)
-    return torch.randint(0, vocab, (b, seq), device=dev)
-
-
-def _image(b: int, s: int, dev: str):
-    import torch
-    return torch.empty(b, 3, s, s, device=dev) if dev == "meta" else torch.randn(b, 3, s, s, device=dev)
-
-
-def cross_entropy(out):
-    """The loss the estimator assumes (``loss="auto"``): cross-entropy over the last dimension."""
-    import torch
-    t = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
-    logits = t.reshape(-1, t.shape[-1])
-    target = torch.zeros(logits.shape[0], dtype=torch.long, device=t.device)
-    return torch.nn.functional.cross_entropy(logits, target)
-
+from wrappers_measure import MODELS, build, measure_all  # noqa: E402
 
 # ------------------------------------------------------------------ distmem's side
 
@@ -185,113 +110,6 @@ def deepspeed_zero3(params: int, largest_layer_params: int, n: int) -> int:
     return 4 * largest_layer_params + int(18 * params / n)
 
 
-# ------------------------------------------------------------------ measured side
-
-def train_peak(model: Any, opt: Any, inputs: Callable, batch: int, device: str, steps: int = 3) -> Dict[str, int]:
-    import torch
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    for _ in range(steps):
-        args, kwargs = inputs(batch, device)
-        loss = cross_entropy(model(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss, args, kwargs
-    if not cuda:
-        return {"allocated": 0, "reserved": 0, "base": 0}
-    torch.cuda.synchronize()
-    return {"allocated": int(torch.cuda.max_memory_allocated()), "reserved": int(torch.cuda.max_memory_reserved()),
-            "base": int(base)}
-
-
-def free(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        import torch
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def run_case(name: str, kind: str, n: int, tiny: bool, device: str, **options: Any) -> Dict[str, int]:
-    import torch
-    torch.manual_seed(0)
-    model, units, inputs = build(name, device, tiny)
-    model.train()
-    b = MODELS[name][0] if not tiny else 2
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for u in units:
-            fully_shard(u, reshard_after_forward=options.get("reshard_after_forward", True))
-        fully_shard(model, reshard_after_forward=options.get("reshard_after_forward", True))
-        opt = torch.optim.AdamW(model.parameters())
-    elif kind in ("zero1", "zero2"):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
-        if kind == "zero2":
-            owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
-            for p in model.parameters():
-                if id(p) not in owned and p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    elif kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, **{k: v for k, v in options.items() if k in ("gradient_as_bucket_view", "static_graph",
-                                                                        "bucket_cap_mb")})
-        opt = torch.optim.AdamW(model.parameters())
-    else:
-        opt = torch.optim.AdamW(model.parameters())
-    free(device)
-    out = train_peak(model, opt, inputs, b, device)
-    del model, opt, units
-    free(device)
-    return out
-
-
-def fsdp_tracker(name: str, n: int, tiny: bool, device: str, capturable: bool = False) -> Optional[int]:
-    """PyTorch's FSDPMemTracker under FakeTensorMode (two steps, the second's peak). AdamW reads its
-    step count with ``.item()``, which fake tensors refuse on some paths: then ``capturable=True``
-    (the step count on the device, a few bytes) is tried."""
-    if not capturable:
-        try:
-            return _fsdp_tracker(name, n, tiny, device, False)
-        except Exception as exc:
-            if "DataDependent" not in type(exc).__name__:
-                raise
-    return _fsdp_tracker(name, n, tiny, device, True)
-
-
-def _fsdp_tracker(name: str, n: int, tiny: bool, device: str, capturable: bool) -> Optional[int]:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    from torch.distributed.device_mesh import init_device_mesh
-    b = MODELS[name][0] if not tiny else 2
-    mesh = init_device_mesh(device, (n,))  # outside FakeTensorMode: the mesh is built from real tensors
-    with FakeTensorMode():
-        model, units, inputs = build(name, device, tiny)
-        for u in units:
-            fully_shard(u, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), capturable=capturable)
-        fmt = FSDPMemTracker(model, opt)
-        args, kwargs = inputs(b, device)
-        fmt.track_inputs(args + tuple(kwargs.values()))
-        with fmt:
-            for i in range(2):
-                loss = cross_entropy(model(*args, **kwargs))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if i == 0:
-                    fmt.reset_mod_stats()
-        return int(fmt.get_tracker_snapshot("peak")[dev]["Total"])
-
-
 def err(pred: Optional[int], meas: int) -> Optional[float]:
     if pred is None or not meas:
         return None
@@ -317,60 +135,41 @@ def main() -> int:
     ap.add_argument("--peers", default="on", choices=("on", "off"))
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting cases after this many seconds")
     ap.add_argument("--peer-budget-s", type=float, default=60.0, help="seconds more for the FSDPMemTracker peer")
+    ap.add_argument("--measured", default=None, help="measured lines (wrappers_measure.py) instead of measuring")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dev = args.device
-    if dev == "cuda":
-        torch.cuda.set_device(0)
     out = open(args.out, "w") if args.out else None
+    measured: List[Dict[str, Any]] = []
+    if args.measured:
+        with open(args.measured) as f:
+            measured = [json.loads(line) for line in f if line.strip()]
+    else:
+        import torch
+        if args.device == "cuda":
+            torch.cuda.set_device(0)
+        measured.append({"case": "device", "device": torch.cuda.get_device_name(0) if args.device == "cuda"
+                         else "cpu", "torch": torch.__version__})
     names = [m for m in args.models.split(",") if m]
-    if dev == "cpu":
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            names = [m for m in names if not m.startswith("hf_")]
-            log("transformers missing here: Hugging Face models skipped")
+    if args.measured:
+        names = [m for m in names if any(r.get("model") == m for r in measured)]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        names = [m for m in names if not m.startswith("hf_")]
+        log("transformers missing here: Hugging Face models skipped")
     ests: Dict[str, Dict[str, Any]] = {}
     for m in names:
         try:
-            ests[m] = estimate(m, args.tiny, dev)
+            ests[m] = estimate(m, args.tiny, "cuda" if args.measured else args.device)
             log(f"estimate {m}: peak {ests[m]['peak'] / MiB:.1f} MiB ({ests[m]['phase']}) in "
                 f"{ests[m]['estimate_seconds']} s")
         except Exception as exc:  # a model the estimator cannot run: say so, carry on
             emit({"case": "estimate", "model": m, "error": f"{type(exc).__name__}: {exc}"[:400]}, out)
-    rows: List[Dict[str, Any]] = []
-
-    def case(m: str, kind: str, n: int, **options: Any) -> None:
-        if time.time() - T0 > args.budget_s:
-            return
-        e = ests[m]
-        row: Dict[str, Any] = {"case": "wrapper", "model": m, "wrapper": kind, "world_size": n,
-                               "batch": e["batch"], "params": e["params"], "options": options}
-        try:
-            meas = run_case(m, kind, n, args.tiny, dev, **options)
-            pred, parts = predict(e, kind if kind != "plain" else None, n, **options)
-            row.update(measured_allocated=meas["allocated"], measured_reserved=meas["reserved"],
-                       measured_base=meas["base"], distmem=pred, distmem_parts=parts,
-                       distmem_error_pct=err(pred, meas["allocated"]), estimate_unsharded=e["peak"],
-                       estimate_phase=e["phase"])
-            if kind in ("zero1", "zero2"):
-                ds = deepspeed_zero2(e["params"], n)
-                row.update(deepspeed=ds, deepspeed_error_pct=err(ds, meas["allocated"]))
-            if kind == "fsdp2":
-                ds = deepspeed_zero3(e["params"], e["largest_layer_params"], n)
-                row.update(deepspeed=ds, deepspeed_error_pct=err(ds, meas["allocated"]))
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
-            row["trace"] = traceback.format_exc()[-800:]
-            free(dev)
-        rows.append(row)
-        emit(row, out)
-
-    # plain (no process group), DDP on a real one-rank group, then rank 0 of N under the fake group;
-    # the FSDPMemTracker peer last (CPU time only: FakeTensorMode), with what the budget leaves
+    if not args.measured:
+        measure_all(list(ests), [int(x) for x in args.worlds.split(",") if x],
+                    [k for k in args.kinds.split(",") if k], args.tiny, args.device, args.ddp == "on",
+                    args.peers == "on", args.budget_s, args.peer_budget_s, measured.append)
+    device = next((r for r in measured if r.get("case") == "device"), {})
     for m in ests:
         e = ests[m]
         emit({"case": "estimate", "model": m, "batch": e["batch"], "peak": e["peak"], "phase": e["phase"],
@@ -378,49 +177,40 @@ def main() -> int:
               "largest_layer_params": e["largest_layer_params"], "estimate_seconds": e["estimate_seconds"],
               "state": {"param_bytes": e["state"].param_bytes, "grad_bytes": e["state"].grad_bytes,
                         "optimizer_bytes": e["state"].optimizer_bytes, "unit_bytes": list(e["state"].unit_bytes),
-                        "root_bytes": e["state"].root, "tensor_bytes": list(e["state"].tensor_bytes),
-                        "tensor_rows": list(e["state"].tensor_rows)}}, out)
-        case(m, "plain", 1)
-    if args.ddp == "on":
-        backend = "nccl" if dev == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-        try:
-            for m in ests:
-                case(m, "ddp", 1)
-                case(m, "ddp", 1, gradient_as_bucket_view=True)
-                case(m, "ddp", 1, static_graph=True)
-        finally:
-            dist.destroy_process_group()
-    kinds = [k for k in args.kinds.split(",") if k]
-    worlds = [int(x) for x in args.worlds.split(",") if x]
-    for n in worlds:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-        try:
-            for m in ests:
-                for kind in kinds:
-                    case(m, kind, n)
-        finally:
-            dist.destroy_process_group()
-    if args.peers == "on" and "fsdp2" in kinds:
-        for n in worlds:
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-            try:
-                for r in [r for r in rows if r["wrapper"] == "fsdp2" and r["world_size"] == n and "error" not in r]:
-                    if time.time() - T0 > args.budget_s + args.peer_budget_s:
-                        break
-                    try:
-                        fm = fsdp_tracker(r["model"], n, args.tiny, dev)
-                        r.update(fsdp_mem_tracker=fm, fsdp_mem_tracker_error_pct=err(fm, r["measured_allocated"]))
-                    except Exception as exc:
-                        r["fsdp_mem_tracker_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    emit({"case": "peer", "model": r["model"], "world_size": n,
-                          **{k: r.get(k) for k in ("fsdp_mem_tracker", "fsdp_mem_tracker_error_pct",
-                                                   "fsdp_mem_tracker_error", "measured_allocated")}}, out)
-            finally:
-                dist.destroy_process_group()
-    summary: Dict[str, Any] = {"case": "summary", "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
-                               "torch": torch.__version__, "seconds": round(time.time() - T0, 1)}
-    for kind in ["plain", "ddp"] + kinds:
+                        "root_bytes": e["state"].root}}, out)
+    peers = {(r["model"], r["world_size"]): r for r in measured if r.get("case") == "peer"}
+    rows: List[Dict[str, Any]] = []
+    for r in measured:
+        if r.get("case") != "measured" or r.get("model") not in ests:
+            continue
+        e, kind, n = ests[r["model"]], r["wrapper"], r["world_size"]
+        row = dict(r, case="wrapper", params=e["params"], estimate_unsharded=e["peak"], estimate_phase=e["phase"])
+        if "error" not in r:
+            meas = r["measured_allocated"]
+            pred, parts = predict(e, kind if kind != "plain" else None, n, **r.get("options", {}))
+            row.update(distmem=pred, distmem_parts=parts, distmem_error_pct=err(pred, meas))
+            if kind in ("zero1", "zero2"):
+                ds = deepspeed_zero2(e["params"], n)
+                row.update(deepspeed=ds, deepspeed_error_pct=err(ds, meas))
+            if kind == "fsdp2":
+                ds = deepspeed_zero3(e["params"], e["largest_layer_params"], n)
+                row.update(deepspeed=ds, deepspeed_error_pct=err(ds, meas))
+                p = peers.get((r["model"], n), {})
+                if p.get("fsdp_mem_tracker") is not None:
+                    row.update(fsdp_mem_tracker=p["fsdp_mem_tracker"],
+                               fsdp_mem_tracker_error_pct=err(p["fsdp_mem_tracker"], meas))
+                elif p.get("fsdp_mem_tracker_error"):
+                    row["fsdp_mem_tracker_error"] = p["fsdp_mem_tracker_error"]
+        rows.append(row)
+        emit(row, out)
+    summary: Dict[str, Any] = {"case": "summary", "device": device.get("device"), "torch_measured": device.get("torch"),
+                               "seconds": round(time.time() - T0, 1)}
+    try:
+        import torch
+        summary["torch_estimated"] = torch.__version__
+    except ImportError:
+        pass
+    for kind in ["plain", "ddp", "fsdp2", "zero1", "zero2"]:
         ok = [r for r in rows if r["wrapper"] == kind and r.get("distmem_error_pct") is not None]
         if not ok:
             continue

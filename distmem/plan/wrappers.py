@@ -25,8 +25,12 @@ wrapper shards replaced by the rank's shard, plus the buffers the wrapper holds 
   ``zero2``: the gradients too (DeepSpeed stage 2: each rank keeps its partition's gradients).
 * ``horovod``: one fusion buffer of ``HOROVOD_FUSION_THRESHOLD`` bytes (default 128 MiB, 0 disables
   it) per device and NCCL stream (``HOROVOD_NUM_NCCL_STREAMS`` on a GPU), allocated through the
-  framework's allocator (TensorFlow's or torch's) on the first fused all-reduce of a job of more than
-  one rank. ``HOROVOD_CYCLE_TIME`` changes when tensors are fused, not the buffer's size.
+  framework's allocator (TensorFlow's or torch's) the first time several tensors are fused into one
+  collective: in training, the gradient all-reduce over more than one data-parallel replica (a
+  pipeline's point-to-point exchange of one tensor at a time allocates none). ``HOROVOD_CYCLE_TIME``
+  changes when tensors are fused, not the buffer's size. Under TensorFlow each reduced gradient is
+  a new tensor (its ops do not write in place): one more gradient-sized set while they are alive;
+  torch's ``hvd.DistributedOptimizer`` reduces in place.
 * ``tf_distribute``: ``MultiWorkerMirroredStrategy``'s collective all-reduce concatenates the
   gradients of a pack (``bytes_per_pack=0``: one pack of all of them) into one tensor and gets its
   reduced copy back: two gradient-sized tensors while the step's gradients are alive. One device
@@ -43,7 +47,7 @@ from ..errors import ConfigError
 from ..units import MiB, format_bytes
 
 __all__ = ["WRAPPER_CHOICES", "WRAPPERS", "SHARDED_WRAPPERS", "SHARDINGS", "sharding_wrapper", "added_bytes", "grad_fraction", "ModelState", "Wrapper", "WrapperDemand", "wrapper_demand",
-           "rank_peak", "zero_partition", "plan_wrapper", "horovod_from_env", "wrapper_from_env", "check_wrapper",
+           "rank_peak", "zero_partition", "plan_wrapper", "fixed_bytes", "horovod_from_env", "wrapper_from_env", "check_wrapper",
            "DEFAULT_BUCKET_CAP_MB", "HOROVOD_FUSION_DEFAULT", "STATE_PARTS"]
 
 #: Every wrapper a plan knows; None (no wrapper) is also accepted everywhere.
@@ -119,6 +123,8 @@ class Wrapper:
     prefetch: int = 1
     fusion_threshold: int = HOROVOD_FUSION_DEFAULT
     fusion_buffers: int = 1
+    #: whose ops the wrapper runs through: ``"tensorflow"`` ops write every result to a new tensor
+    framework: str = ""
 
     def with_world(self, world_size: int) -> "Wrapper":
         return replace(self, world_size=int(world_size))
@@ -254,10 +260,14 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
         return WrapperDemand(w, p, g, o, gathered + rs, 0, share, parts=parts, rules=[rule])
     if w.kind == "horovod":
         fusion = w.fusion_threshold * w.fusion_buffers if n > 1 else 0
+        copies = G if n > 1 and w.framework == "tensorflow" else 0
         rule = (f"Horovod: fusion buffer {format_bytes(w.fusion_threshold)} x {w.fusion_buffers} in the framework's "
-                "allocator" if fusion else "Horovod: no fusion buffer (threshold 0 or one rank)")
-        return WrapperDemand(w, P, G, O, fusion, fusion, 1.0, persistent_buffers=fusion,
-                             parts={"fusion buffer": fusion} if fusion else {}, rules=[rule])
+                "allocator" if fusion else "Horovod: no fusion buffer (threshold 0 or one replica)")
+        if copies:
+            rule += f"; TensorFlow's all-reduce writes each reduced gradient to a new tensor ({format_bytes(G)})"
+        parts = {k: v for k, v in (("fusion buffer", fusion), ("reduced gradients", copies)) if v}
+        return WrapperDemand(w, P, G, O, fusion + copies, fusion + copies, 1.0, persistent_buffers=fusion,
+                             parts=parts, rules=[rule])
     # tf_distribute
     packs = 2 * G if n > 1 else 0
     return WrapperDemand(w, P, G, O, 0, packs, 1.0, parts={"all-reduce pack + reduced copy": packs} if packs else {},
@@ -339,8 +349,17 @@ def added_bytes(w: Optional[Wrapper], grad_bytes: int) -> int:
     return max(d.backward_buffers, d.update_buffers, d.persistent_buffers)
 
 
+def fixed_bytes(w: Optional[Wrapper]) -> int:
+    """The part of :func:`added_bytes` that is one allocation made once and kept (Horovod's fusion
+    buffer): a limit adds it after the headroom, which covers the churn of the rest (the cache and
+    fragmentation of what is allocated and freed every step), not a buffer that never moves."""
+    if w is None or w.kind != "horovod" or w.world_size < 2:
+        return 0
+    return w.fusion_threshold * w.fusion_buffers
+
+
 def plan_wrapper(kind: Optional[str], *, world_size: int, on_gpu: bool,
-                 env: Optional[Mapping[str, str]] = None) -> Optional[Wrapper]:
+                 env: Optional[Mapping[str, str]] = None, framework: str = "") -> Optional[Wrapper]:
     """The wrapper a ``pipeline`` or ``model`` plan counts: ``wrapper=`` as the strategy got it
     (``"auto"``, the default: Horovod's fusion buffer when ``HOROVOD_*`` variables say the job runs
     under Horovod, nothing otherwise; ``"none"``; ``"ddp"``, ``"horovod"``, ``"tf_distribute"``)."""
@@ -349,6 +368,8 @@ def plan_wrapper(kind: Optional[str], *, world_size: int, on_gpu: bool,
     w = wrapper_from_env(kind, env, world_size=world_size, on_gpu=on_gpu)
     if w is not None and w.kind in SHARDED_WRAPPERS:
         added_bytes(w, 0)  # raises: sharding is strategy='sharded'
+    if w is not None and framework:
+        w = replace(w, framework="tensorflow" if framework in ("tensorflow", "tf", "keras") else framework)
     return w
 
 

@@ -23,7 +23,7 @@ from ...units import SizeLike, format_bytes, parse_bytes, plural
 from ..budget import idle_warnings, slot
 from ..partition import Partition, layers_from_dicts, partition_model
 from ..strategy import Strategy, option
-from ..wrappers import WRAPPER_CHOICES, added_bytes, grad_fraction, plan_wrapper
+from ..wrappers import WRAPPER_CHOICES, added_bytes, fixed_bytes, grad_fraction, plan_wrapper
 from ..types import Allocation, Plan
 from .text import layers_file, shape, whole_number
 
@@ -104,12 +104,14 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
                                       input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"))
     # the data-parallel wrapper's buffers live with the rank's first device (where its gradients
     # are reduced): Horovod's fusion buffer, DDP's buckets
-    wrapper = plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=any(pl.gpus for pl in all_places), env=ctx.env)
+    wrapper = plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=any(pl.gpus for pl in all_places),
+                           env=ctx.env, framework=ctx.framework)
     added = added_bytes(wrapper, int(sum(d.state_bytes for d in part.stages) * grad_fraction(opts.optimizer)))
     if added:
         part.stages[0] = replace(part.stages[0], state_bytes=part.stages[0].state_bytes + added)
     kind = "GPU" if any(pl.gpus for pl in all_places) else "CPU"
-    wants = [budget.limit_for(d.total_bytes) for d in part.stages]
+    fixed = [fixed_bytes(wrapper) if added and k == 0 else 0 for k in range(len(part.stages))]
+    wants = [budget.limit_for(d.total_bytes - f) + f for d, f in zip(part.stages, fixed)]  # kept buffers after
     allocations: List[Allocation] = []
     warnings: List[str] = []
     used: Dict[str, Set[str]] = {}

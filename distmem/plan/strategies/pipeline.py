@@ -25,7 +25,7 @@ from ...discover.gpus import Gpu
 from ..budget import Budget, growth_note, idle_warnings, slot
 from ..partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
 from ..strategy import Strategy, option
-from ..wrappers import WRAPPER_CHOICES, added_bytes, grad_fraction, plan_wrapper
+from ..wrappers import WRAPPER_CHOICES, added_bytes, fixed_bytes, grad_fraction, plan_wrapper
 from ..types import Allocation, Plan
 from .text import comma_list, layers_file, shape, whole_number
 
@@ -181,17 +181,17 @@ def plan(ctx: "Context", opts: PipelineOptions) -> Plan:
     budget = ctx.budget
     demands, p, m, partition = stage_demands_of(ctx, opts, ctx.ranks_per_host("num_stages"))
     explicit = partition is None
-    wrapper = plan_wrapper(opts.wrapper, world_size=ctx.topo.size // max(p, 1) if p else 1,
-                           on_gpu=any(pl.gpu is not None for pl in ctx.places), env=ctx.env)
-    if wrapper is not None and wrapper.kind == "horovod":
-        wrapper = replace(wrapper, world_size=ctx.topo.size)  # Horovod fuses over the whole job
+    # the wrapper reduces gradients over the stage's data-parallel replicas (size / p of them)
+    wrapper = plan_wrapper(opts.wrapper, world_size=max(ctx.topo.size // max(p, 1), 1),
+                           on_gpu=any(pl.gpu is not None for pl in ctx.places), env=ctx.env, framework=ctx.framework)
     # bytes stated per stage (stages=) are the stage's whole demand; a computed one adds the wrapper's
     added = [0 if explicit else added_bytes(wrapper, int(d.state_bytes * grad_fraction(opts.optimizer)))
              for d in demands]
     if any(added):
         demands = [replace(d, state_bytes=d.state_bytes + a) for d, a in zip(demands, added)]
     stage_of_rank(0, ctx.topo.size, p, opts.rank_order)  # validates size % p and the order
-    wants = [budget.limit_for(d.total_bytes) for d in demands]
+    fixed = [fixed_bytes(wrapper) if a else 0 for a in added]  # kept buffers: added after the headroom
+    wants = [budget.limit_for(d.total_bytes - f) + f for d, f in zip(demands, fixed)]
     breakdowns = [({k: v for k, v in d.breakdown().items() if k.endswith("_bytes") and k != "demand_bytes"}
                    if not explicit else {}) for d in demands]
     for bd, a in zip(breakdowns, added):

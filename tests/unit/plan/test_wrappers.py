@@ -8,6 +8,7 @@ from distmem.errors import ConfigError
 from distmem.plan import PlanRequest, make_plan
 from distmem.plan.wrappers import (HOROVOD_FUSION_DEFAULT, ModelState, Wrapper, added_bytes, horovod_from_env,
                                    rank_peak, wrapper_demand, zero_partition)
+from distmem.plan.budget import ceil_mib
 from distmem.units import MiB
 
 CPU = Inventory([], "none")
@@ -115,15 +116,24 @@ def _plan(strategy, env, **kw):
     return req.plan()
 
 
-def test_pipeline_stages_hold_the_horovod_fusion_buffer_under_horovodrun():
-    without = _plan("pipeline", {}, layers=layers(), num_stages=4)
-    under = _plan("pipeline", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4"}, layers=layers(), num_stages=4)
-    off = _plan("pipeline", {"HOROVOD_RANK": "0", "HOROVOD_FUSION_THRESHOLD": "0"}, layers=layers(), num_stages=4)
+def test_pipeline_replicas_hold_the_fusion_buffer_and_tensorflow_s_reduced_gradients():
+    # 4 ranks in 2 pipelines of 2 stages: each stage all-reduces its gradients over 2 replicas
+    hvd = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4"}
+    without = _plan("pipeline", {}, layers=layers(), num_stages=2)
+    under = _plan("pipeline", hvd, layers=layers(), num_stages=2)
+    off = _plan("pipeline", dict(hvd, HOROVOD_FUSION_THRESHOLD="0"), layers=layers(), num_stages=2)
     for a, b, c in zip(without.allocations, under.allocations, off.allocations):
-        assert b.demand_bytes == a.demand_bytes + 128 * MiB
-        assert b.breakdown["wrapper_bytes"] == 128 * MiB
-        assert c.demand_bytes == a.demand_bytes
-    assert _plan("pipeline", {"HOROVOD_RANK": "0"}, layers=layers(), num_stages=4,
+        copies = b.breakdown["wrapper_bytes"] - 128 * MiB  # TensorFlow's reduced gradients: a quarter of Adam's state
+        assert copies == pytest.approx(b.breakdown["state_bytes"] / 4, abs=1)
+        assert b.demand_bytes == a.demand_bytes + 128 * MiB + copies
+        # the fusion buffer is one allocation kept for the job: it takes no headroom
+        assert b.devices[0].planned_bytes == ceil_mib((a.demand_bytes + copies) * 1.10) + 128 * MiB
+        assert c.demand_bytes == a.demand_bytes + copies
+    # one pipeline of 4 stages reduces nothing over replicas: no fusion, no copies
+    one = _plan("pipeline", hvd, layers=layers(), num_stages=4)
+    assert [a.demand_bytes for a in one.allocations] == [a.demand_bytes for a in
+                                                          _plan("pipeline", {}, layers=layers(), num_stages=4).allocations]
+    assert _plan("pipeline", hvd, layers=layers(), num_stages=2,
                  wrapper="none").allocations[0].demand_bytes == without.allocations[0].demand_bytes
 
 
@@ -132,3 +142,5 @@ def test_model_parallel_rank_holds_the_fusion_buffer_on_its_first_device():
     under = make_plan("model", topo(2, 2), CPU, layers=layers(), gpus_per_rank=2, batch_size=8, wrapper="horovod")
     assert under.allocations[0].demand_bytes == without.allocations[0].demand_bytes + 128 * MiB
     assert under.extras["model"]["wrapper_bytes"] == 128 * MiB
+    g0, w0 = without.extras["model"]["groups"][0], under.extras["model"]["groups"][0]
+    assert w0["planned_bytes"] == g0["planned_bytes"] + 128 * MiB
