@@ -109,7 +109,7 @@ def plan(ctx: "Context", opts: ShardedOptions) -> Plan:
     used: Dict[str, Set[str]] = {}
     for pl in ctx.places:
         alloc = Allocation(pl.rank, pl.local_rank, pl.host, "sharded", "cpu", replica=pl.rank, demand_bytes=demand,
-                           breakdown=dict({k.replace(" ", "_").replace(",", "") + "_bytes": v for k, v in parts.items()},
+                           breakdown=dict({k.replace(" ", "_").replace(",", "") + "_bytes": v for k, v in parts.items() if v},
                                           planned_bytes=want, headroom_bytes=want - demand),
                            notes=[f"{opts.sharding} over {degree}, shard group {pl.rank // degree}: " + "; ".join(rules)],
                            headroom=budget.headroom)
