@@ -361,8 +361,9 @@ def fixed_bytes(w: Optional[Wrapper]) -> int:
 def plan_wrapper(kind: Optional[str], *, world_size: int, on_gpu: bool,
                  env: Optional[Mapping[str, str]] = None, framework: str = "") -> Optional[Wrapper]:
     """The wrapper a ``pipeline`` or ``model`` plan counts: ``wrapper=`` as the strategy got it
-    (``"auto"``, the default: Horovod's fusion buffer when ``HOROVOD_*`` variables say the job runs
-    under Horovod, nothing otherwise; ``"none"``; ``"ddp"``, ``"horovod"``, ``"tf_distribute"``)."""
+    (``"none"``, the strategies' default; ``"ddp"``, ``"horovod"``, ``"tf_distribute"``; or
+    ``"auto"``: Horovod when ``HOROVOD_*`` variables say this process runs under it - a dry run sees
+    none, so only a named wrapper plans the same bytes at every door)."""
     if kind is not None and not isinstance(kind, str):
         raise ConfigError(f"wrapper={kind!r}: give a name such as 'horovod', 'ddp', 'auto' or 'none'")
     w = wrapper_from_env(kind, env, world_size=world_size, on_gpu=on_gpu)

@@ -63,8 +63,8 @@ class AutoOptions:
     nccl_buffsize: Any = option(None, metavar="SIZE", help="NCCL_BUFFSIZE the job runs with (default NCCL's 4 MiB)")
     shardings: Any = option("auto", help="sharded data parallel to try: auto (zero1,zero2,fsdp2,fsdp2_keep), none, "
                                          "or a list")
-    wrapper: Any = option("auto", cli=False, help="the replicating wrapper whose buffers each rank holds (auto: "
-                                                  "Horovod's fusion buffer under HOROVOD_*)")
+    wrapper: Any = option("none", cli=False, help="the replicating wrapper whose buffers each rank holds (none, "
+                                                  "horovod, ddp; auto: Horovod when this process sees HOROVOD_*)")
     rejected: int = option(1, cli=False, help="best rejected layouts to keep for the error")
     costs: Optional[Dict[str, Any]] = option(None, cli=False, help="precomputed fit costs per precision")
     framework: Optional[str] = option(None, cli=False, help="whose allocator and overhead to model")

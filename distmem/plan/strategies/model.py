@@ -47,10 +47,10 @@ class ModelOptions:
     input_shape: Optional[Sequence[int]] = option(None, metavar="H,W,C", parse=shape,
                                                   help="model input shape without the batch axis, e.g. 96,96,3")
     input_bytes: SizeLike = option(0, metavar="SIZE", help="model input per batch, held by the first device")
-    wrapper: Optional[str] = option("auto", choices=WRAPPER_CHOICES,
+    wrapper: Optional[str] = option("none", choices=WRAPPER_CHOICES,
                                     help="the data-parallel wrapper whose buffers the rank also holds (on its first "
-                                         "device): auto (Horovod's fusion buffer under HOROVOD_*), none, horovod, "
-                                         "ddp, tf_distribute (distmem.plan.wrappers)")
+                                         "device): none (default), horovod, ddp, tf_distribute, or auto (Horovod "
+                                         "when this process sees HOROVOD_*: a dry run does not)")
     headroom: Optional[SizeLike] = option(
         None, metavar="PCT", help="added to each group's demand for the allocator (default 10%%; 52%% for torch under "
                                   "memory growth); 0 keeps the bytes as they are")

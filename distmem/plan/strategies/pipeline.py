@@ -66,10 +66,10 @@ class PipelineOptions:
     optimizer: Optional[str] = option(None, help="optimizer for the estimate (sgd, momentum, adam)")
     input_shape: Optional[Sequence[int]] = option(None, metavar="H,W,C", parse=shape,
                                                   help="model input shape without the batch axis, e.g. 96,96,3")
-    wrapper: Optional[str] = option("auto", choices=WRAPPER_CHOICES,
-                                    help="the data-parallel wrapper whose buffers each stage also holds: auto "
-                                         "(Horovod's fusion buffer under HOROVOD_*), none, horovod, ddp, "
-                                         "tf_distribute (distmem.plan.wrappers)")
+    wrapper: Optional[str] = option("none", choices=WRAPPER_CHOICES,
+                                    help="the data-parallel wrapper whose buffers each stage also holds: none "
+                                         "(default), horovod, ddp, tf_distribute, or auto (Horovod when this "
+                                         "process sees HOROVOD_*: a dry run does not) (distmem.plan.wrappers)")
 
 
 def stage_of_rank(rank: int, size: int, num_stages: int, rank_order: str = "pipeline") -> Tuple[int, int]:

@@ -120,8 +120,14 @@ def test_pipeline_replicas_hold_the_fusion_buffer_and_tensorflow_s_reduced_gradi
     # 4 ranks in 2 pipelines of 2 stages: each stage all-reduces its gradients over 2 replicas
     hvd = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4"}
     without = _plan("pipeline", {}, layers=layers(), num_stages=2)
-    under = _plan("pipeline", hvd, layers=layers(), num_stages=2)
-    off = _plan("pipeline", dict(hvd, HOROVOD_FUSION_THRESHOLD="0"), layers=layers(), num_stages=2)
+    under = _plan("pipeline", hvd, layers=layers(), num_stages=2, wrapper="auto")
+    off = _plan("pipeline", dict(hvd, HOROVOD_FUSION_THRESHOLD="0"), layers=layers(), num_stages=2, wrapper="horovod")
+    # named, the wrapper plans the same bytes with or without HOROVOD_* (a dry run sees none)
+    assert _plan("pipeline", {}, layers=layers(), num_stages=2, wrapper="horovod").allocations[0].demand_bytes == \
+        under.allocations[0].demand_bytes
+    # not named, nothing is counted, whatever the environment says (every door plans alike)
+    assert _plan("pipeline", hvd, layers=layers(), num_stages=2).allocations[0].demand_bytes == \
+        without.allocations[0].demand_bytes
     for a, b, c in zip(without.allocations, under.allocations, off.allocations):
         copies = b.breakdown["wrapper_bytes"] - 128 * MiB  # TensorFlow's reduced gradients: a quarter of Adam's state
         assert copies == pytest.approx(b.breakdown["state_bytes"] / 4, abs=1)
@@ -130,11 +136,9 @@ def test_pipeline_replicas_hold_the_fusion_buffer_and_tensorflow_s_reduced_gradi
         assert b.devices[0].planned_bytes == ceil_mib((a.demand_bytes + copies) * 1.10) + 128 * MiB
         assert c.demand_bytes == a.demand_bytes + copies
     # one pipeline of 4 stages reduces nothing over replicas: no fusion, no copies
-    one = _plan("pipeline", hvd, layers=layers(), num_stages=4)
+    one = _plan("pipeline", hvd, layers=layers(), num_stages=4, wrapper="horovod")
     assert [a.demand_bytes for a in one.allocations] == [a.demand_bytes for a in
                                                           _plan("pipeline", {}, layers=layers(), num_stages=4).allocations]
-    assert _plan("pipeline", hvd, layers=layers(), num_stages=2,
-                 wrapper="none").allocations[0].demand_bytes == without.allocations[0].demand_bytes
 
 
 def test_model_parallel_rank_holds_the_fusion_buffer_on_its_first_device():
