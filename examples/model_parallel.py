@@ -58,7 +58,8 @@ def main():
     ap.add_argument("--report", default=os.environ.get("DISTMEM_REPORT", "runs/model_parallel/report.json"))
     args = ap.parse_args()
     plan = distmem.init(strategy="model", layers=layer_costs(args.batch_size), gpus_per_rank=args.devices,
-                        batch_size=args.batch_size, input_bytes=4 * args.batch_size * INPUT)
+                        batch_size=args.batch_size, input_bytes=4 * args.batch_size * INPUT,
+                        wrapper="horovod")  # hvd.DistributedOptimizer below: its fusion buffer and reduced copies
 
     import numpy as np
     import tensorflow as tf

@@ -202,6 +202,8 @@ class Context:
     #: What the last run used (``from_report=``): the plan's limits follow it (distmem.plan.from_report).
     observed: Optional[Any] = None
     observed_margin: Optional[float] = None
+    #: the environment the request read (``HOROVOD_*`` says which wrapper's buffers a plan counts)
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def agreed(self, compute: Callable[[], Any]) -> Any:
         """``compute()``'s result, the same on every rank of the job (see :attr:`agree`)."""
@@ -406,7 +408,8 @@ class PlanRequest:
                                 "mpirun with mpi4py first); pass estimate='model' to say so, or call init() later")
                 method = "model"
         ctx = Context(topo, inv, layout, places(layout), budget, framework, inv.source, host_gpus, declared,
-                      None if overhead is None or modelled else budget.overhead_bytes, method, agree, warnings)
+                      None if overhead is None or modelled else budget.overhead_bytes, method, agree, warnings,
+                      env=dict(self.environ))
         if self.from_report:
             from .from_report import read_observed
 

@@ -64,6 +64,7 @@ BUILTIN: Dict[str, str] = {
     "model": "distmem.plan.strategies.model",
     "tenants": "distmem.plan.strategies.tenants",
     "auto": "distmem.plan.strategies.auto",
+    "sharded": "distmem.plan.strategies.sharded",
 }
 _REGISTRY: Dict[str, Callable[[], Strategy]] = {}
 _LOADED: Dict[str, Strategy] = {}

@@ -11,6 +11,7 @@ top-level children; wrap a model as ``nn.Sequential`` of its blocks for finer cu
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...costs import LayerCost
@@ -89,6 +90,39 @@ class Costs:
     def gradient_bytes(self) -> int:
         return sum(b["gradients"] for b in self.block_state_split())
 
+    def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
+        """Blocks ``start .. stop-1``'s state as :class:`distmem.plan.wrappers.ModelState`, each
+        block one FSDP2 unit (``fully_shard`` per block, the root holding nothing of its own)."""
+        from ..wrappers import ModelState
+
+        split = self.block_state_split()[start:stop]
+        weights = [b["weights"] for b in split]
+        return ModelState(sum(weights), sum(b["gradients"] for b in split), sum(b["optimizer"] for b in split),
+                          unit_bytes=tuple(weights), root_bytes=0)
+
+    def peak_parts(self, mb: int, accumulate: bool) -> Tuple[Dict[str, int], str, Optional[int]]:
+        """The one-replica peak split as :func:`distmem.plan.wrappers.rank_peak` takes it: (parts with
+        ``weights``, ``gradients``, ``optimizer state``; the phase; the kept activations or None)."""
+        peak, parts = self.whole_peak(mb, accumulate)
+        split = self.block_state_split()
+        out = {k: v for k, v in parts.items() if k != "state"}
+        if "state" in parts:
+            out["weights"] = sum(b["weights"] for b in split)
+            out["gradients"] = sum(b["gradients"] for b in split)
+            out["optimizer state"] = parts["state"] - out["weights"] - out["gradients"]
+        if "accumulated gradients" in out:
+            out["gradients"] = out.get("gradients", 0) + out.pop("accumulated gradients")
+        return out, "backward", None
+
+    def rank_peak(self, mb: int, accumulate: bool, wrapper: Any) -> Tuple[int, Dict[str, int]]:
+        """One rank's allocator peak at micro-batch ``mb`` under ``wrapper`` (a sharded data-parallel
+        :class:`distmem.plan.wrappers.Wrapper`), by :func:`distmem.plan.wrappers.rank_peak`."""
+        from ..wrappers import rank_peak
+
+        parts, phase, kept = self.peak_parts(mb, accumulate)
+        peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept)
+        return peak, out
+
 
 class EstimateCosts(Costs):
     """Costs from a ``distmem.estimate`` :class:`~distmem.estimate.Estimate` (one per precision).
@@ -157,6 +191,21 @@ class EstimateCosts(Costs):
                 parts["accumulated gradients"] = missing
             self._peaks[key] = (peak, parts)
         return self._peaks[key]
+
+    def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
+        """:meth:`Costs.model_state`, with each estimator row's parameters as the tensors ZeRO
+        partitions (a module's weight and bias as one: rank 0's share is not under-counted)."""
+        base = super().model_state(start, stop)
+        rows = [r for g in self._rows[start:stop] for r in g]
+        return replace(base, tensor_bytes=tuple(int(r.param_bytes) for r in rows if r.param_bytes))
+
+    def peak_parts(self, mb: int, accumulate: bool) -> Tuple[Dict[str, int], str, Optional[int]]:
+        peak, parts = self.whole_peak(mb, accumulate)
+        out = dict(parts)
+        if "accumulated gradients" in out:
+            out["gradients"] = out.get("gradients", 0) + out.pop("accumulated gradients")
+        phase = str(self.est.peak_detail(int(mb)).get("phase", "backward"))
+        return out, phase, int(self.est.activation_bytes(int(mb)))
 
 
 class LayerListCosts(Costs):

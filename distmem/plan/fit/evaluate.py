@@ -27,6 +27,7 @@ from ...units import parse_bytes
 from ..budget import Budget
 from ..outside import outside_allocator_breakdown
 from ..partition import lower_bound, partition_pipeline
+from ..wrappers import added_bytes, sharding_wrapper, wrapper_demand
 from .costs import Costs
 from .space import ParallelLayout
 
@@ -124,7 +125,7 @@ class Evaluator:
     """Prices layouts; caches partitions, outside-allocator figures and shares."""
 
     def __init__(self, costs: Dict[str, Costs], gpus: List[Gpu], *, budget: Budget, overhead: Any, framework: str,
-                 nccl: Any, nccl_buffsize: Any) -> None:
+                 nccl: Any, nccl_buffsize: Any, wrapper: Any = None) -> None:
         self.costs = costs
         self.gpus = gpus
         self.budget = budget
@@ -133,6 +134,8 @@ class Evaluator:
         self.nccl = nccl
         self.nccl_buffsize = nccl_buffsize
         self.overhead = overhead
+        #: a wrapper that shards nothing (Horovod, DDP): its buffers are added to every replicated rank
+        self.wrapper = wrapper
         self._outside: Dict[int, Dict[str, Any]] = {}
         self._shares: Dict[Tuple[int, int, int], int] = {}
         self._parts: Dict[Tuple[Any, ...], Any] = {}
@@ -188,6 +191,10 @@ class Evaluator:
             self._blocks[key] = self.costs[precision].block_costs(mb)
         return self._blocks[key]
 
+    def _added(self, grad_bytes: int) -> int:
+        """What the job's replicating wrapper (Horovod's fusion buffer, DDP's buckets) adds to a rank."""
+        return added_bytes(self.wrapper, grad_bytes) if self.wrapper is not None else 0
+
     def _planned(self, nbytes: int) -> int:
         """The limit for an allocator peak of ``nbytes``: ``peak x (1 + headroom)`` in whole MiB."""
         return self.budget.limit_for(nbytes)
@@ -209,7 +216,7 @@ class Evaluator:
         k = layout.ranks_per_gpu
         gpus = self.stage_gpus(layout, local_size)
         shares = [min(((self.share(g, k, outside_bytes), g) for g in gs), key=lambda x: x[0]) for gs in gpus]
-        if bound_only and layout.pipeline > 1:
+        if bound_only and layout.pipeline > 1 and not layout.shard:
             lb = self.lower_bound(layout)
             best = max(s for s, _ in shares)
             if self._planned(lb) > best:
@@ -218,7 +225,15 @@ class Evaluator:
         split = self.split(layout.precision)
         stages: List[StageFit] = []
         if layout.pipeline == 1:
-            peak, parts = c.whole_peak(layout.micro_batch, layout.accumulation > 1)
+            if layout.shard:
+                peak, parts = c.rank_peak(layout.micro_batch, layout.accumulation > 1,
+                                          sharding_wrapper(layout.shard, layout.data_parallel))
+            else:
+                peak, parts = c.whole_peak(layout.micro_batch, layout.accumulation > 1)
+                added = self._added(c.gradient_bytes)
+                if added:
+                    parts = dict(parts, **{"wrapper buffers": added})
+                    peak += added
             share, gpu = shares[0]
             planned = self._planned(peak)
             bd = dict(parts)
@@ -238,9 +253,18 @@ class Evaluator:
             for sd in part.stages:
                 trans = c.transient_bytes(layout.micro_batch, sd.start, sd.stop)
                 peak = sd.total_bytes + trans + c.persistent_bytes
+                ss = split[sd.start:sd.stop]
+                wrapped = 0
+                if layout.shard:
+                    # the stage's state sharded over its data-parallel replicas, plus the wrapper's buffers
+                    st = c.model_state(sd.start, sd.stop)
+                    wd = wrapper_demand(sharding_wrapper(layout.shard, layout.data_parallel), st)
+                    wrapped = wd.backward_buffers - (st.state_bytes - wd.params - wd.grads - wd.optimizer)
+                else:
+                    wrapped = self._added(sum(b["gradients"] for b in ss))
+                peak += wrapped
                 planned = self._planned(peak)
                 share, gpu = shares[sd.stage]
-                ss = split[sd.start:sd.stop]
                 bd = {"weights": sum(b["weights"] for b in ss), "gradients": sum(b["gradients"] for b in ss),
                       "optimizer": sum(b["optimizer"] for b in ss)}
                 if sd.recompute:
@@ -250,6 +274,8 @@ class Evaluator:
                     bd["activations"] = sd.in_flight * sd.activation_bytes
                     bd["stage inputs"] = sd.in_flight * sd.boundary_bytes
                 bd["transient"] = trans
+                if wrapped:
+                    bd["wrapper (sharded state, buffers)" if layout.shard else "wrapper buffers"] = wrapped
                 bd["persistent buffers"] = c.persistent_bytes
                 bd["allocator cache"] = planned - peak
                 bd["outside allocator"] = outside_bytes

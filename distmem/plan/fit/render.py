@@ -20,11 +20,11 @@ def _cells(c: Any) -> List[str]:
     lay = c.layout
     return [str(lay.data_parallel), str(lay.pipeline), lay.schedule or "-", str(lay.micro_batch),
             str(lay.accumulation), _prec(lay.precision), "yes" if lay.recompute else "no", str(lay.ranks_per_gpu),
-            f"{lay.step_units():.1f}", f"{lay.bubble:.0%}"]
+            f"{lay.step_units():.1f}", f"{lay.bubble:.0%}", lay.shard or "-"]
 
 
-_HEAD = ["#", "dp", "pp", "sched", "micro", "accum", "prec", "recomp", "r/GPU", "proxy", "bubble"]
-_RIGHT = [True, True, True, False, True, True, False, False, True, True, True]
+_HEAD = ["#", "dp", "pp", "sched", "micro", "accum", "prec", "recomp", "r/GPU", "proxy", "bubble", "shard"]
+_RIGHT = [True, True, True, False, True, True, False, False, True, True, True, False]
 
 
 def _parts(stage: Any) -> str:

@@ -105,6 +105,25 @@ def precision_choices(precision: Any) -> List[str]:
     return out
 
 
+#: Ties in step time go to the layout that moves fewer bytes: replicated state, then ZeRO-1, ZeRO-2,
+#: FSDP2 keeping units gathered, FSDP2 resharding after the forward.
+SHARD_RANK = {"": 0, "zero1": 1, "zero2": 2, "fsdp2_keep": 3, "fsdp2": 4}
+
+
+def _shard_choices(value: Any) -> List[str]:
+    from ..wrappers import SHARDINGS
+
+    if value in ("auto", None):
+        return list(SHARDINGS)
+    if value in ("none", "off", False):
+        return []
+    items = [x.strip() for x in value.split(",")] if isinstance(value, str) else list(value)
+    for x in items:
+        if x not in SHARDINGS:
+            raise ConfigError(f"shardings={value!r}: {x!r} is not one of {', '.join(SHARDINGS)} (or auto, none)")
+    return [x for x in SHARDINGS if x in items]
+
+
 def _int_choices(value: Any, what: str, default: Sequence[int]) -> List[int]:
     if value is None:
         return list(default)
@@ -141,6 +160,11 @@ def _remedies(cand: Candidate, fits: List[Candidate], headroom: float, budget: B
     if lay.precision == "float32" and any(f.layout.precision != "float32" for f in fits
                                           if f.layout.pipeline == lay.pipeline):
         out.append("mixed precision fits")
+    if not lay.shard:
+        sharded = [f for f in fits if f.layout.shard and f.layout.pipeline == lay.pipeline
+                   and f.layout.micro_batch >= lay.micro_batch]
+        if sharded:
+            out.append(f"{sharded[0].layout.shard} sharding over the {sharded[0].layout.data_parallel} replicas fits")
     deeper = [f for f in fits if f.layout.pipeline > lay.pipeline and f.layout.precision == lay.precision]
     if deeper:
         f = min(deeper, key=lambda f: f.layout.pipeline)
@@ -198,7 +222,8 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
               schedules: Sequence[str] = SCHEDULES, recompute: Any = "auto", ranks_per_gpu: Any = (1, 2),
               pipelines: Any = None, micro_batches: Any = None, nccl: Any = "auto", nccl_buffsize: Any = None,
               top: int = 10, rejected: int = 5, fixed_local_size: Optional[int] = None,
-              idle_gpus: bool = False, max_evaluations: int = 50000, memory: Optional[str] = None) -> FitResult:
+              idle_gpus: bool = False, max_evaluations: int = 50000, memory: Optional[str] = None,
+              shardings: Any = "auto", wrapper: Any = None) -> FitResult:
     """The layouts of ``global_batch_size`` samples per step on ``hosts`` hosts of ``gpus`` that fit
     every rank, best first (see the module docstring), and the best rejected ones.
 
@@ -210,6 +235,12 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     search. ``fixed_local_size``: ranks per host already launched (``strategy="auto"``).
     ``idle_gpus``: also try layouts that leave GPUs idle (default: every GPU runs a rank).
     ``memory``: how the limits are applied (``"growth"``: the default headroom also holds the cache).
+    ``shardings``: sharded data parallel to try beside replicated state (``"auto"``: every one of
+    :data:`distmem.plan.wrappers.SHARDINGS`; ``"none"`` or ``()``: none; or a list); a sharded
+    layout ranks after the replicated one of the same step time (it moves more bytes: FSDP2
+    gathers the parameters again in the backward). ``wrapper``: a
+    :class:`~distmem.plan.wrappers.Wrapper` that replicates the state (Horovod, DDP), whose buffers
+    every replicated rank also holds.
     """
     import time
 
@@ -241,6 +272,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     k_choices = _int_choices(ranks_per_gpu, "ranks_per_gpu", (1, 2))
     p_choices = None if pipelines is None else _int_choices(pipelines, "pipelines", ())
     mb_choices = None if micro_batches is None else _int_choices(micro_batches, "micro_batches", ())
+    shard_choices = _shard_choices(shardings)
     precisions = [p for p in costs]
     first = next(iter(costs.values()))
     nblocks = len(first.block_names)
@@ -251,7 +283,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     layouts, degrees = enumerate_layouts(nblocks, global_batch_size, g, hosts, precisions=precisions,
                                   schedules=list(schedules), recompute=rc_choices, ranks_per_gpu=k_choices,
                                   pipelines=p_choices, micro_batches=mb_choices, fixed_local_size=fixed_local_size,
-                                  idle_gpus=idle_gpus)
+                                  idle_gpus=idle_gpus, shardings=shard_choices)
     if not layouts:
         ok = sorted({d for d in degrees if d})
         mult = sorted({global_batch_size // d * d for d in ok} | {-(-global_batch_size // d) * d for d in ok})
@@ -263,7 +295,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             f"whole micro-batches; use a global batch that one of them divides (nearby: "
             f"{', '.join(map(str, near))}), or other --hosts / ranks per host")
     ev = Evaluator(costs, gpus, budget=budget, overhead=overhead, framework=fw, nccl=nccl,
-                   nccl_buffsize=nccl_buffsize)
+                   nccl_buffsize=nccl_buffsize, wrapper=wrapper)
 
     grad_bytes = {p: costs[p].gradient_bytes for p in costs}
 
@@ -271,8 +303,8 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         lay = item[0]
         grads = grad_bytes[lay.precision]
         ar = 0 if lay.data_parallel == 1 else 2 * (lay.data_parallel - 1) / lay.data_parallel * grads / lay.pipeline
-        return (round(lay.step_units(), 9), ar, lay.ranks_per_gpu, lay.recompute, lay.schedule != "1f1b",
-                lay.pipeline, lay.precision)
+        return (round(lay.step_units(), 9), SHARD_RANK.get(lay.shard, 0), ar, lay.ranks_per_gpu, lay.recompute,
+                lay.schedule != "1f1b", lay.pipeline, lay.precision)
 
     layouts.sort(key=key)
     fits: List[Candidate] = []
@@ -288,7 +320,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         if len(fits) >= top:
             # only rejections are still wanted: skip what is known to fit without pricing it
             if lay.pipeline == 1:
-                fk = (lay.data_parallel, lay.ranks_per_gpu, lay.precision, lay.accumulation > 1)
+                fk = (lay.data_parallel, lay.ranks_per_gpu, lay.precision, lay.accumulation > 1, lay.shard)
                 if fk in dp_fit_at and lay.micro_batch <= dp_fit_at[fk]:
                     continue
         cand = ev.evaluate(lay, L, bound_only=len(rej) >= rejected)
@@ -296,7 +328,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             if len(fits) < top:
                 fits.append(cand)
             if lay.pipeline == 1:
-                fk = (lay.data_parallel, lay.ranks_per_gpu, lay.precision, lay.accumulation > 1)
+                fk = (lay.data_parallel, lay.ranks_per_gpu, lay.precision, lay.accumulation > 1, lay.shard)
                 dp_fit_at[fk] = max(dp_fit_at.get(fk, 0), lay.micro_batch)
         elif len(rej) < rejected:
             if not cand.exact:

@@ -55,6 +55,9 @@ class ParallelLayout:
     recompute: bool
     ranks_per_gpu: int
     schedule: Optional[str] = None  # "1f1b" | "gpipe" when pipeline > 1
+    #: sharded data parallel over the ``data_parallel`` replicas (:data:`distmem.plan.wrappers.SHARDINGS`:
+    #: zero1, zero2, fsdp2, fsdp2_keep); "" replicates the state (DDP, Horovod)
+    shard: str = ""
 
     @property
     def ranks(self) -> int:
@@ -89,6 +92,8 @@ class ParallelLayout:
         pipe = f"pp{self.pipeline} {self.schedule}" if self.pipeline > 1 else "no pipeline"
         extra = (", recompute" if self.recompute else "") + (f", {self.ranks_per_gpu} ranks/GPU"
                                                               if self.ranks_per_gpu > 1 else "")
+        if self.shard:
+            extra += f", {self.shard} over {self.data_parallel}"
         return (f"dp{self.data_parallel} x {pipe}, micro-batch {self.micro_batch} x {self.accumulation}, "
                 f"{self.precision}{extra}")
 
@@ -106,9 +111,10 @@ PROXY_TEXT = ("step time per GPU in sample-passes of the model (lower is faster)
 def enumerate_layouts(num_blocks: int, B: int, gpus_per_host: int, hosts: int, *, precisions: List[str],
                schedules: Sequence[str], recompute: Sequence[bool], ranks_per_gpu: Sequence[int],
                pipelines: Optional[Sequence[int]], micro_batches: Optional[Sequence[int]],
-               fixed_local_size: Optional[int] = None,
-               idle_gpus: bool = False) -> Tuple[List[Tuple[ParallelLayout, int]], List[int]]:
-    """All layouts with their ranks per host; and every data-parallel degree considered."""
+               fixed_local_size: Optional[int] = None, idle_gpus: bool = False,
+               shardings: Sequence[str] = ()) -> Tuple[List[Tuple[ParallelLayout, int]], List[int]]:
+    """All layouts with their ranks per host; and every data-parallel degree considered. Each
+    layout of more than one replica also comes sharded in each of ``shardings``."""
     out: List[Tuple[ParallelLayout, int]] = []
     degrees: List[int] = []
     if fixed_local_size is not None:
@@ -133,11 +139,13 @@ def enumerate_layouts(num_blocks: int, B: int, gpus_per_host: int, hosts: int, *
                 mb = per_replica // m
                 if micro_batches is not None and mb not in micro_batches:
                     continue
+                shards = [""] + (list(shardings) if d > 1 else [])
                 for prec in precisions:
-                    if p == 1:
-                        out.append((ParallelLayout(d, 1, mb, m, prec, False, k, None), L))
-                        continue
-                    for sched in schedules:
-                        for rc in recompute:
-                            out.append((ParallelLayout(d, p, mb, m, prec, rc, k, sched), L))
+                    for sh in shards:
+                        if p == 1:
+                            out.append((ParallelLayout(d, 1, mb, m, prec, False, k, None, sh), L))
+                            continue
+                        for sched in schedules:
+                            for rc in recompute:
+                                out.append((ParallelLayout(d, p, mb, m, prec, rc, k, sched, sh), L))
     return out, sorted(set(degrees))

@@ -20,6 +20,7 @@ from ...errors import ConfigError, DoesNotFitError
 from ...units import format_bytes, plural
 from ..strategy import Strategy, option
 from ..types import Plan
+from ..wrappers import plan_wrapper
 from .pipeline import PipelineOptions
 from .pipeline import plan as plan_pipeline
 from .text import comma_list, layers_file, shape, whole_number
@@ -60,6 +61,10 @@ class AutoOptions:
     recompute: Any = option("auto", parse=_recompute, help="activation recomputation: auto (try both), on, off")
     nccl: Any = option("auto", cli=False, help="count NCCL's buffers per communicator (auto) or not (False)")
     nccl_buffsize: Any = option(None, metavar="SIZE", help="NCCL_BUFFSIZE the job runs with (default NCCL's 4 MiB)")
+    shardings: Any = option("auto", help="sharded data parallel to try: auto (zero1,zero2,fsdp2,fsdp2_keep), none, "
+                                         "or a list")
+    wrapper: Any = option("none", cli=False, help="the replicating wrapper whose buffers each rank holds (none, "
+                                                  "horovod, ddp; auto: Horovod when this process sees HOROVOD_*)")
     rejected: int = option(1, cli=False, help="best rejected layouts to keep for the error")
     costs: Optional[Dict[str, Any]] = option(None, cli=False, help="precomputed fit costs per precision")
     framework: Optional[str] = option(None, cli=False, help="whose allocator and overhead to model")
@@ -90,7 +95,8 @@ def _fit(ctx: "Context", opts: AutoOptions) -> Any:
         layers_batch_size=opts.layers_batch_size, costs=opts.costs, headroom=ctx.budget.headroom,
         reserve=_given(ctx.budget, "reserve"), foreign=_given(ctx.budget, "foreign"), fixed_local_size=local, top=1,
         rejected=opts.rejected, recompute=opts.recompute, nccl=opts.nccl, nccl_buffsize=opts.nccl_buffsize,
-        overhead=ctx.given_overhead, estimate=ctx.estimate_method)
+        overhead=ctx.given_overhead, estimate=ctx.estimate_method, shardings=opts.shardings,
+        wrapper=plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=True, env=ctx.env))
     for name in ("schedules", "pipelines", "micro_batches"):
         if getattr(opts, name) is not None:
             args[name] = getattr(opts, name)
@@ -126,7 +132,7 @@ def plan(ctx: "Context", opts: AutoOptions) -> Plan:
     lay = chosen.layout
     stages = PipelineOptions(stages=[s.allocator_bytes for s in chosen.stages], num_stages=lay.pipeline,
                              num_micro_batches=lay.accumulation, schedule=lay.schedule or "1f1b",
-                             recompute=lay.recompute, headroom=result.headroom)
+                             recompute=lay.recompute, headroom=result.headroom, wrapper="none")
     budget = replace(ctx.budget, overhead_bytes=int(chosen.outside["total_bytes"]), headroom=result.headroom)
     plan_ = plan_pipeline(replace(ctx, budget=budget), stages)
     plan_.strategy = "auto"
@@ -140,6 +146,7 @@ def plan(ctx: "Context", opts: AutoOptions) -> Plan:
         "layout": lay.to_dict(), "micro_batch": lay.micro_batch, "accumulation": lay.accumulation,
         "data_parallel": lay.data_parallel, "pipeline": lay.pipeline, "schedule": lay.schedule,
         "recompute": lay.recompute, "precision": lay.precision, "ranks_per_gpu": lay.ranks_per_gpu,
+        "shard": lay.shard,
         "stages": stage_map, "rank_stage": "stage = rank % pipeline, replica = rank // pipeline",
         "guard_start_batch": lay.micro_batch, "step_units": round(lay.step_units(), 3),
         "outside": chosen.outside, "headroom": result.headroom, "model": result.model,

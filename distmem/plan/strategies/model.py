@@ -15,7 +15,7 @@ creates (``plan.extras["cpu_logical_devices"]``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
 
 from ...errors import ConfigError, DoesNotFitError
@@ -23,6 +23,7 @@ from ...units import SizeLike, format_bytes, parse_bytes, plural
 from ..budget import idle_warnings, slot
 from ..partition import Partition, layers_from_dicts, partition_model
 from ..strategy import Strategy, option
+from ..wrappers import WRAPPER_CHOICES, added_bytes, fixed_bytes, grad_fraction, plan_wrapper
 from ..types import Allocation, Plan
 from .text import layers_file, shape, whole_number
 
@@ -46,6 +47,10 @@ class ModelOptions:
     input_shape: Optional[Sequence[int]] = option(None, metavar="H,W,C", parse=shape,
                                                   help="model input shape without the batch axis, e.g. 96,96,3")
     input_bytes: SizeLike = option(0, metavar="SIZE", help="model input per batch, held by the first device")
+    wrapper: Optional[str] = option("none", choices=WRAPPER_CHOICES,
+                                    help="the data-parallel wrapper whose buffers the rank also holds (on its first "
+                                         "device): none (default), horovod, ddp, tf_distribute, or auto (Horovod "
+                                         "when this process sees HOROVOD_*: a dry run does not)")
     headroom: Optional[SizeLike] = option(
         None, metavar="PCT", help="added to each group's demand for the allocator (default 10%%; 52%% for torch under "
                                   "memory growth); 0 keeps the bytes as they are")
@@ -97,14 +102,22 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
                                    input_shape=opts.input_shape)
     part: Partition = partition_model(layers_from_dicts(list(layers or [])), g,
                                       input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"))
+    # the data-parallel wrapper's buffers live with the rank's first device (where its gradients
+    # are reduced): Horovod's fusion buffer, DDP's buckets
+    wrapper = plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=any(pl.gpus for pl in all_places),
+                           env=ctx.env, framework=ctx.framework)
+    added = added_bytes(wrapper, int(sum(d.state_bytes for d in part.stages) * grad_fraction(opts.optimizer)))
+    if added:
+        part.stages[0] = replace(part.stages[0], state_bytes=part.stages[0].state_bytes + added)
     kind = "GPU" if any(pl.gpus for pl in all_places) else "CPU"
-    wants = [budget.limit_for(d.total_bytes) for d in part.stages]
+    fixed = [fixed_bytes(wrapper) if added and k == 0 else 0 for k in range(len(part.stages))]
+    wants = [budget.limit_for(d.total_bytes - f) + f for d, f in zip(part.stages, fixed)]  # kept buffers after
     allocations: List[Allocation] = []
     warnings: List[str] = []
     used: Dict[str, Set[str]] = {}
     for pl in all_places:
         rank = pl.rank
-        breakdown = {"state_bytes": sum(d.state_bytes for d in part.stages),
+        breakdown = {"state_bytes": sum(d.state_bytes for d in part.stages) - added, "wrapper_bytes": added,
                      "activation_bytes": sum(d.activation_bytes for d in part.stages),
                      "boundary_bytes": sum(d.boundary_bytes for d in part.stages),
                      "planned_bytes": sum(wants)}
@@ -153,7 +166,8 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
                     "boundary_bytes": d.boundary_bytes, "first_layer": part.layer_names[d.start],
                     "last_layer": part.layer_names[d.stop - 1], "num_layers": d.num_layers}
                    for k, d in enumerate(part.stages)],
-        "cut_bytes": part.cut_bytes, "batch_size": batch_size, "source": "model" if model is not None else "layers",
+        "cut_bytes": part.cut_bytes, "batch_size": batch_size,
+        "wrapper": wrapper.describe() if wrapper else None, "wrapper_bytes": added, "source": "model" if model is not None else "layers",
     }}
     if kind == "CPU" and g > 1:
         extras["cpu_logical_devices"] = g

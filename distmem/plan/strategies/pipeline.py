@@ -16,7 +16,7 @@ framework's default headroom when none is given), and must fit the rank's share 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...errors import ConfigError, DoesNotFitError
@@ -25,6 +25,7 @@ from ...discover.gpus import Gpu
 from ..budget import Budget, growth_note, idle_warnings, slot
 from ..partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
 from ..strategy import Strategy, option
+from ..wrappers import WRAPPER_CHOICES, added_bytes, fixed_bytes, grad_fraction, plan_wrapper
 from ..types import Allocation, Plan
 from .text import comma_list, layers_file, shape, whole_number
 
@@ -65,6 +66,10 @@ class PipelineOptions:
     optimizer: Optional[str] = option(None, help="optimizer for the estimate (sgd, momentum, adam)")
     input_shape: Optional[Sequence[int]] = option(None, metavar="H,W,C", parse=shape,
                                                   help="model input shape without the batch axis, e.g. 96,96,3")
+    wrapper: Optional[str] = option("none", choices=WRAPPER_CHOICES,
+                                    help="the data-parallel wrapper whose buffers each stage also holds: none "
+                                         "(default), horovod, ddp, tf_distribute, or auto (Horovod when this "
+                                         "process sees HOROVOD_*: a dry run does not) (distmem.plan.wrappers)")
 
 
 def stage_of_rank(rank: int, size: int, num_stages: int, rank_order: str = "pipeline") -> Tuple[int, int]:
@@ -176,10 +181,23 @@ def plan(ctx: "Context", opts: PipelineOptions) -> Plan:
     budget = ctx.budget
     demands, p, m, partition = stage_demands_of(ctx, opts, ctx.ranks_per_host("num_stages"))
     explicit = partition is None
+    # the wrapper reduces gradients over the stage's data-parallel replicas (size / p of them)
+    wrapper = plan_wrapper(opts.wrapper, world_size=max(ctx.topo.size // max(p, 1), 1),
+                           on_gpu=any(pl.gpu is not None for pl in ctx.places), env=ctx.env, framework=ctx.framework)
+    # bytes stated per stage (stages=) are the stage's whole demand; a computed one adds the wrapper's
+    added = [0 if explicit else added_bytes(wrapper, int(d.state_bytes * grad_fraction(opts.optimizer)))
+             for d in demands]
+    if any(added):
+        demands = [replace(d, state_bytes=d.state_bytes + a) for d, a in zip(demands, added)]
     stage_of_rank(0, ctx.topo.size, p, opts.rank_order)  # validates size % p and the order
-    wants = [budget.limit_for(d.total_bytes) for d in demands]
+    fixed = [fixed_bytes(wrapper) if a else 0 for a in added]  # kept buffers: added after the headroom
+    wants = [budget.limit_for(d.total_bytes - f) + f for d, f in zip(demands, fixed)]
     breakdowns = [({k: v for k, v in d.breakdown().items() if k.endswith("_bytes") and k != "demand_bytes"}
                    if not explicit else {}) for d in demands]
+    for bd, a in zip(breakdowns, added):
+        if a:
+            bd["state_bytes"] -= a
+            bd["wrapper_bytes"] = a
     notes = [("" if explicit else f": layers {d.start}..{d.stop - 1}, {opts.schedule} holds {d.in_flight} "
                                   f"micro-batch(es){' (recompute)' if opts.recompute else ''}") for d in demands]
     enforce = budget.enforced(always=True)
@@ -223,7 +241,8 @@ def plan(ctx: "Context", opts: PipelineOptions) -> Plan:
     extras: Dict[str, Any] = {"pipeline": {
         "num_stages": p, "replicas": ctx.topo.size // p, "rank_order": opts.rank_order, "schedule": opts.schedule,
         "num_micro_batches": m, "micro_batch_size": opts.micro_batch_size, "recompute": bool(opts.recompute),
-        "headroom": budget.headroom,
+        "headroom": budget.headroom, "wrapper": wrapper.describe() if wrapper else None,
+        "wrapper_bytes": added,
         "source": "stages" if explicit else ("model" if opts.model is not None else "layers"),
         "stages": [{"stage": d.stage, "demand_bytes": d.total_bytes, "planned_bytes": wants[d.stage],
                     **({} if explicit else {"in_flight": d.in_flight, "first_layer": d.start,

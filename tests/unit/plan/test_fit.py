@@ -12,6 +12,7 @@ from distmem.plan.budget import resolve_budget
 from distmem.plan.fit import fit, nccl_communicators_of, solve_fit
 from distmem.plan.fit.costs import LayerListCosts, group_blocks
 from distmem.plan.fit.evaluate import Evaluator
+from distmem.plan.wrappers import SHARDINGS
 from distmem.plan.fit.space import ParallelLayout, enumerate_layouts
 from distmem.plan.outside import nccl_env, outside_allocator_breakdown, outside_allocator_bytes
 
@@ -88,7 +89,7 @@ def _exhaustive(c, B, fleet, hosts=1, **kw):
     g = gpus(fleet)
     out, _ = enumerate_layouts(len(next(iter(c.values())).block_names), B, len(g), hosts, precisions=list(c),
                         schedules=["1f1b", "gpipe"], recompute=[False, True], ranks_per_gpu=[1, 2],
-                        pipelines=None, micro_batches=None)
+                        pipelines=None, micro_batches=None, shardings=SHARDINGS)
     ev = Evaluator(c, g, budget=resolve_budget(reserve="256MiB", foreign=0, headroom=0.10), overhead=None, framework="torch",
                     nccl="auto", nccl_buffsize=None)
     return [(lay, ev.evaluate(lay, L)) for lay, L in out]

@@ -1,0 +1,157 @@
+"""Sharded data parallel: every rank a replica of the step on its own micro-batch, the model state
+sharded over ``degree`` ranks (FSDP2's ``fully_shard``, ZeRO-1/2), each rank's limit its demand plus
+headroom.
+
+A rank's demand is the estimator's peak for one replica's step at ``batch_size`` samples with the
+state the sharding leaves it and the buffers it holds (:func:`distmem.plan.wrappers.rank_peak`:
+FSDP2's shards, gathered units and reduce-scatter input; ZeRO's owned partition of the optimizer
+state, and of the gradients at stage 2). The demand comes from ``model=`` (estimated once per job,
+on rank 0, like every strategy's) or ``layers=`` (per-layer costs at ``batch_size``: the gradients
+are taken as the optimizer's share of each layer's state, :func:`distmem.plan.wrappers.grad_fraction`).
+Each limit is :meth:`distmem.plan.budget.Budget.limit_for` of the demand and must fit the rank's
+equal share of its GPU, as a pipeline stage's does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from ...errors import ConfigError, DoesNotFitError
+from ...units import SizeLike, format_bytes, plural
+from ..budget import growth_note, idle_warnings, slot
+from ..strategy import Strategy, option
+from ..types import Allocation, Plan
+from ..wrappers import SHARDINGS, grad_fraction, sharding_wrapper
+from .text import layers_file, shape, whole_number
+
+if TYPE_CHECKING:
+    from ..request import Context
+
+__all__ = ["ShardedOptions", "STRATEGY", "sharded_demand"]
+
+
+@dataclass
+class ShardedOptions:
+    model: Any = option(None, metavar="SPEC", help="model to estimate, e.g. torchvision:resnet50 or a torch module")
+    layers: Optional[Sequence[Any]] = option(
+        None, metavar="FILE.json", parse=layers_file,
+        help="per-layer costs at --batch-size instead of --model (a JSON list of {name, state_bytes, "
+             "activation_bytes, output_bytes})")
+    batch_size: Optional[int] = option(None, parse=whole_number("batch_size"),
+                                       help="samples per rank per step (the micro-batch; default 8)")
+    sharding: str = option("fsdp2", choices=SHARDINGS,
+                           help="zero1 (optimizer state), zero2 (+ gradients), fsdp2 (fully_shard, reshard after "
+                                "forward) or fsdp2_keep (reshard_after_forward=False)")
+    degree: Optional[int] = option(None, parse=whole_number("degree"),
+                                   help="ranks the state is sharded over (default: every rank of the job)")
+    prefetch: int = option(1, parse=int, help="FSDP2 units all-gathered ahead of the one computing (default 1)")
+    optimizer: Any = option("adam", help="optimizer whose state is counted (sgd, momentum, adam; default adam)")
+    precision: Any = option("float32", help="float32, mixed_bfloat16 or mixed_float16 (the estimate's)")
+    input_shape: Optional[Sequence[int]] = option(None, metavar="H,W,C", parse=shape,
+                                                  help="one sample without the batch axis, e.g. 3,224,224")
+    headroom: Optional[SizeLike] = option(
+        None, metavar="PCT", help="added to each rank's demand for the allocator (default 10%%); 0 keeps it")
+
+
+def _degree(ctx: "Context", opts: ShardedOptions) -> int:
+    size = ctx.topo.size
+    d = size if opts.degree is None else opts.degree
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ConfigError(f"degree={opts.degree!r}: give the ranks the state is sharded over, a whole number >= 1")
+    if size % d:
+        raise ConfigError(f"degree={d} does not divide the job's {plural(size, 'rank')}: the state is sharded over "
+                          f"groups of {d} ranks (HSDP replicates the groups); use a divisor of {size}")
+    return d
+
+
+def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[int, Dict[str, int], List[str]]:
+    """(one rank's peak in bytes, its parts, the rule applied): the same on every rank of the job."""
+    if (opts.model is None) == (opts.layers is None):
+        raise ConfigError("strategy='sharded' needs exactly one of model= (a torch module or a spec such as "
+                          "'torchvision:resnet50') or layers=[LayerCost, ...] with batch_size= (the batch they were "
+                          "measured at); on the command line --model SPEC or --layers FILE.json")
+    if opts.sharding not in SHARDINGS:
+        raise ConfigError(f"sharding={opts.sharding!r} is not one of {', '.join(SHARDINGS)}")
+    if isinstance(opts.prefetch, bool) or not isinstance(opts.prefetch, int) or opts.prefetch < 0:
+        raise ConfigError(f"prefetch={opts.prefetch!r}: give the FSDP2 units gathered ahead, a whole number >= 0")
+    wrapper = sharding_wrapper(opts.sharding, degree, prefetch=opts.prefetch)
+    batch = int(opts.batch_size or 8)
+
+    def compute() -> Tuple[int, Dict[str, int], List[str]]:
+        from ..fit import costs_from_model
+        from ..fit.costs import LayerListCosts
+        from ..fit.solve import precision_choices
+        from ..partition import layers_from_dicts
+
+        prec = precision_choices(opts.precision)[0]
+        if opts.layers is not None:
+            costs: Any = LayerListCosts(layers_from_dicts(list(opts.layers)), batch, precision=prec,
+                                        gradient_fraction=grad_fraction(opts.optimizer))
+        else:
+            costs = costs_from_model(opts.model, [prec], optimizer=opts.optimizer, input_shape=opts.input_shape,
+                                     batch_size=batch, method=ctx.estimate_method)[prec]
+        peak, parts = costs.rank_peak(batch, False, wrapper)
+        from ..wrappers import wrapper_demand
+
+        return int(peak), {k: int(v) for k, v in parts.items()}, wrapper_demand(wrapper, costs.model_state()).rules
+
+    return ctx.agreed(compute)
+
+
+def plan(ctx: "Context", opts: ShardedOptions) -> Plan:
+    budget = ctx.budget
+    degree = _degree(ctx, opts)
+    demand, parts, rules = sharded_demand(ctx, opts, degree)
+    want = budget.limit_for(demand)
+    enforce = budget.enforced(always=True)
+    allocations: List[Allocation] = []
+    warnings: List[str] = []
+    used: Dict[str, Set[str]] = {}
+    for pl in ctx.places:
+        alloc = Allocation(pl.rank, pl.local_rank, pl.host, "sharded", "cpu", replica=pl.rank, demand_bytes=demand,
+                           breakdown=dict({k.replace(" ", "_").replace(",", "") + "_bytes": v for k, v in parts.items() if v},
+                                          planned_bytes=want, headroom_bytes=want - demand),
+                           notes=[f"{opts.sharding} over {degree}, shard group {pl.rank // degree}: " + "; ".join(rules)],
+                           headroom=budget.headroom)
+        if pl.gpu is not None:
+            gpu, k = pl.gpu, pl.shared_by
+            used.setdefault(pl.host, set()).add(gpu.uuid)
+            share = budget.share(gpu, k)
+            if demand > share:
+                remedies = [f"shard over more ranks (degree {degree} -> {degree * 2} halves the state)"
+                            if degree < ctx.topo.size or opts.sharding != "fsdp2" else "",
+                            "sharding='fsdp2' (parameters and gradients too)" if opts.sharding != "fsdp2" else "",
+                            "a smaller batch_size (activations are each rank's own)", "fewer ranks per GPU"
+                            if k > 1 else "", "or a larger GPU"]
+                raise DoesNotFitError(
+                    f"a rank of {opts.sharding} over {degree} needs {format_bytes(demand)} ("
+                    + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts.items() if v)
+                    + f") but rank {pl.rank}'s GPU {gpu.index} ({format_bytes(gpu.total_bytes)}"
+                    + (f", shared by {k} ranks" if k > 1 else "") + f") offers {format_bytes(share)} after reserve "
+                    f"{format_bytes(budget.reserve_of(gpu))}, foreign {format_bytes(budget.foreign_of(gpu))} and "
+                    f"per-process overhead {format_bytes(budget.overhead_bytes)}; use "
+                    + ", ".join(r for r in remedies if r))
+            limit = min(want, share)
+            if limit < want and not warnings:
+                warnings.append(f"headroom cut to {format_bytes(share - demand)} (wanted {budget.headroom:.0%} of "
+                                f"{format_bytes(demand)}) to fit GPU {gpu.index}'s {format_bytes(share)}")
+            alloc.breakdown["planned_bytes"] = limit
+            alloc.breakdown["headroom_bytes"] = limit - demand
+            alloc.mode = "limit" if enforce else "growth"
+            alloc.devices = [slot(gpu, limit, enforce=enforce, shared_by=k, label=f"{opts.sharding} shard")]
+            note = growth_note(k) if budget.memory == "growth" else None
+            if note:
+                alloc.notes.append(note)
+        allocations.append(alloc)
+    warnings += idle_warnings(ctx.seen_gpus(), used)
+    extras: Dict[str, Any] = {"sharded": {
+        "sharding": opts.sharding, "degree": degree, "groups": ctx.topo.size // degree, "batch_size": opts.batch_size,
+        "demand_bytes": demand, "planned_bytes": want, "parts": parts, "rules": rules, "headroom": budget.headroom,
+        "source": "model" if opts.model is not None else "layers"}}
+    options = dict(sharding=opts.sharding, degree=degree, batch_size=opts.batch_size, prefetch=opts.prefetch,
+                   optimizer=str(opts.optimizer), precision=str(opts.precision))
+    return ctx.make_plan("sharded", allocations, options, extras=extras, warnings=warnings)
+
+
+STRATEGY = Strategy("sharded", "sharded data parallel (FSDP2, ZeRO-1/2): each rank's shard plus buffers, plus headroom",
+                    ShardedOptions, plan, derives_limits=True)

@@ -1,0 +1,150 @@
+"""What the parallel wrappers add per rank (distmem.plan.wrappers), and every plan counting it."""
+import pytest
+
+from distmem.costs import LayerCost
+from distmem.discover.gpus import Inventory, fleet_inventory
+from distmem.discover.identity import Topology
+from distmem.errors import ConfigError
+from distmem.plan import PlanRequest, make_plan
+from distmem.plan.wrappers import (HOROVOD_FUSION_DEFAULT, ModelState, Wrapper, added_bytes, horovod_from_env,
+                                   rank_peak, wrapper_demand, zero_partition)
+from distmem.plan.budget import ceil_mib
+from distmem.units import MiB
+
+CPU = Inventory([], "none")
+
+
+def topo(size, local_size, rank=0):
+    return Topology(rank=rank, size=size, local_rank=rank % local_size, local_size=local_size, host="n")
+
+
+STATE = ModelState(param_bytes=1000 * MiB, grad_bytes=1000 * MiB, optimizer_bytes=2000 * MiB,
+                   tensor_bytes=(400 * MiB, 300 * MiB, 200 * MiB, 100 * MiB),
+                   unit_bytes=(300 * MiB, 200 * MiB, 100 * MiB), root_bytes=400 * MiB)
+PEAK = {"weights": 1000 * MiB, "gradients": 600 * MiB, "optimizer state": 2000 * MiB, "activations": 900 * MiB,
+        "temporaries": 100 * MiB, "workspaces": 8 * MiB}
+
+
+def test_zero_partition_gives_whole_tensors_largest_first():
+    # 400 -> r0, 300 -> r1, 200 -> r1 (300 < 400), 100 -> r0 (400 < 500)
+    assert zero_partition([100, 300, 200, 400], 2, 0) == 500
+    assert zero_partition([100, 300, 200, 400], 2, 1) == 500
+    # rank 0 holds the largest tensor whatever the degree: never below it
+    assert zero_partition([400, 300, 200, 100], 64, 0) == 400
+
+
+def test_zero1_shards_the_optimizer_state_of_the_owned_tensors_only():
+    d = wrapper_demand(Wrapper("zero1", 4), STATE)
+    assert (d.params, d.grads) == (STATE.param_bytes, STATE.grad_bytes)
+    assert d.optimizer == 2000 * MiB * 400 // 1000  # rank 0 owns the 400 MiB tensor: 40%, not 25%
+    d2 = wrapper_demand(Wrapper("zero2", 4), STATE)
+    assert d2.grads == 1000 * MiB * 400 // 1000 and d2.optimizer == d.optimizer
+
+
+def test_fsdp2_shards_everything_and_holds_root_units_and_reduce_scatter():
+    d = wrapper_demand(Wrapper("fsdp2", 4), STATE)
+    assert d.params == 250 * MiB and d.grads == 250 * MiB and d.optimizer == 500 * MiB
+    # root 400 unsharded + (1 + prefetch) x largest unit 300, + unit's grads and the reduce-scatter input 2 x 300
+    assert d.backward_buffers == (400 + 2 * 300 + 2 * 300) * MiB
+    keep = wrapper_demand(Wrapper("fsdp2", 4, reshard_after_forward=False), STATE)
+    assert keep.backward_buffers == (400 + 600 + 2 * 300) * MiB
+    assert wrapper_demand(Wrapper("fsdp2", 4, prefetch=0), STATE).backward_buffers == (400 + 300 + 600) * MiB
+
+
+def test_fsdp2_pads_dim0_to_the_degree():
+    s = ModelState(10 * 4, 10 * 4, 0, tensor_bytes=(10 * 4,), tensor_rows=(10,))
+    assert wrapper_demand(Wrapper("fsdp2", 4), s).params == 3 * 4  # ceil(10 / 4) rows of 4 bytes
+
+
+def test_ddp_buckets_copy_every_gradient_unless_they_are_the_gradients():
+    d = wrapper_demand(Wrapper("ddp", 8, bucket_cap_mb=4), STATE)
+    assert d.backward_buffers == STATE.grad_bytes  # the bucket size cuts the copy, it does not shrink it
+    peak, parts, _ = rank_peak(PEAK, "backward", STATE, Wrapper("ddp", 8, gradient_as_bucket_view=True))
+    # the views: every gradient byte allocated, 600 MiB of them already in the peak
+    assert parts["wrapper buffers"] == 400 * MiB and peak == sum(PEAK.values()) + 400 * MiB
+    assert added_bytes(Wrapper("ddp", 2), 123) == 123 and added_bytes(Wrapper("ddp", 2, static_graph=True), 123) == 123
+
+
+def test_rank_peak_replaces_state_by_the_shard_and_adds_the_buffers():
+    peak, parts, d = rank_peak(PEAK, "backward", STATE, Wrapper("fsdp2", 4))
+    assert parts["weights"] == 250 * MiB and parts["gradients"] == 150 * MiB and parts["optimizer state"] == 500 * MiB
+    assert parts["activations, temporaries, inputs"] == 1008 * MiB
+    assert peak == (250 + 150 + 500 + 1008) * MiB + d.backward_buffers
+    plain, _, _ = rank_peak(PEAK, "backward", STATE, None)
+    assert plain == sum(PEAK.values())
+
+
+def test_an_update_peak_moves_to_the_backward_once_sharded():
+    peak, parts, d = rank_peak(PEAK, "update", STATE, Wrapper("fsdp2", 64), activation_bytes=900 * MiB)
+    # the update's temporaries shrink 64x; the backward (kept activations + gathered units) is larger
+    assert parts["activations, temporaries, inputs"] == 900 * MiB + 8 * MiB
+    assert parts["wrapper buffers"] == d.backward_buffers
+
+
+def test_horovod_fusion_buffer_from_the_environment():
+    assert horovod_from_env({}) is None
+    w = horovod_from_env({"HOROVOD_RANK": "0"}, world_size=4)
+    assert w.fusion_threshold == HOROVOD_FUSION_DEFAULT == 128 * MiB
+    assert horovod_from_env({"HOROVOD_FUSION_THRESHOLD": "0"}, world_size=4).fusion_threshold == 0
+    w = horovod_from_env({"HOROVOD_FUSION_THRESHOLD": str(64 * MiB), "HOROVOD_CYCLE_TIME": "50",
+                          "HOROVOD_NUM_NCCL_STREAMS": "2"}, world_size=4, on_gpu=True)
+    assert added_bytes(w, 0) == 2 * 64 * MiB  # one buffer per NCCL stream; the cycle time sizes nothing
+    assert added_bytes(horovod_from_env({"HOROVOD_RANK": "0"}, world_size=1), 0) == 0  # one rank fuses nothing
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD"):
+        horovod_from_env({"HOROVOD_FUSION_THRESHOLD": "lots"})
+
+
+def test_tf_distribute_packs_the_gradients():
+    assert added_bytes(Wrapper("tf_distribute", 2), 100) == 200
+    assert added_bytes(Wrapper("tf_distribute", 1), 100) == 0
+
+
+def test_bad_wrappers_name_the_value():
+    with pytest.raises(ConfigError, match="'fsdp3'"):
+        wrapper_demand(Wrapper("fsdp3", 2), STATE)
+    with pytest.raises(ConfigError, match="strategy='sharded'"):
+        added_bytes(Wrapper("zero1", 2), 1)
+
+
+def layers(n=6):
+    return [LayerCost(f"l{k}", 40 * MiB, 30 * MiB, 2 * MiB) for k in range(n)]
+
+
+def _plan(strategy, env, **kw):
+    req = PlanRequest(strategy=strategy, options=kw, framework="tensorflow", env=env, topology=topo(4, 4),
+                      inventory=fleet_inventory("4x16GiB"))
+    return req.plan()
+
+
+def test_pipeline_replicas_hold_the_fusion_buffer_and_tensorflow_s_reduced_gradients():
+    # 4 ranks in 2 pipelines of 2 stages: each stage all-reduces its gradients over 2 replicas
+    hvd = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4"}
+    without = _plan("pipeline", {}, layers=layers(), num_stages=2)
+    under = _plan("pipeline", hvd, layers=layers(), num_stages=2, wrapper="auto")
+    off = _plan("pipeline", dict(hvd, HOROVOD_FUSION_THRESHOLD="0"), layers=layers(), num_stages=2, wrapper="horovod")
+    # named, the wrapper plans the same bytes with or without HOROVOD_* (a dry run sees none)
+    assert _plan("pipeline", {}, layers=layers(), num_stages=2, wrapper="horovod").allocations[0].demand_bytes == \
+        under.allocations[0].demand_bytes
+    # not named, nothing is counted, whatever the environment says (every door plans alike)
+    assert _plan("pipeline", hvd, layers=layers(), num_stages=2).allocations[0].demand_bytes == \
+        without.allocations[0].demand_bytes
+    for a, b, c in zip(without.allocations, under.allocations, off.allocations):
+        copies = b.breakdown["wrapper_bytes"] - 128 * MiB  # TensorFlow's reduced gradients: a quarter of Adam's state
+        assert copies == pytest.approx(b.breakdown["state_bytes"] / 4, abs=1)
+        assert b.demand_bytes == a.demand_bytes + 128 * MiB + copies
+        # the fusion buffer is one allocation kept for the job: it takes no headroom
+        assert b.devices[0].planned_bytes == ceil_mib((a.demand_bytes + copies) * 1.10) + 128 * MiB
+        assert c.demand_bytes == a.demand_bytes + copies
+    # one pipeline of 4 stages reduces nothing over replicas: no fusion, no copies
+    one = _plan("pipeline", hvd, layers=layers(), num_stages=4, wrapper="horovod")
+    assert [a.demand_bytes for a in one.allocations] == [a.demand_bytes for a in
+                                                          _plan("pipeline", {}, layers=layers(), num_stages=4).allocations]
+
+
+def test_model_parallel_rank_holds_the_fusion_buffer_on_its_first_device():
+    without = make_plan("model", topo(2, 2), CPU, layers=layers(), gpus_per_rank=2, batch_size=8)
+    under = make_plan("model", topo(2, 2), CPU, layers=layers(), gpus_per_rank=2, batch_size=8, wrapper="horovod")
+    assert under.allocations[0].demand_bytes == without.allocations[0].demand_bytes + 128 * MiB
+    assert under.extras["model"]["wrapper_bytes"] == 128 * MiB
+    g0, w0 = without.extras["model"]["groups"][0], under.extras["model"]["groups"][0]
+    assert w0["planned_bytes"] == g0["planned_bytes"] + 128 * MiB
