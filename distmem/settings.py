@@ -21,6 +21,7 @@ variable                               meaning
 ``DISTMEM_LAYOUT_TIMEOUT``             seconds a rank waits for its host's other ranks (default DISTMEM_TIMEOUT, else 30)
 ``DISTMEM_LAUNCH_TIMEOUT``             seconds ``distmem launch-tf`` lets a job run (default 3600)
 ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``  ``1`` / ``0``: torch's expandable segments on / off
+``DISTMEM_FAIL_FAST``                  ``1`` (default) / ``0``: every rank stops within seconds when one dies
 ``DISTMEM_CAP_*``                      the native cap's settings, written by ``distmem-exec``
 =====================================  ==========================================================
 """
@@ -32,13 +33,14 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "fail_fast", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
            "MAX_SECONDS"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
              "DISTMEM_REPORT", "DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_COMM", "DISTMEM_LAYOUT_DIR",
-             "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS")
+             "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS",
+             "DISTMEM_FAIL_FAST")
 
 
 def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -143,6 +145,13 @@ def plain(env: Optional[Mapping[str, str]] = None) -> bool:
     return bool(flag("DISTMEM_PLAIN", env))
 
 
+def fail_fast(env: Optional[Mapping[str, str]] = None) -> bool:
+    """``DISTMEM_FAIL_FAST``: ``1`` (default) starts the heartbeat at ``init()`` (every rank stops within
+    seconds of another's death, see :mod:`distmem.comm.heartbeat`); ``0`` leaves it off."""
+    value = flag("DISTMEM_FAIL_FAST", env)
+    return True if value is None else value
+
+
 def comm(env: Optional[Mapping[str, str]] = None) -> str:
     """``DISTMEM_COMM``: ``auto`` (default) or ``mpi`` (use MPI whenever mpirun launched the job)."""
     text = raw("DISTMEM_COMM", env) or "auto"
@@ -160,7 +169,8 @@ def validate(env: Optional[Mapping[str, str]] = None) -> None:
     launch_timeout(env)
     memory(env)
     comm(env)
-    for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE"):
+    for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE",
+                 "DISTMEM_FAIL_FAST"):
         flag(name, env)
     from .units import check_size
 
