@@ -1,7 +1,9 @@
 """The agreement every guarded step and every batch-size probe ends with.
 
     each rank:  try: work()  except: classify  ->  status OK | OOM | ERROR | STOP
-    all ranks:  verdict = flag all-reduce(status bit)           (tiny, with a timeout)
+    all ranks:  verdict = flag all-reduce(status bit)           (tiny, with a timeout; posted before the
+                                                                gradient all-reduce and waited after it
+                                                                in the overlapped step, see step.py)
     not ok:     descriptions = allgather("Type: message")       (failure path only)
                 ERROR anywhere -> the failing rank re-raises its own exception, the others PeerError
                 STOP anywhere  -> StopIteration on every rank
@@ -17,7 +19,7 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..comm import Comm, get_comm, resolve_timeout
 from ..console import say as console_say
@@ -89,8 +91,27 @@ class Agreement:
             raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
 
     def verdict(self, status: Status, where: str) -> Verdict:
+        return self.agree(status, where)[0]
+
+    def agree(self, status: Status, where: str, extra: Sequence[float] = ()) -> Tuple[Verdict, List[float]]:
+        """The verdict, and the sums over the ranks of ``extra`` (more words on the same all-reduce)."""
+        w = len(encode(self.rank, self.size, status))
         try:
-            vec = self.flags.reduce(encode(self.rank, self.size, status), self.timeout)
+            vec = self.flags.reduce(encode(self.rank, self.size, status) + [float(x) for x in extra], self.timeout)
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
+        return decode(vec[:w], self.size), list(vec[w:])
+
+    def post(self, status: Status, where: str) -> Any:
+        """Start the flag all-reduce without waiting (the overlapped step); :meth:`wait` ends it."""
+        try:
+            return self.flags.post(encode(self.rank, self.size, status))
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
+
+    def wait(self, posted: Any, where: str) -> Verdict:
+        try:
+            vec = posted.wait(self.timeout)
         except GatherTimeoutError as exc:
             raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
         return decode(vec, self.size)

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..units import plural
 from .errors import BatchSizeFloorError
 from .flags import FlagReducer, Status
-from .grads import Reducer, gradient_reducer
+from .grads import Reducer, dense, gradient_reducer, kind_of
 from .protocol import Agreement, attempt, free_memory, say, summarise
 
 __all__ = ["StepGuard", "Fallback", "step", "split_sizes", "shrink_micro_batch", "planned_micro_batch"]
@@ -153,7 +153,7 @@ class StepGuard:
                  reduce_gradients: Union[str, Reducer, None] = "auto", comm: Optional[Comm] = None,
                  timeout: Optional[float] = None, no_sync: Optional[Callable[[], Any]] = None,
                  on_oom: Optional[Callable[[], None]] = None, flags: Optional[FlagReducer] = None,
-                 log_rank: int = 0):
+                 log_rank: int = 0, overlap: Union[str, bool] = "auto"):
         micro_batch_size = planned_micro_batch() if micro_batch_size is None else micro_batch_size
         for name, v in (("micro_batch_size", micro_batch_size), ("min_micro_batch_size", min_micro_batch_size)):
             if not isinstance(v, int) or v < 1:
@@ -190,6 +190,12 @@ class StepGuard:
         self.no_sync = no_sync
         self.on_oom = on_oom
         self.log_rank = log_rank
+        if overlap not in ("auto", True, False):
+            raise ConfigError(f"overlap={overlap!r} is not 'auto', True or False")
+        self.overlap = overlap
+        #: True once every rank runs the overlapped protocol (from the step after the first clean one)
+        self.overlapped = False
+        self._template: List[Any] = []
         self.steps = 0        #: guarded steps called so far (successful or not)
         self.fallbacks: List[Fallback] = []
         self._waiting: List[Fallback] = []
@@ -229,14 +235,25 @@ class StepGuard:
                 in_fetch[0] = False
             return self._compute(box["batch"])
 
+        reduced: Optional[List[Any]] = None
+        votes: List[float] = []
         while True:
             t0 = time.monotonic()
             status, result, own, desc, t_fault = attempt(work, in_fetch)
             t1 = time.monotonic()
-            verdict = self.agreement.verdict(status, where)
+            if self.overlapped:
+                # Overlapped: the flags travel while every rank all-reduces its gradients (zeros of
+                # the last clean step's shapes where this rank has none); this step's verdict,
+                # waited below, decides whether the reduced gradients are applied or dropped.
+                posted = self.agreement.post(status, where)
+                local = result[1] if status == Status.OK else self._zeros()
+                reduced = self._reduce(local)
+                verdict = self.agreement.wait(posted, where)
+            else:
+                verdict, votes = self.agreement.agree(status, where, [1.0 if self._may_overlap(status) else 0.0])
             if verdict.ok:
                 break
-            result = None
+            result = reduced = None
             descs = self.agreement.descriptions(desc, where) if (verdict.oom or verdict.error) else {}
             self.agreement.raise_if_failed(verdict, status, own, descs, where)
             t2 = time.monotonic()
@@ -245,7 +262,13 @@ class StepGuard:
             self._fall_back(verdict.oom, descs, wasted=(t_fault or t1) - t0, agree=t2 - t1, free=t3 - t2,
                             fault_at=t_fault or t2, where=where)
         loss, grads = result
-        grads = self._reduce(grads)
+        self._remember_shapes(grads)
+        if reduced is None:
+            grads = self._reduce(grads)
+            if votes and votes[0] >= self.size - 0.5:
+                self.overlapped = True  # every rank voted on this same clean verdict: all switch at the next step
+        else:
+            grads = reduced
         if self.apply is not None:
             self.apply(grads)
         t_end = time.monotonic()
@@ -312,6 +335,37 @@ class StepGuard:
                     p.grad = g
         return out
 
+    def _may_overlap(self, status: Status) -> bool:
+        """This rank's vote for the overlapped protocol from the next step on (all must vote yes on
+        the same clean verdict): asked for, a gradient all-reduce to overlap with, a flag transport
+        that runs in the background, and - for ``overlap="auto"`` - fail fast running, since the
+        gradient all-reduce is then entered before the verdict and only the heartbeat bounds it
+        when a rank is gone."""
+        if self.overlap is False or self._reduce_spec is None or status != Status.OK:
+            return False
+        if not getattr(self.agreement.flags, "overlaps", False) or self.size == 1:
+            return False
+        if self.overlap == "auto":
+            from ..comm import heartbeat
+
+            return heartbeat.current() is not None
+        return True
+
+    def _remember_shapes(self, grads: List[Any]) -> None:
+        """What a rank without gradients (its step failed) all-reduces in the overlapped step: zeros
+        of the shapes of the last clean step's gradients."""
+        if self.params is not None:
+            self._template = [p.grad is not None for p in self.params]
+        else:
+            self._template = [_zero_factory(g) for g in grads]
+
+    def _zeros(self) -> List[Any]:
+        if self.params is not None:
+            import torch
+
+            return [torch.zeros_like(p) if had else None for p, had in zip(self.params, self._template)]
+        return [None if make is None else make() for make in self._template]
+
     def _drop(self, full: bool) -> None:
         if self.params is not None:
             for p in self.params:
@@ -350,6 +404,37 @@ class StepGuard:
                            f"{self.accumulation_steps}){glob}")
 
 
+def _zero_factory(g: Any) -> Optional[Callable[[], Any]]:
+    """A function making zeros shaped like gradient ``g`` (None for None)."""
+    if g is None:
+        return None
+    g = dense(g)
+    kind = kind_of(g)
+    shape = tuple(int(d) for d in g.shape)
+    if kind == "torch":
+        dtype, device = g.dtype, g.device
+
+        def torch_zeros() -> Any:
+            import torch
+
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return torch_zeros
+    if kind == "tensorflow":
+        tf_dtype = g.dtype
+
+        def tf_zeros() -> Any:
+            import tensorflow as tf
+
+            return tf.zeros(shape, dtype=tf_dtype)
+
+        return tf_zeros
+    import numpy as np
+
+    np_dtype = np.asarray(g).dtype
+    return lambda: np.zeros(shape, dtype=np_dtype)
+
+
 def planned_micro_batch() -> int:
     """The micro-batch ``init(strategy="auto")`` chose (``plan.extras["fit"]["guard_start_batch"]``)."""
     from .. import session
@@ -384,6 +469,11 @@ def step(fn: Callable[..., Any], *, micro_batch_size: Optional[int] = None, glob
     no_sync: a context manager factory around the micro-batches (``ddp_model.no_sync``): the guard
         all-reduces after the verdict, so DDP must not all-reduce inside backward.
     on_oom: extra clean-up on every rank after a dropped step (before the garbage collection).
+    overlap: ``"auto"`` (default): from the step after the first clean one, the flag all-reduce is
+        posted before the gradient all-reduce and waited after it (its latency hidden), when fail
+        fast runs (``init()``'s default: it bounds the gradient all-reduce a lost rank would
+        otherwise leave waiting) and the transport can post it; ``True`` without fail fast too;
+        ``False``: the blocking protocol (flags, then the gradient all-reduce only on a clean verdict).
     """
     return StepGuard(fn, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, apply=apply,
                      params=params, **options)
