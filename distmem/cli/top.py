@@ -159,10 +159,12 @@ def _live(watcher: Watcher, job: LiveJob, state: ViewState, color: bool, interva
                 ready, _, _ = select.select([fd], [], [], left)
                 if not ready:
                     break
-                key = os.read(fd, 16).decode(errors="replace")
-                if key in ("q", "Q", "\x03"):
-                    return 0
-                if _key(key, state):
+                changed = False
+                for key in _keys(os.read(fd, 64).decode(errors="replace")):
+                    if key in ("q", "Q", "\x03"):
+                        return 0
+                    changed = _key(key, state) or changed
+                if changed:
                     break  # redraw at once
             if t_end is not None and time.monotonic() >= t_end:
                 return 0
@@ -171,6 +173,23 @@ def _live(watcher: Watcher, job: LiveJob, state: ViewState, color: bool, interva
             termios.tcsetattr(fd, termios.TCSADRAIN, saved)
         out.write("\x1b[?25h\x1b[?1049l")
         out.flush()
+
+
+def _keys(text: str) -> List[str]:
+    """Keys typed since the last read: escape sequences (arrows, page down) kept whole."""
+    out: List[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "\x1b" and text[i + 1:i + 2] == "[":
+            j = i + 2
+            while j < len(text) and not text[j].isalpha() and text[j] != "~":
+                j += 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return out
 
 
 def _key(key: str, state: ViewState) -> bool:

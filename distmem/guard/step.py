@@ -81,6 +81,8 @@ def slice_batch(batch: Any, i: int, j: int) -> Any:
 def _axpy(acc: Optional[List[Any]], grads: Sequence[Any], w: float) -> List[Any]:
     """acc + w * grads, element-wise, keeping None where a gradient is None."""
     if acc is None:
+        if w == 1.0:
+            return list(grads)  # one micro-batch: its gradients are the step's, no copy (nothing adds to them)
         return [None if g is None else g * w for g in grads]
     if len(acc) != len(grads):
         raise ConfigError(f"the step function returned {len(grads)} gradients for one micro-batch and "
