@@ -60,8 +60,8 @@ class Seen:
     source: str
 
 
-def parse_report(text: str) -> Tuple[List[RankRow], List[Tuple[str, str]], Dict[str, Any]]:
-    """Rows, ``(kind, warning)`` pairs and facts (``world_size``, ``step``, ``made``) of a report JSON."""
+def parse_report(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str]], Dict[str, Any]]:
+    """Rows, ``(kind, warning, key)`` triples and facts (``world_size``, ``step``, ``made``) of a report JSON."""
     d = json.loads(text)
     if not isinstance(d, dict) or "world_size" not in d:
         raise ValueError("JSON but not a distmem report (no 'world_size')")
@@ -82,9 +82,13 @@ def parse_report(text: str) -> Tuple[List[RankRow], List[Tuple[str, str]], Dict[
                             step=r.get("step") if r.get("step") is not None else step, made=made))
     for m in d.get("missing") or []:
         rows.append(RankRow(rank=int(m), up=False, step=step, made=made))
-    kinds = [f.get("kind", "warning") for f in d.get("findings") or []]
+    findings = d.get("findings") or []
     warnings = list(d.get("warnings") or [])
-    pairs = [(kinds[i] if i < len(kinds) else "warning", str(w)) for i, w in enumerate(warnings)]
+    pairs = []
+    for i, w in enumerate(warnings):
+        f = findings[i] if i < len(findings) and isinstance(findings[i], dict) else {}
+        # The same finding (kind, ranks) in a later report is the same warning with new figures.
+        pairs.append((f.get("kind", "warning"), str(w), f"{f.get('kind')}:{f.get('ranks')}" if f else str(w)))
     return rows, pairs, {"world_size": int(d["world_size"]), "step": step, "made": made}
 
 
@@ -99,12 +103,12 @@ def _unescape(v: str) -> str:
     return v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
 
 
-def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str]], Dict[str, Any]]:
+def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str]], Dict[str, Any]]:
     """Rows, warnings (one per kind with a non-zero count: the textfile keeps counts, not sentences)
     and facts of a textfile :func:`distmem.report.sinks.prometheus.prometheus_text` wrote."""
     rows: Dict[Tuple[str, int], RankRow] = {}
     facts: Dict[str, Any] = {"world_size": None, "step": None, "made": 0.0}
-    warnings: List[Tuple[str, str]] = []
+    warnings: List[Tuple[str, str, str]] = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -127,7 +131,7 @@ def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str]], D
             facts["made"] = value
         elif name == "distmem_warnings" and value > 0:
             kind = labels.get("kind", "warning")
-            warnings.append((kind, f"{int(value)} {kind.replace('_', ' ')} warning(s) in the last report"))
+            warnings.append((kind, f"{int(value)} {kind.replace('_', ' ')} warning(s) in the last report", kind))
         elif name == "distmem_rank_up" or name in _PROM_FIELDS:
             if "rank" not in labels:
                 continue
@@ -149,7 +153,7 @@ def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str]], D
     return list(rows.values()), warnings, facts
 
 
-def parse(name: str, text: str) -> Tuple[List[RankRow], List[Tuple[str, str]], Dict[str, Any]]:
+def parse(name: str, text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str]], Dict[str, Any]]:
     """By the file's name: ``.prom`` is a Prometheus textfile, anything else a report JSON."""
     if name.endswith(".prom"):
         return parse_prometheus(text)
@@ -173,7 +177,7 @@ class LiveJob:
         self.facts: Dict[str, Dict[str, Any]] = {}
         self.errors: Dict[str, str] = {}
         self.warnings: List[Seen] = []
-        self._seen: Dict[Tuple[str, str], Seen] = {}
+        self._seen: Dict[Tuple[str, str], Seen] = {}  # (file, finding key) -> its warning
         self.updates = 0
 
     def update(self, source: str, text: str, now: Optional[float] = None) -> bool:
@@ -190,11 +194,14 @@ class LiveJob:
             r.source = source
         self.by_source[source] = rows
         self.facts[source] = facts
-        for kind, text_ in warnings:
-            if (kind, text_) not in self._seen:
+        for kind, text_, key in warnings:
+            seen = self._seen.get((source, key))
+            if seen is None:
                 seen = Seen(text_, kind, now, source)
-                self._seen[(kind, text_)] = seen
+                self._seen[(source, key)] = seen
                 self.warnings.append(seen)
+            else:
+                seen.text = text_  # the same warning, its latest figures
         self.updates += 1
         return True
 
@@ -330,10 +337,11 @@ def render(job: LiveJob, state: ViewState, width: int = 120, height: Optional[in
     size = job.world_size()
     head = (f"distmem top - {len(rows)}" + (f" of {size}" if size and size != len(rows) else "")
             + f" rank(s) on {len(hosts)} host(s) - step {job.step() if job.step() is not None else '-'} - "
-            f"report made {ago} - imbalance {'-' if imb is None else f'{imb:.2f}'} (max/mean peak)"
-            + (f" [{stage_imb}]" if stage_imb else "") + f" - sort {state.sort}{' desc' if state.reverse else ''}"
+            f"report made {ago} - sort {state.sort}{' desc' if state.reverse else ''}"
             + (" - paused" if state.paused else ""))
-    out = [(f"{_BOLD}{head}{_RESET}" if color else head)[: width + (12 if color else 0)]]
+    imb_line = (f"imbalance {'-' if imb is None else f'{imb:.2f}'} (largest peak / mean peak)"
+                + (f"; by stage: {stage_imb}" if stage_imb else ""))
+    out = [(f"{_BOLD}{head}{_RESET}" if color else head[:width]), imb_line[:width]]
     if keys:
         out.append("keys: q quit  s sort  r reverse  h hosts collapse  j/k scroll  p pause"[:width])
     body: List[str] = [(f"{_REV}{_COLS}{_RESET}" if color else _COLS)]

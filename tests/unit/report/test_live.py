@@ -38,8 +38,8 @@ def test_a_report_json_and_its_textfile_give_the_same_rows():
     key = lambda r: (r.rank, r.host, r.planned, r.current, r.peak, r.up)  # noqa: E731
     assert sorted(map(key, rows_j)) == sorted(map(key, rows_p))
     assert facts["world_size"] == facts_p["world_size"] == 8 and facts_p["step"] == 7
-    assert [k for k, _ in warn_j] == [f["kind"] for f in rep.findings]
-    assert {k for k, _ in warn_p} == {f["kind"] for f in rep.findings} and "above_plan" in dict(warn_p)
+    assert [k for k, _, _ in warn_j] == [f["kind"] for f in rep.findings]
+    assert {k for k, _, _ in warn_p} == {f["kind"] for f in rep.findings} and "above_plan" in {k for k, _, _ in warn_p}
     assert rows_j[4].use == pytest.approx(5 / 4)
 
 
@@ -67,6 +67,11 @@ def test_files_merge_by_rank_newest_report_wins_and_warnings_appear_once():
     assert rows[7].peak == 5 * GiB and rows[7].source == "host-b.json"
     assert [w.first_seen for w in job.warnings] == [1001.0] * len(b.warnings)
     assert job.update("broken.json", "{not json") is False and "broken.json" in job.errors
+    c = _report([GiB, GiB, GiB, GiB, 3 * GiB, GiB, GiB, 5.5 * GiB])  # the same findings, new figures
+    c.created = 300.0
+    job.update("host-b.json", json.dumps(c.to_dict()), now=1003.0)
+    assert [w.first_seen for w in job.warnings] == [1001.0] * len(b.warnings)
+    assert any("5.5 GiB" in w.text for w in job.warnings)
 
 
 def test_render_groups_by_host_and_stage_sorts_collapses_and_scrolls():
