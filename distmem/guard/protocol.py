@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..comm import Comm, get_comm, resolve_timeout
 from ..console import say as console_say
@@ -91,16 +91,20 @@ class Agreement:
             raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
 
     def verdict(self, status: Status, where: str) -> Verdict:
-        return self.agree(status, where)[0]
-
-    def agree(self, status: Status, where: str, extra: Sequence[float] = ()) -> Tuple[Verdict, List[float]]:
-        """The verdict, and the sums over the ranks of ``extra`` (more words on the same all-reduce)."""
-        w = len(encode(self.rank, self.size, status))
         try:
-            vec = self.flags.reduce(encode(self.rank, self.size, status) + [float(x) for x in extra], self.timeout)
+            vec = self.flags.reduce(encode(self.rank, self.size, status), self.timeout)
         except GatherTimeoutError as exc:
             raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
-        return decode(vec[:w], self.size), list(vec[w:])
+        return decode(vec, self.size)
+
+    def vote(self, yes: bool, where: str) -> bool:
+        """True when every rank says yes (one all-reduce of one number, on the job's transport)."""
+        try:
+            total = self.comm.allreduce([1.0 if yes else 0.0], "sum", self.timeout)[0]
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: agreeing on the overlapped step: {exc}",
+                                     getattr(exc, "missing", ())) from None
+        return total >= self.size - 0.5
 
     def post(self, status: Status, where: str) -> Any:
         """Start the flag all-reduce without waiting (the overlapped step); :meth:`wait` ends it."""

@@ -198,6 +198,7 @@ class StepGuard:
         #: True once every rank runs the overlapped protocol (from the step after the first clean one)
         self.overlapped = False
         self._template: List[Any] = []
+        self._voted = False
         self.steps = 0        #: guarded steps called so far (successful or not)
         self.fallbacks: List[Fallback] = []
         self._waiting: List[Fallback] = []
@@ -238,7 +239,6 @@ class StepGuard:
             return self._compute(box["batch"])
 
         reduced: Optional[List[Any]] = None
-        votes: List[float] = []
         while True:
             t0 = time.monotonic()
             status, result, own, desc, t_fault = attempt(work, in_fetch)
@@ -252,7 +252,7 @@ class StepGuard:
                 reduced = self._reduce(local)
                 verdict = self.agreement.wait(posted, where)
             else:
-                verdict, votes = self.agreement.agree(status, where, [1.0 if self._may_overlap(status) else 0.0])
+                verdict = self.agreement.verdict(status, where)
             if verdict.ok:
                 break
             result = reduced = None
@@ -266,9 +266,12 @@ class StepGuard:
         loss, grads = result
         self._remember_shapes(grads)
         if reduced is None:
+            if not self._voted and self.overlap is not False and self._reduce_spec is not None and self.size > 1:
+                # Once, after the first clean verdict (the same step on every rank): every rank
+                # votes; only a unanimous yes switches, and all switch at the next step.
+                self._voted = True
+                self.overlapped = self.agreement.vote(self._may_overlap(), where)
             grads = self._reduce(grads)
-            if votes and votes[0] >= self.size - 0.5:
-                self.overlapped = True  # every rank voted on this same clean verdict: all switch at the next step
         else:
             grads = reduced
         if self.apply is not None:
@@ -337,13 +340,13 @@ class StepGuard:
                     p.grad = g
         return out
 
-    def _may_overlap(self, status: Status) -> bool:
+    def _may_overlap(self) -> bool:
         """This rank's vote for the overlapped protocol from the next step on (all must vote yes on
         the same clean verdict): asked for, a gradient all-reduce to overlap with, a flag transport
         that runs in the background, and - for ``overlap="auto"`` - fail fast running, since the
         gradient all-reduce is then entered before the verdict and only the heartbeat bounds it
         when a rank is gone."""
-        if self.overlap is False or self._reduce_spec is None or status != Status.OK:
+        if self.overlap is False or self._reduce_spec is None:
             return False
         if not getattr(self.agreement.flags, "overlaps", False) or self.size == 1:
             return False
