@@ -51,7 +51,7 @@ from .. import settings
 from ..console import say
 
 __all__ = ["Death", "Heartbeat", "start", "stop", "current", "rendezvous_info", "EXIT_STATUS", "ABORT_SECONDS",
-           "BEAT_SECONDS", "SILENCE_SECONDS", "CONSEQUENCE_SECONDS", "KILLED", "abort_communicators"]
+           "BEAT_SECONDS", "SILENCE_SECONDS", "MPI_ABORT_GRACE", "CONSEQUENCE_SECONDS", "KILLED", "abort_communicators"]
 
 log = logging.getLogger("distmem")
 
@@ -145,15 +145,26 @@ def abort_communicators() -> List[str]:
     mpi = sys.modules.get("mpi4py.MPI")
     try:
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            actions.append(("MPI_Abort", lambda: mpi.COMM_WORLD.Abort(EXIT_STATUS)))
+            actions.append(("MPI_Abort", lambda: _mpi_abort(mpi)))
     except Exception:  # noqa: BLE001
         pass
     for what, fn in actions:
         t = threading.Thread(target=_quietly, args=(fn,), name="distmem-abort", daemon=True)
         t.start()
-        t.join(ABORT_SECONDS)
+        t.join(ABORT_SECONDS + (MPI_ABORT_GRACE if what == "MPI_Abort" else 0.0))
         done.append(what if not t.is_alive() else f"{what} (still running after {ABORT_SECONDS:g} s: left)")
     return done
+
+
+#: Seconds a rank waits, its line printed, before MPI_Abort: MPI_Abort ends every rank of the job at
+#: once, and each of the others, told by the heartbeat too, should print its own line first. The
+#: abort stays as the backstop for a rank that cannot act on the news (a native call holding the GIL).
+MPI_ABORT_GRACE = 1.0
+
+
+def _mpi_abort(mpi: Any) -> None:
+    time.sleep(MPI_ABORT_GRACE)
+    mpi.COMM_WORLD.Abort(EXIT_STATUS)
 
 
 def _quietly(fn: Callable[[], None]) -> None:
