@@ -107,6 +107,7 @@ def summarise(rows: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[str,
     out["ratio_blocking_over_overlapped"] = (round(out["blocking_overhead_us"] / out["overlapped_overhead_us"], 2)
                                              if out["overlapped_overhead_us"] > 0 else None)
     out["target_pct"] = 0.2
+    out["loadavg_1m_before_after"] = getattr(args, "_load", None)
     return out
 
 
@@ -130,6 +131,7 @@ def main(argv: Any = None) -> int:
     mpirun = os.path.join(bin_dir, "mpirun") if os.path.exists(os.path.join(bin_dir, "mpirun")) else shutil.which("mpirun")
     if not mpirun:
         raise SystemExit("bench/guard_cost.py: mpirun not found")
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out_rows = os.path.join(tmp, "rows.json")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), DISTMEM_QUIET="1",
@@ -143,6 +145,7 @@ def main(argv: Any = None) -> int:
                              f"{res.stderr[-3000:]}")
         with open(out_rows) as f:
             rows = json.load(f)
+    args._load = [round(load0, 1), round(os.getloadavg()[0], 1)]
     line = summarise(rows, args)
     print(json.dumps(line))
     if args.out:

@@ -337,8 +337,11 @@ class MPIFlags(FlagReducer):
     def post(self, vec, timeout: Optional[float] = None) -> "_PostedMPI":
         import numpy as np
 
-        self.mpi.pending.drain()
-        self.mpi.ensure_private(time.monotonic() + (timeout if timeout is not None else resolve_timeout(None)))
+        mpi = self.mpi
+        if mpi.pending.items:
+            mpi.pending.drain()
+        if mpi._private["isolated"] is None:
+            mpi.ensure_private(time.monotonic() + (timeout if timeout is not None else resolve_timeout(None)))
         send = np.asarray(vec, dtype=np.float64)
         recv = np.empty_like(send)
         return _PostedMPI(self, self.mpi.comm.Iallreduce(send, recv, op=self.mpi.MPI.SUM), send, recv)

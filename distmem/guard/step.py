@@ -198,6 +198,7 @@ class StepGuard:
         #: True once every rank runs the overlapped protocol (from the step after the first clean one)
         self.overlapped = False
         self._template: List[Any] = []
+        self._pattern: Optional[List[bool]] = None
         self._voted = False
         self.steps = 0        #: guarded steps called so far (successful or not)
         self.fallbacks: List[Fallback] = []
@@ -361,7 +362,10 @@ class StepGuard:
         of the shapes of the last clean step's gradients."""
         if self.params is not None:
             self._template = [p.grad is not None for p in self.params]
-        else:
+            return
+        pattern = [g is None for g in grads]
+        if pattern != self._pattern:  # a parameter's gradient keeps its shape: rebuilt only when the set changes
+            self._pattern = pattern
             self._template = [_zero_factory(g) for g in grads]
 
     def _zeros(self) -> List[Any]:
