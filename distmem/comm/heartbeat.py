@@ -210,7 +210,10 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ start / stop
 
-    def start(self, timeout: float) -> "Heartbeat":
+    def start(self, timeout: float, join_timeout: Optional[float] = None) -> "Heartbeat":
+        """Start the thread: a rank connects within ``timeout`` seconds; on rank 0, every other rank
+        must have connected within ``join_timeout`` (default ``timeout``)."""
+        self.join_timeout = timeout if join_timeout is None else join_timeout
         if self.rank == 0:
             assert self.server is not None
             self.server.setblocking(False)
@@ -315,6 +318,8 @@ class Heartbeat:
         sel.register(self.server, selectors.EVENT_READ, None)
         parsers: Dict[socket.socket, _Lines] = {}
         last_beat = 0.0
+        joined = set()
+        join_by = time.monotonic() + self.join_timeout
         while not self._closing:
             try:
                 events = sel.select(BEAT_SECONDS / 2)
@@ -353,6 +358,7 @@ class Heartbeat:
                                 data = b""  # not one of the job's ranks: drop the connection
                                 break
                             peer.update(rank=int(msg["rank"]), host=str(msg.get("host", "?")), pid=msg.get("pid"))
+                            joined.add(peer["rank"])
                         elif kind == "bye":
                             self._gone[peer["rank"]] = "bye"
                         elif kind == "fail":
@@ -369,6 +375,13 @@ class Heartbeat:
                         death = Death(r, peer.get("host", "?"), peer.get("cause") or KILLED)
                 if death is not None:
                     self._declare(death)
+                    return
+            if join_by is not None and now > join_by:
+                never = sorted(set(range(1, self.size)) - joined)
+                join_by = None
+                if never:
+                    self._declare(Death(never[0], "?", f"never connected to the fail-fast heartbeat within "
+                                        f"{self.join_timeout:.0f} s of init() (ranks {never} did not)"))
                     return
             if now - last_beat >= BEAT_SECONDS:
                 last_beat = now
@@ -560,7 +573,10 @@ def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[f
                 "hvd.init() / torch.distributed.init_process_group() before distmem.init(), or launch with "
                 "mpirun and mpi4py, or torchrun)", logger=log)
         return None
-    hb = Heartbeat(rank, size, host, got, server=server, on_death=on_death).start(timeout)
+    # Generous: through torchrun's store rank 0 does not wait for the others at init(), and a rank
+    # still importing its framework is late, not dead.
+    hb = Heartbeat(rank, size, host, got, server=server, on_death=on_death).start(
+        timeout, join_timeout=max(2 * SILENCE_SECONDS, timeout))
     _state["hb"] = hb
     if _state["hook"] is None:
         _state["hook"] = sys.excepthook

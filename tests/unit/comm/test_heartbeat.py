@@ -139,3 +139,18 @@ def test_the_setting():
     assert settings.fail_fast({"DISTMEM_FAIL_FAST": "0"}) is False
     with pytest.raises(ConfigError, match="DISTMEM_FAIL_FAST='maybe'"):
         settings.validate({"DISTMEM_FAIL_FAST": "maybe"})
+
+
+def test_a_rank_that_never_connects_is_named_after_the_join_timeout():
+    deaths: List[hbm.Death] = []
+    server, info = hbm.rendezvous_info("h0")
+    hub = hbm.Heartbeat(0, 3, "h0", info, server=server, on_death=deaths.append).start(1.0)
+    one = hbm.Heartbeat(1, 3, "h1", info, on_death=lambda d: None).start(5.0)
+    try:
+        deadline = time.monotonic() + 6
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(d.rank, d.cause.split(" (")[0]) for d in deaths] == \
+            [(2, "never connected to the fail-fast heartbeat within 1 s of init()")]
+    finally:
+        hub._closing = one._closing = True
