@@ -217,11 +217,11 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
         for w in plan.warnings:
             say(f"[distmem rank {mine.rank}] WARNING: {w}")
     if settings.fail_fast() if fail_fast is None else fail_fast:
-        _start_heartbeat()
+        _start_heartbeat(verbose)
     return plan
 
 
-def _start_heartbeat() -> None:
+def _start_heartbeat(verbose: bool = True) -> None:
     """Fail fast: the heartbeat over the job's transport when one is up, else torchrun's store."""
     from .comm import heartbeat
 
@@ -234,7 +234,7 @@ def _start_heartbeat() -> None:
         comm = None  # no transport yet: torchrun's store, or off (the heartbeat says so)
     if comm is not None and comm.size <= 1:
         comm = None
-    heartbeat.start(topo.rank, topo.size, topo.host, comm)
+    heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose)
 
 
 def current_plan() -> Optional[Plan]:

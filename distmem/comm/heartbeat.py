@@ -550,7 +550,7 @@ def _excepthook(prev: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[float] = None,
-          on_death: Optional[Callable[[Death], None]] = None) -> Optional[Heartbeat]:
+          on_death: Optional[Callable[[Death], None]] = None, verbose: bool = True) -> Optional[Heartbeat]:
     """Start this rank's heartbeat (collective over ``comm`` when given: every rank calls it). Returns
     it, or None when the job has one rank or no way to meet was found (logged)."""
     if _state["hb"] is not None:
@@ -568,10 +568,13 @@ def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[f
     if got is None:
         if server is not None:
             server.close()
-        if rank == 0:
-            say("[distmem] fail fast is off for this job: no transport was up at init() to meet over (call "
-                "hvd.init() / torch.distributed.init_process_group() before distmem.init(), or launch with "
-                "mpirun and mpi4py, or torchrun)", logger=log)
+        msg = ("fail fast is off for this job: no transport was up at init() to meet over (call hvd.init() / "
+               "torch.distributed.init_process_group() before distmem.init(), or launch with mpirun and mpi4py, "
+               "or torchrun)")
+        if rank == 0 and verbose:
+            say(f"[distmem] {msg}", logger=log)
+        else:
+            log.info("distmem: %s", msg)
         return None
     # Generous: through torchrun's store rank 0 does not wait for the others at init(), and a rank
     # still importing its framework is late, not dead.
