@@ -8,7 +8,9 @@ Launches itself under ``mpirun -np N`` (mpi4py: the flags' ``Iallreduce`` and th
 ``Allreduce`` on distmem's communicator). Each rank's step: 20 ms of compute (a sleep: the CPU waits
 as it does on a GPU's kernels), then NumPy gradients of ``--floats`` float32 (two tensors) averaged
 over the ranks, then the update. ``distmem.init()`` starts fail fast, so ``overlap="auto"`` is on.
-Each round runs the three variants once, in an order that rotates every round (ABC, BCA, CAB), so
+A fourth variant, ``machinery``, is the overlapped guard with a no-op flag exchange: the guard's own
+Python per step, the part of its cost that is not the flags. Each round runs the variants once, in
+an order that rotates every round, so
 drift hits all three alike; the figure is the median over the rounds of the per-round difference
 (guarded minus unguarded) on rank 0, over the median unguarded step. One JSON line.
 """
@@ -64,7 +66,24 @@ def worker(args: argparse.Namespace) -> None:
                           reduce_gradients=reducer)
     overlapped = guard.step(grads_of, apply=apply, micro_batch_size=1, comm=comm, overlap="auto",
                             reduce_gradients=reducer)
-    variants = {"plain": plain, "blocking": blocking, "overlapped": overlapped}
+    from distmem.comm import FlagReducer, PostedFlags
+
+    class NoFlags(FlagReducer):
+        """The guard's machinery without a flag exchange (the verdict is always clean): what is left
+        of the overlapped cost that is not the flags."""
+
+        name = "none"
+        overlaps = True
+
+        def reduce(self, vec, timeout):
+            return [0.0] * len(vec)
+
+        def post(self, vec):
+            return PostedFlags(self, vec)
+
+    machinery = guard.step(grads_of, apply=apply, micro_batch_size=1, comm=comm, overlap=True,
+                           reduce_gradients=reducer, flags=NoFlags(rank, size))
+    variants = {"plain": plain, "blocking": blocking, "overlapped": overlapped, "machinery": machinery}
     x = np.ones(1, dtype="float32")
     for _ in range(5):  # warm-up (the overlapped guard switches after its first clean step)
         for fn in variants.values():
@@ -72,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     times: Dict[str, List[float]] = {k: [] for k in variants}
     names = list(variants)
     for i in range(args.rounds):
-        order = names[i % 3:] + names[:i % 3]
+        order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
             t0 = time.perf_counter()
             variants[name](x)
@@ -96,7 +115,7 @@ def summarise(rows: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[str,
                            "gradient_floats": args.floats + args.floats // 4, "rounds": args.rounds,
                            "flag_transport": rows[0]["flag_transport"], "overlapped_active": rows[0]["overlapped"],
                            "plain_step_ms_p50": round(plain * 1e3, 3)}
-    for name in ("blocking", "overlapped"):
+    for name in ("blocking", "overlapped", "machinery"):
         d = paired(name, r0)
         out[f"{name}_overhead_us"] = round(d * 1e6, 1)
         out[f"{name}_overhead_pct"] = round(100 * d / plain, 3)

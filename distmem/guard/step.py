@@ -309,7 +309,7 @@ class StepGuard:
         ctx = self.no_sync() if self.no_sync is not None else contextlib.nullcontext()
         with ctx:
             for size in split_sizes(n, self.micro_batch_size):
-                args = slice_batch(batch, start, start + size)
+                args = batch if size == n else slice_batch(batch, start, start + size)
                 start += size
                 w = size / n
                 out = self.fn(*args)
