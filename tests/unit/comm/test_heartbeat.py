@@ -3,7 +3,6 @@ loopback sockets, each death delivered to a recorder instead of ending the proce
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from typing import Dict, List
 
