@@ -126,7 +126,7 @@ def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, me
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
          reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
          fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, estimate: Optional[str] = None,
-         from_report: Optional[str] = None, from_margin: Optional[float] = None, **strategy_options: Any) -> Plan:
+         from_report: Optional[str] = None, from_margin: Optional[float] = None, fail_fast: Optional[bool] = None, **strategy_options: Any) -> Plan:
     """Plan this job's GPU memory and apply this rank's share to the framework. Returns the Plan.
 
     Call it first, before the framework touches a GPU (before or after ``hvd.init()``).
@@ -158,12 +158,18 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     figure keeps the estimate's. ``plan.extras["from_report"]`` lists what changed.
     An out-of-memory error on this rank writes its record to ``RUN_DIR/oom/`` (``distmem postmortem
     RUN_DIR``) unless ``DISTMEM_POSTMORTEM=0``.
+    fail_fast: when another rank dies (SIGKILL, the OOM killer, an exception), this rank prints one
+    line naming it and the cause, aborts the job's communicators and exits within seconds instead of
+    waiting for NCCL's / Gloo's / MPI's timeout (default ``DISTMEM_FAIL_FAST``, on; see
+    :mod:`distmem.comm.heartbeat`).
     The strategy's own options (``stages=``, ``tenants=``, ``headroom=``...) follow; an unknown one
     is an error naming what the strategy takes. ``plan_from_env`` with the same arguments returns
     the same plan without applying it.
     """
     if enforce not in ("framework", "native"):
         raise ConfigError(f"enforce={enforce!r} is not 'framework' or 'native'")
+    if fail_fast not in (None, True, False):
+        raise ConfigError(f"fail_fast={fail_fast!r} is not True, False or None (None: DISTMEM_FAIL_FAST, default on)")
     # The options are checked first: a wrong one is named, whatever this process did before.
     PlanRequest(strategy=strategy, options=dict(strategy_options), framework=framework, limit=limit).strategy_options(
         get_strategy(strategy))
@@ -233,7 +239,25 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
                 say(f"[distmem rank {mine.rank}] {line.strip()}")
         for w in plan.warnings:
             say(f"[distmem rank {mine.rank}] WARNING: {w}")
+    if settings.fail_fast() if fail_fast is None else fail_fast:
+        _start_heartbeat(verbose)
     return plan
+
+
+def _start_heartbeat(verbose: bool = True) -> None:
+    """Fail fast: the heartbeat over the job's transport when one is up, else torchrun's store."""
+    from .comm import heartbeat
+
+    topo = session.state.topology or identity.detect()
+    if topo.size <= 1 or heartbeat.current() is not None:
+        return
+    try:
+        comm: Any = get_comm()
+    except ConfigError:
+        comm = None  # no transport yet: torchrun's store, or off (the heartbeat says so)
+    if comm is not None and comm.size <= 1:
+        comm = None
+    heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose)
 
 
 def current_plan() -> Optional[Plan]:
@@ -245,6 +269,9 @@ def reset() -> None:
     """Forget the applied plan and cached transport (tests; a process cannot un-apply a framework, so
     after a reset a dry-run ``init()`` no longer treats a started framework as too late: tests of that
     check run in a fresh process)."""
+    from .comm import heartbeat
+
+    heartbeat.stop()
     session.clear()
     set_comm(None)
     from .guard.oom import uninstall

@@ -23,6 +23,7 @@ variable                               meaning
 ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``  ``1`` / ``0``: torch's expandable segments on / off
 ``DISTMEM_POSTMORTEM``                 ``0``: write no out-of-memory record (default ``1``: every rank writes one)
 ``DISTMEM_RUN_DIR``                    the run folder: OOM records go to ``RUN_DIR/oom/`` (default: the report's folder, else runs/last)
+``DISTMEM_FAIL_FAST``                  ``1`` (default) / ``0``: every rank stops within seconds when one dies
 ``DISTMEM_CAP_*``                      the native cap's settings, written by ``distmem-exec``
 =====================================  ==========================================================
 """
@@ -34,14 +35,14 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "postmortem", "run_dir", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "postmortem", "run_dir", "fail_fast", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
            "MAX_SECONDS"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
              "DISTMEM_REPORT", "DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_COMM", "DISTMEM_LAYOUT_DIR",
              "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS",
-             "DISTMEM_POSTMORTEM", "DISTMEM_RUN_DIR")
+             "DISTMEM_POSTMORTEM", "DISTMEM_RUN_DIR", "DISTMEM_FAIL_FAST")
 
 
 def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -162,6 +163,13 @@ def run_dir(env: Optional[Mapping[str, str]] = None) -> str:
     return os.path.abspath(text)
 
 
+def fail_fast(env: Optional[Mapping[str, str]] = None) -> bool:
+    """``DISTMEM_FAIL_FAST``: ``1`` (default) starts the heartbeat at ``init()`` (every rank stops within
+    seconds of another's death, see :mod:`distmem.comm.heartbeat`); ``0`` leaves it off."""
+    value = flag("DISTMEM_FAIL_FAST", env)
+    return True if value is None else value
+
+
 def comm(env: Optional[Mapping[str, str]] = None) -> str:
     """``DISTMEM_COMM``: ``auto`` (default) or ``mpi`` (use MPI whenever mpirun launched the job)."""
     text = raw("DISTMEM_COMM", env) or "auto"
@@ -180,7 +188,7 @@ def validate(env: Optional[Mapping[str, str]] = None) -> None:
     memory(env)
     comm(env)
     for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE",
-                 "DISTMEM_POSTMORTEM"):
+                 "DISTMEM_POSTMORTEM", "DISTMEM_FAIL_FAST"):
         flag(name, env)
     from .units import check_size
 

@@ -16,10 +16,10 @@ from typing import Any, Optional
 from .. import settings
 from ..discover import runtime
 from ..errors import ConfigError
-from .base import (REDUCE_OPS, Comm, CommFlags, FlagReducer, SingleComm, SingleFlags, check_op, mpi_launched,
+from .base import (REDUCE_OPS, Comm, CommFlags, FlagReducer, PostedFlags, SingleComm, SingleFlags, check_op, mpi_launched,
                    reduce_rows, resolve_timeout)
 
-__all__ = ["Comm", "SingleComm", "FlagReducer", "SingleFlags", "CommFlags", "get_comm", "set_comm",
+__all__ = ["Comm", "SingleComm", "FlagReducer", "PostedFlags", "SingleFlags", "CommFlags", "get_comm", "set_comm",
            "mpi_launched", "REDUCE_OPS", "check_op", "reduce_rows", "resolve_timeout", "MPIComm", "HorovodComm",
            "TorchDistComm"]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 from .. import settings
 from ..errors import ConfigError, GatherTimeoutError
 
-__all__ = ["Comm", "SingleComm", "FlagReducer", "SingleFlags", "CommFlags", "REDUCE_OPS", "check_op",
+__all__ = ["Comm", "SingleComm", "FlagReducer", "PostedFlags", "SingleFlags", "CommFlags", "REDUCE_OPS", "check_op",
            "reduce_rows", "reduce_sum_maxloc", "resolve_timeout", "mpi_launched", "wait_until", "SPIN_SECONDS", "flag_timeout_error",
            "encode_row", "decode_rows", "undecodable_error"]
 
@@ -146,17 +146,35 @@ def flag_timeout_error(what: str, timeout: float, rank: int, size: int) -> Gathe
         "ranks' logs, and raise timeout= (or DISTMEM_TIMEOUT) if one step can take longer")
 
 
+class PostedFlags:
+    """A flag all-reduce posted by :meth:`FlagReducer.post`; :meth:`wait` returns the reduced vector
+    (GatherTimeoutError after ``timeout`` seconds from the wait). This default one reduces at the
+    wait (transports without a non-blocking all-reduce): correct, only not overlapped."""
+
+    def __init__(self, reducer: "FlagReducer", vec: List[float]):
+        self.reducer, self.vec = reducer, vec
+
+    def wait(self, timeout: float) -> List[float]:
+        return self.reducer.reduce(self.vec, timeout)
+
+
 class FlagReducer:
     """Sum-all-reduce of a short float vector with a timeout (the OOM guard's per-step verdict).
-    ``reduce`` raises GatherTimeoutError."""
+    ``reduce`` raises GatherTimeoutError. ``post`` starts it without waiting (the overlapped guard:
+    posted before the gradient all-reduce, waited after it); ``overlaps`` says whether this
+    transport really runs it in the background."""
 
     name = "base"
+    overlaps = False
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
 
     def reduce(self, vec: List[float], timeout: float) -> List[float]:
         raise NotImplementedError
+
+    def post(self, vec: List[float]) -> PostedFlags:
+        return PostedFlags(self, vec)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank {self.rank} of {self.size}>"

@@ -120,20 +120,39 @@ class HorovodTorchFlags(FlagReducer):
         self._abandoned: list = []
         super().__init__(hvd.rank(), hvd.size())
 
+    overlaps = True
+
     def reduce(self, vec, timeout):
+        return self.post(vec).wait(timeout)
+
+    def post(self, vec) -> "_PostedHorovodTorch":
         import torch
 
         t = torch.tensor(vec, dtype=torch.float64)
         try:
             handle = self.hvd.allreduce_async_(t, op=self.hvd.Sum, name=FLAG_NAME)
-            if not wait_until(lambda: self.hvd.poll(handle), time.monotonic() + timeout):
-                self._abandoned.append((handle, t))
-                raise flag_timeout_error("the guard's flag all-reduce (horovod.torch)", timeout, self.rank, self.size)
-            return self.hvd.synchronize(handle).tolist()
+        except Exception as exc:  # noqa: BLE001 - Horovod shut down under a lost peer
+            raise GatherTimeoutError(_lost("the guard's flag all-reduce", self.rank, self.size, exc)) from None
+        return _PostedHorovodTorch(self, handle, t)
+
+
+class _PostedHorovodTorch:
+    """``allreduce_async_`` of the flags in flight on Horovod's background thread."""
+
+    def __init__(self, flags: HorovodTorchFlags, handle: Any, t: Any):
+        self.flags, self.handle, self.t = flags, handle, t
+
+    def wait(self, timeout: float) -> List[float]:
+        f, hvd = self.flags, self.flags.hvd
+        try:
+            if not wait_until(lambda: hvd.poll(self.handle), time.monotonic() + timeout):
+                f._abandoned.append((self.handle, self.t))
+                raise flag_timeout_error("the guard's flag all-reduce (horovod.torch)", timeout, f.rank, f.size)
+            return hvd.synchronize(self.handle).tolist()
         except GatherTimeoutError:
             raise
         except Exception as exc:  # noqa: BLE001 - Horovod shut down under a lost peer
-            raise GatherTimeoutError(_lost("the guard's flag all-reduce", self.rank, self.size, exc)) from None
+            raise GatherTimeoutError(_lost("the guard's flag all-reduce", f.rank, f.size, exc)) from None
 
 
 class HorovodTFFlags(FlagReducer):

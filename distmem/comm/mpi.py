@@ -329,16 +329,33 @@ class MPIFlags(FlagReducer):
         self.mpi = comm
         super().__init__(comm.rank, comm.size)
 
+    overlaps = True
+
     def reduce(self, vec, timeout):
+        return self.post(vec, timeout).wait(timeout)
+
+    def post(self, vec, timeout: Optional[float] = None) -> "_PostedMPI":
         import numpy as np
 
-        deadline = time.monotonic() + timeout
-        self.mpi.pending.drain()
-        self.mpi.ensure_private(deadline)
+        mpi = self.mpi
+        if mpi.pending.items:
+            mpi.pending.drain()
+        if mpi._private["isolated"] is None:
+            mpi.ensure_private(time.monotonic() + (timeout if timeout is not None else resolve_timeout(None)))
         send = np.asarray(vec, dtype=np.float64)
         recv = np.empty_like(send)
-        req = self.mpi.comm.Iallreduce(send, recv, op=self.mpi.MPI.SUM)
-        if not wait_until(req.Test, deadline):
-            self.mpi.pending.keep(req, send, recv)
-            raise flag_timeout_error("the guard's flag all-reduce (MPI)", timeout, self.rank, self.size)
-        return recv.tolist()
+        return _PostedMPI(self, self.mpi.comm.Iallreduce(send, recv, op=self.mpi.MPI.SUM), send, recv)
+
+
+class _PostedMPI:
+    """An ``Iallreduce`` of the flags in flight (MPI progresses it inside the job's other MPI calls,
+    the gradient all-reduce included)."""
+
+    def __init__(self, flags: MPIFlags, req: Any, send: Any, recv: Any):
+        self.flags, self.req, self.send, self.recv = flags, req, send, recv
+
+    def wait(self, timeout: float) -> List[float]:
+        if not wait_until(self.req.Test, time.monotonic() + timeout):
+            self.flags.mpi.pending.keep(self.req, self.send, self.recv)
+            raise flag_timeout_error("the guard's flag all-reduce (MPI)", timeout, self.flags.rank, self.flags.size)
+        return self.recv.tolist()

@@ -155,18 +155,36 @@ class TorchDistFlags(FlagReducer):
         self._abandoned: list = []
         super().__init__(dist.get_rank(), dist.get_world_size())
 
+    overlaps = True
+
     def reduce(self, vec, timeout):
+        return self.post(vec).wait(timeout)
+
+    def post(self, vec) -> "_PostedTorch":
         import torch
 
         device = "cpu" if self.device is None else f"cuda:{self.device}"
         t = torch.tensor(vec, dtype=torch.float64, device=device)
         try:
             work = self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, async_op=True)
-            if not wait_until(work.is_completed, time.monotonic() + timeout):
-                self._abandoned.append((work, t))
-                raise flag_timeout_error("the guard's flag all-reduce (torch.distributed)", timeout, self.rank,
-                                         self.size)
-            work.wait()
         except RuntimeError as exc:
             raise GatherTimeoutError(peer_lost("the guard's flag all-reduce", self.rank, self.size, exc)) from None
-        return t.cpu().tolist()
+        return _PostedTorch(self, work, t)
+
+
+class _PostedTorch:
+    """``all_reduce(async_op=True)`` of the flags in flight on the process group's own threads."""
+
+    def __init__(self, flags: TorchDistFlags, work: Any, t: Any):
+        self.flags, self.work, self.t = flags, work, t
+
+    def wait(self, timeout: float) -> List[float]:
+        f = self.flags
+        try:
+            if not wait_until(self.work.is_completed, time.monotonic() + timeout):
+                f._abandoned.append((self.work, self.t))
+                raise flag_timeout_error("the guard's flag all-reduce (torch.distributed)", timeout, f.rank, f.size)
+            self.work.wait()
+        except RuntimeError as exc:
+            raise GatherTimeoutError(peer_lost("the guard's flag all-reduce", f.rank, f.size, exc)) from None
+        return self.t.cpu().tolist()

@@ -13,7 +13,7 @@ from ..comm import Comm, MPIComm, SingleComm, get_comm
 from ..discover import runtime
 from ..errors import ConfigError
 
-__all__ = ["gradient_reducer", "Reducer", "kind_of"]
+__all__ = ["gradient_reducer", "Reducer", "kind_of", "dense"]
 
 Reducer = Callable[[List[Any]], List[Any]]
 
@@ -26,6 +26,11 @@ def kind_of(value: Any) -> str:
     if mod.startswith("tensorflow") or mod.startswith("keras"):
         return "tensorflow"
     return "numpy"
+
+
+def dense(g: Any) -> Any:
+    """A TensorFlow ``IndexedSlices`` as a dense tensor; anything else as it is."""
+    return _dense(g)
 
 
 def _dense(g: Any) -> Any:

@@ -1,7 +1,9 @@
 """The agreement every guarded step and every batch-size probe ends with.
 
     each rank:  try: work()  except: classify  ->  status OK | OOM | ERROR | STOP
-    all ranks:  verdict = flag all-reduce(status bit)           (tiny, with a timeout)
+    all ranks:  verdict = flag all-reduce(status bit)           (tiny, with a timeout; posted before the
+                                                                gradient all-reduce and waited after it
+                                                                in the overlapped step, see step.py)
     not ok:     descriptions = allgather("Type: message")       (failure path only)
                 ERROR anywhere -> the failing rank re-raises its own exception, the others PeerError
                 STOP anywhere  -> StopIteration on every rank
@@ -91,6 +93,29 @@ class Agreement:
     def verdict(self, status: Status, where: str) -> Verdict:
         try:
             vec = self.flags.reduce(encode(self.rank, self.size, status), self.timeout)
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
+        return decode(vec, self.size)
+
+    def vote(self, yes: bool, where: str) -> bool:
+        """True when every rank says yes (one all-reduce of one number, on the job's transport)."""
+        try:
+            total = self.comm.allreduce([1.0 if yes else 0.0], "sum", self.timeout)[0]
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: agreeing on the overlapped step: {exc}",
+                                     getattr(exc, "missing", ())) from None
+        return total >= self.size - 0.5
+
+    def post(self, status: Status, where: str) -> Any:
+        """Start the flag all-reduce without waiting (the overlapped step); :meth:`wait` ends it."""
+        try:
+            return self.flags.post(encode(self.rank, self.size, status))
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
+
+    def wait(self, posted: Any, where: str) -> Verdict:
+        try:
+            vec = posted.wait(self.timeout)
         except GatherTimeoutError as exc:
             raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
         return decode(vec, self.size)

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..units import plural
 from .errors import BatchSizeFloorError
 from .flags import FlagReducer, Status
-from .grads import Reducer, gradient_reducer
+from .grads import Reducer, dense, gradient_reducer, kind_of
 from .protocol import Agreement, attempt, free_memory, say, summarise
 
 __all__ = ["StepGuard", "Fallback", "step", "split_sizes", "shrink_micro_batch", "planned_micro_batch"]
@@ -81,6 +81,8 @@ def slice_batch(batch: Any, i: int, j: int) -> Any:
 def _axpy(acc: Optional[List[Any]], grads: Sequence[Any], w: float) -> List[Any]:
     """acc + w * grads, element-wise, keeping None where a gradient is None."""
     if acc is None:
+        if w == 1.0:
+            return list(grads)  # one micro-batch: its gradients are the step's, no copy (nothing adds to them)
         return [None if g is None else g * w for g in grads]
     if len(acc) != len(grads):
         raise ConfigError(f"the step function returned {len(grads)} gradients for one micro-batch and "
@@ -153,7 +155,7 @@ class StepGuard:
                  reduce_gradients: Union[str, Reducer, None] = "auto", comm: Optional[Comm] = None,
                  timeout: Optional[float] = None, no_sync: Optional[Callable[[], Any]] = None,
                  on_oom: Optional[Callable[[], None]] = None, flags: Optional[FlagReducer] = None,
-                 log_rank: int = 0):
+                 log_rank: int = 0, overlap: Union[str, bool] = "auto"):
         micro_batch_size = planned_micro_batch() if micro_batch_size is None else micro_batch_size
         for name, v in (("micro_batch_size", micro_batch_size), ("min_micro_batch_size", min_micro_batch_size)):
             if not isinstance(v, int) or v < 1:
@@ -190,6 +192,14 @@ class StepGuard:
         self.no_sync = no_sync
         self.on_oom = on_oom
         self.log_rank = log_rank
+        if overlap not in ("auto", True, False):
+            raise ConfigError(f"overlap={overlap!r} is not 'auto', True or False")
+        self.overlap = overlap
+        #: True once every rank runs the overlapped protocol (from the step after the first clean one)
+        self.overlapped = False
+        self._template: List[Any] = []
+        self._pattern: Optional[List[bool]] = None
+        self._voted = False
         self.steps = 0        #: guarded steps called so far (successful or not)
         self.fallbacks: List[Fallback] = []
         self._waiting: List[Fallback] = []
@@ -229,14 +239,24 @@ class StepGuard:
                 in_fetch[0] = False
             return self._compute(box["batch"])
 
+        reduced: Optional[List[Any]] = None
         while True:
             t0 = time.monotonic()
             status, result, own, desc, t_fault = attempt(work, in_fetch)
             t1 = time.monotonic()
-            verdict = self.agreement.verdict(status, where)
+            if self.overlapped:
+                # Overlapped: the flags travel while every rank all-reduces its gradients (zeros of
+                # the last clean step's shapes where this rank has none); this step's verdict,
+                # waited below, decides whether the reduced gradients are applied or dropped.
+                posted = self.agreement.post(status, where)
+                local = result[1] if status == Status.OK else self._zeros()
+                reduced = self._reduce(local)
+                verdict = self.agreement.wait(posted, where)
+            else:
+                verdict = self.agreement.verdict(status, where)
             if verdict.ok:
                 break
-            result = None
+            result = reduced = None
             descs = self.agreement.descriptions(desc, where) if (verdict.oom or verdict.error) else {}
             self.agreement.raise_if_failed(verdict, status, own, descs, where)
             t2 = time.monotonic()
@@ -245,7 +265,16 @@ class StepGuard:
             self._fall_back(verdict.oom, descs, wasted=(t_fault or t1) - t0, agree=t2 - t1, free=t3 - t2,
                             fault_at=t_fault or t2, where=where)
         loss, grads = result
-        grads = self._reduce(grads)
+        self._remember_shapes(grads)
+        if reduced is None:
+            if not self._voted and self.overlap is not False and self._reduce_spec is not None and self.size > 1:
+                # Once, after the first clean verdict (the same step on every rank): every rank
+                # votes; only a unanimous yes switches, and all switch at the next step.
+                self._voted = True
+                self.overlapped = self.agreement.vote(self._may_overlap(), where)
+            grads = self._reduce(grads)
+        else:
+            grads = reduced
         if self.apply is not None:
             self.apply(grads)
         t_end = time.monotonic()
@@ -280,7 +309,7 @@ class StepGuard:
         ctx = self.no_sync() if self.no_sync is not None else contextlib.nullcontext()
         with ctx:
             for size in split_sizes(n, self.micro_batch_size):
-                args = slice_batch(batch, start, start + size)
+                args = batch if size == n else slice_batch(batch, start, start + size)
                 start += size
                 w = size / n
                 out = self.fn(*args)
@@ -311,6 +340,40 @@ class StepGuard:
                 if g is not None and g is not p.grad:
                     p.grad = g
         return out
+
+    def _may_overlap(self) -> bool:
+        """This rank's vote for the overlapped protocol from the next step on (all must vote yes on
+        the same clean verdict): asked for, a gradient all-reduce to overlap with, a flag transport
+        that runs in the background, and - for ``overlap="auto"`` - fail fast running, since the
+        gradient all-reduce is then entered before the verdict and only the heartbeat bounds it
+        when a rank is gone."""
+        if self.overlap is False or self._reduce_spec is None:
+            return False
+        if not getattr(self.agreement.flags, "overlaps", False) or self.size == 1:
+            return False
+        if self.overlap == "auto":
+            from ..comm import heartbeat
+
+            return heartbeat.current() is not None
+        return True
+
+    def _remember_shapes(self, grads: List[Any]) -> None:
+        """What a rank without gradients (its step failed) all-reduces in the overlapped step: zeros
+        of the shapes of the last clean step's gradients."""
+        if self.params is not None:
+            self._template = [p.grad is not None for p in self.params]
+            return
+        pattern = [g is None for g in grads]
+        if pattern != self._pattern:  # a parameter's gradient keeps its shape: rebuilt only when the set changes
+            self._pattern = pattern
+            self._template = [_zero_factory(g) for g in grads]
+
+    def _zeros(self) -> List[Any]:
+        if self.params is not None:
+            import torch
+
+            return [torch.zeros_like(p) if had else None for p, had in zip(self.params, self._template)]
+        return [None if make is None else make() for make in self._template]
 
     def _drop(self, full: bool) -> None:
         if self.params is not None:
@@ -350,6 +413,37 @@ class StepGuard:
                            f"{self.accumulation_steps}){glob}")
 
 
+def _zero_factory(g: Any) -> Optional[Callable[[], Any]]:
+    """A function making zeros shaped like gradient ``g`` (None for None)."""
+    if g is None:
+        return None
+    g = dense(g)
+    kind = kind_of(g)
+    shape = tuple(int(d) for d in g.shape)
+    if kind == "torch":
+        dtype, device = g.dtype, g.device
+
+        def torch_zeros() -> Any:
+            import torch
+
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return torch_zeros
+    if kind == "tensorflow":
+        tf_dtype = g.dtype
+
+        def tf_zeros() -> Any:
+            import tensorflow as tf
+
+            return tf.zeros(shape, dtype=tf_dtype)
+
+        return tf_zeros
+    import numpy as np
+
+    np_dtype = np.asarray(g).dtype
+    return lambda: np.zeros(shape, dtype=np_dtype)
+
+
 def planned_micro_batch() -> int:
     """The micro-batch ``init(strategy="auto")`` chose (``plan.extras["fit"]["guard_start_batch"]``)."""
     from .. import session
@@ -384,6 +478,11 @@ def step(fn: Callable[..., Any], *, micro_batch_size: Optional[int] = None, glob
     no_sync: a context manager factory around the micro-batches (``ddp_model.no_sync``): the guard
         all-reduces after the verdict, so DDP must not all-reduce inside backward.
     on_oom: extra clean-up on every rank after a dropped step (before the garbage collection).
+    overlap: ``"auto"`` (default): from the step after the first clean one, the flag all-reduce is
+        posted before the gradient all-reduce and waited after it (its latency hidden), when fail
+        fast runs (``init()``'s default: it bounds the gradient all-reduce a lost rank would
+        otherwise leave waiting) and the transport can post it; ``True`` without fail fast too;
+        ``False``: the blocking protocol (flags, then the gradient all-reduce only on a clean verdict).
     """
     return StepGuard(fn, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, apply=apply,
                      params=params, **options)

@@ -34,6 +34,9 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# These launches measure how each distmem call comes back when a peer is gone (its timeouts); fail
+# fast would end the survivors first (tests/faults/test_fail_fast.py covers it).
+os.environ.setdefault("DISTMEM_FAIL_FAST", "0")
 
 PHASES = ("init", "report", "guard", "periodic")
 STEPS = 3  # guard steps and periodic gathers per phase

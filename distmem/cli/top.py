@@ -1,0 +1,214 @@
+"""``distmem top PATH...``: a live view of every rank of a running job, by rank instead of by device.
+
+    distmem top runs/x/timeline.json                  # the JSON ReportEvery(path=...) rewrites
+    distmem top /var/lib/node_exporter/               # every *.prom / *.json in a folder (one per host, say)
+    distmem top runs/x/ --once                        # one plain table, for scripts
+    distmem top runs/x/ --json                        # the model as JSON
+
+PATH: report / timeline JSON files, Prometheus textfiles (``.prom``), or folders holding them (names
+starting with a dot are skipped: atomic writes' temporary files). Each refresh stats every file and
+reads only those whose modification time or size changed. Keys: q quit, s sort (rank, peak,
+current, peak/plan, host), r reverse, h collapse hosts, j/k (or arrows) scroll, p pause. Colours
+on a terminal: red above the plan, yellow within 10% of it, new warnings yellow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import ConfigError
+from ..report.live import SORTS, LiveJob, ViewState, render
+
+__all__ = ["add_arguments", "run", "Watcher"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="report/timeline JSON files, Prometheus .prom textfiles, or folders holding them")
+    p.add_argument("--once", action="store_true", help="print one plain table and exit (scripts)")
+    p.add_argument("--json", action="store_true", help="print the model (every rank, host totals, warnings) as JSON")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
+    p.add_argument("--sort", choices=SORTS, default="rank")
+    p.add_argument("--collapse", action="store_true", help="one line per host")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colours: auto (on a terminal), always, never")
+    p.add_argument("--duration", type=float, default=None, help="leave after this many seconds (live view)")
+
+
+class Watcher:
+    """The files behind the view; :meth:`poll` re-reads only those whose (mtime, size) changed."""
+
+    def __init__(self, paths: List[str]):
+        for p in paths:
+            if not os.path.exists(p):
+                raise ConfigError(f"{p!r} does not exist; give the report JSON a job writes "
+                                  "(ReportEvery(path=...)), its Prometheus textfile (prometheus=...), or their folder")
+        self.paths = paths
+        self.stamps: Dict[str, Tuple[int, int]] = {}
+        self.reads = 0
+
+    def files(self) -> List[str]:
+        out: List[str] = []
+        for p in self.paths:
+            if os.path.isdir(p):
+                try:
+                    with os.scandir(p) as it:
+                        for e in it:
+                            if not e.name.startswith(".") and e.name.endswith((".json", ".prom")) and e.is_file():
+                                out.append(e.path)
+                except OSError:
+                    continue
+            else:
+                out.append(p)
+        return sorted(out)
+
+    def poll(self, job: LiveJob) -> int:
+        """Read what changed into ``job``; the number of files read."""
+        n = 0
+        present = set()
+        for path in self.files():
+            present.add(path)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            stamp = (st.st_mtime_ns, st.st_size)
+            if self.stamps.get(path) == stamp:
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            self.stamps[path] = stamp
+            job.update(path, text)
+            n += 1
+        for gone in set(self.stamps) - present:
+            self.stamps.pop(gone)
+            job.forget(gone)
+        self.reads += n
+        return n
+
+
+def _once(job: LiveJob, state: ViewState, color: bool) -> None:
+    width = shutil.get_terminal_size((160, 40)).columns if sys.stdout.isatty() else 200
+    print("\n".join(render(job, state, width=width, color=color, keys=False)))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.05 <= args.interval <= 3600:
+        raise ConfigError(f"--interval {args.interval} must be between 0.05 and 3600 seconds")
+    watcher = Watcher(args.paths)
+    job = LiveJob()
+    state = ViewState(sort=args.sort, collapsed=args.collapse)
+    watcher.poll(job)
+    tty = sys.stdout.isatty()
+    color = args.color == "always" or (args.color == "auto" and tty and os.environ.get("NO_COLOR") is None)
+    if args.json:
+        print(json.dumps(job.to_dict(), indent=1, default=str))
+        return 0
+    if args.once or not tty:
+        if not job.by_source:
+            raise ConfigError(f"no report file found in {', '.join(args.paths)} (nothing ending in .json or .prom); "
+                              "is the job writing them (ReportEvery(path=..., prometheus=...))?")
+        _once(job, state, color)
+        return 0
+    return _live(watcher, job, state, color, args.interval, args.duration)
+
+
+def _live(watcher: Watcher, job: LiveJob, state: ViewState, color: bool, interval: float,
+          duration: Optional[float]) -> int:
+    import termios
+    import tty as tty_mod
+
+    fd = sys.stdin.fileno() if sys.stdin.isatty() else None
+    saved = termios.tcgetattr(fd) if fd is not None else None
+    out = sys.stdout
+    out.write("\x1b[?1049h\x1b[?25l")  # the alternate screen, no cursor
+    t_end = None if duration is None else time.monotonic() + duration
+    try:
+        if fd is not None:
+            tty_mod.setcbreak(fd)
+        frames = 0
+        while True:
+            if not state.paused:
+                watcher.poll(job)
+            size = shutil.get_terminal_size((120, 40))
+            lines = render(job, state, width=size.columns, height=size.lines - 1, color=color)
+            frames += 1
+            out.write("\x1b[H" + "\x1b[K\n".join(lines) + "\x1b[K\n\x1b[J")
+            out.write(f"\x1b[2m frame {frames}, {watcher.reads} file read(s)\x1b[0m\x1b[K" if color else
+                      f" frame {frames}, {watcher.reads} file read(s)")
+            out.flush()
+            deadline = time.monotonic() + interval
+            while True:
+                left = deadline - time.monotonic()
+                if t_end is not None:
+                    left = min(left, t_end - time.monotonic())
+                if left <= 0:
+                    break
+                if fd is None:
+                    time.sleep(left)
+                    break
+                ready, _, _ = select.select([fd], [], [], left)
+                if not ready:
+                    break
+                changed = False
+                for key in _keys(os.read(fd, 64).decode(errors="replace")):
+                    if key in ("q", "Q", "\x03"):
+                        return 0
+                    changed = _key(key, state) or changed
+                if changed:
+                    break  # redraw at once
+            if t_end is not None and time.monotonic() >= t_end:
+                return 0
+    finally:
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        out.write("\x1b[?25h\x1b[?1049l")
+        out.flush()
+
+
+def _keys(text: str) -> List[str]:
+    """Keys typed since the last read: escape sequences (arrows, page down) kept whole."""
+    out: List[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "\x1b" and text[i + 1:i + 2] == "[":
+            j = i + 2
+            while j < len(text) and not text[j].isalpha() and text[j] != "~":
+                j += 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return out
+
+
+def _key(key: str, state: ViewState) -> bool:
+    """Apply a key; True when the view changed."""
+    if key == "s":
+        state.next_sort()
+    elif key == "r":
+        state.reverse = not state.reverse
+    elif key == "h":
+        state.collapsed = not state.collapsed
+        state.offset = 0
+    elif key in ("j", "\x1b[B"):
+        state.offset += 1
+    elif key in ("k", "\x1b[A"):
+        state.offset = max(0, state.offset - 1)
+    elif key == " " or key == "\x1b[6~":
+        state.offset += 20
+    elif key == "p":
+        state.paused = not state.paused
+    else:
+        return False
+    return True

@@ -1,0 +1,73 @@
+"""Fail fast under real launchers (bench/fail_fast.py at a few injections): a 4-rank training loop on
+the framework's own collective (torch.distributed Gloo under torchrun, mpi4py under mpirun), one
+rank SIGKILLed (or ending on an out-of-memory error outside the guard); every other rank must exit
+within 10 s, non-zero, with one line naming the dead rank, its host and the cause. Without distmem
+(or with DISTMEM_FAIL_FAST=0) the MPI survivors wait in the all-reduce until the bound.
+
+The launcher does not tear the job down itself here (keeper.py under torchrun, mpirun's
+orte_abort_on_non_zero_status=0): on a real cluster a rank lost with its node goes unseen by the
+other hosts' launchers. The 100-injection counts per launcher are bench/results/fail_fast.json."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+import pytest
+
+from helpers import ROOT, have
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import fail_fast  # noqa: E402
+
+NEEDS = {"torchrun": ("torchrun", "torch"), "mpirun": ("mpirun", "mpi4py")}
+
+
+def _need(launcher: str) -> None:
+    tool, module = NEEDS[launcher]
+    if not have(tool):
+        pytest.skip(f"{tool} not installed (main environment: scripts/env.sh main)")
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} not installed (main environment: scripts/env.sh main)")
+
+
+@pytest.fixture(autouse=True)
+def _mpi_as_root(monkeypatch):
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    monkeypatch.delenv("DISTMEM_FAIL_FAST", raising=False)
+
+
+def _check(res, victim: int, cause: str) -> None:
+    assert not res["problems"], f"{res['problems']}\n{res['tail']}"
+    assert sorted(res["survivors"]) == [r for r in range(4) if r != victim]
+    for r, s in res["survivors"].items():
+        assert s["outcome"] == "line", f"rank {r}: {s}\n{res['tail']}"
+        assert s["seconds"] <= fail_fast.WITHIN
+        assert re.fullmatch(rf"distmem: rank {victim} \(host [^)]+\) {cause}.*; stopping this rank", s["line"]), s["line"]
+
+
+@pytest.mark.parametrize("launcher,victim", [("torchrun", 2), ("mpirun", 0), ("mpirun", 3)])
+def test_survivors_of_a_sigkill_exit_within_10s_with_one_line(tmp_path, launcher, victim):
+    _need(launcher)
+    res = fail_fast.run_injection(launcher, victim, 0.6, bound=20.0, work=str(tmp_path))
+    _check(res, victim, re.escape("died (killed: its heartbeat connection closed with no exit record"))
+
+
+def test_an_oom_outside_the_guard_is_named_on_every_rank(tmp_path):
+    _need("torchrun")
+    res = fail_fast.run_injection("torchrun", 1, 0.4, how="oom", bound=20.0, work=str(tmp_path))
+    _check(res, 1, re.escape("failed (MemoryError: out of memory at step"))
+
+
+@pytest.mark.parametrize("how", ["bare", "opt-out"])
+def test_without_fail_fast_the_mpi_survivors_wait(tmp_path, monkeypatch, how):
+    """The baseline, and the opt-out: the same kill leaves the survivors in MPI's all-reduce."""
+    _need("mpirun")
+    if how == "opt-out":
+        monkeypatch.setenv("DISTMEM_FAIL_FAST", "0")
+    res = fail_fast.run_injection("mpirun", 1, 0.4, mode="bare" if how == "bare" else "distmem", bound=6.0,
+                                  work=str(tmp_path))
+    assert not res["problems"], res["problems"]
+    assert {s["outcome"] for s in res["survivors"].values()} == {"hang"}, res["survivors"]

@@ -1,0 +1,155 @@
+"""The fail-fast heartbeat in one process: rank 0's hub and the other ranks' connections over real
+loopback sockets, each death delivered to a recorder instead of ending the process."""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Dict, List
+
+import pytest
+
+from distmem.comm import heartbeat as hbm
+
+
+class Job:
+    """``size`` heartbeats of one job; ``deaths[rank]`` lists what each rank was told."""
+
+    def __init__(self, size: int, silence: float = 30.0):
+        self.deaths: Dict[int, List[hbm.Death]] = {r: [] for r in range(size)}
+        server, info = hbm.rendezvous_info("h0")
+        self.info = info
+        self.beats = [hbm.Heartbeat(0, size, "h0", info, server=server, silence=silence,
+                                    on_death=self.deaths[0].append).start(5.0)]
+        for r in range(1, size):
+            self.beats.append(hbm.Heartbeat(r, size, f"h{r % 2}", info, silence=silence,
+                                            on_death=self.deaths[r].append).start(5.0))
+        time.sleep(0.3)  # every hello reached the hub
+
+    def wait(self, ranks, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(self.deaths[r] for r in ranks):
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        for b in self.beats:
+            b._closing = True
+
+
+def _kill(hb: hbm.Heartbeat) -> None:
+    """What SIGKILL does to a rank's connection: it ends, with nothing sent."""
+    hb._closing = True
+    hb._sock.close()
+
+
+def test_a_rank_whose_connection_ends_is_named_dead_on_every_other_rank():
+    job = Job(4)
+    try:
+        _kill(job.beats[2])
+        job.wait([0, 1, 3])
+        for r in (0, 1, 3):
+            assert [(d.rank, d.host, d.cause) for d in job.deaths[r]] == [(2, "h0", hbm.KILLED)], r
+        assert job.deaths[0][0].line() == f"distmem: rank 2 (host h0) {hbm.KILLED}; stopping this rank"
+    finally:
+        job.close()
+
+
+def test_an_exception_is_the_cause_the_others_read():
+    job = Job(3)
+    try:
+        job.beats[1].failed("failed (OutOfMemoryError: CUDA out of memory)")
+        _kill(job.beats[1])
+        job.wait([0, 2])
+        assert [d.cause for d in job.deaths[2]] == ["failed (OutOfMemoryError: CUDA out of memory)"]
+        assert [d.rank for d in job.deaths[0]] == [1]
+    finally:
+        job.close()
+
+
+def test_a_clean_exit_is_no_death():
+    job = Job(3)
+    try:
+        job.beats[1].close()
+        time.sleep(1.0)
+        assert job.deaths == {0: [], 1: [], 2: []}
+        job.beats[0].close()  # rank 0 leaves cleanly: the others stop watching
+        time.sleep(1.0)
+        assert job.deaths == {0: [], 1: [], 2: []}
+    finally:
+        job.close()
+
+
+def test_rank_0_dying_ends_every_connection():
+    job = Job(3)
+    try:
+        hub = job.beats[0]
+        hub._closing = True
+        time.sleep(0.5)  # the hub's loop has stopped
+        for s in list(hub._clients):
+            s.close()
+        hub.server.close()
+        job.wait([1, 2])
+        assert [(d.rank, d.cause) for d in job.deaths[1]] == [(0, hbm.KILLED)]
+        assert [d.rank for d in job.deaths[2]] == [0]
+    finally:
+        job.close()
+
+
+def test_a_silent_rank_is_declared_after_the_silence():
+    job = Job(2, silence=1.5)
+    try:
+        job.beats[1]._closing = True  # its thread stops beating; the connection stays open
+        job.wait([0], timeout=6.0)
+        assert [d.rank for d in job.deaths[0]] == [1]
+        assert job.deaths[0][0].cause.startswith("stopped answering (no heartbeat for 2 s")
+    finally:
+        job.close()
+
+
+def test_a_connection_without_the_token_is_dropped_and_kills_nobody():
+    job = Job(2)
+    try:
+        s = socket.create_connection(("127.0.0.1", job.info["port"]), timeout=2)
+        s.sendall(b'{"t": "hello", "token": "guess", "rank": 1, "host": "x"}\n')
+        s.settimeout(2)
+        assert s.recv(100) == b""  # the hub closed it
+        s.close()
+        s = socket.create_connection(("127.0.0.1", job.info["port"]), timeout=2)
+        s.sendall(b'{"t": "dead", "rank": 1}\n')
+        s.close()
+        time.sleep(1.0)
+        assert job.deaths == {0: [], 1: []}
+    finally:
+        job.close()
+
+
+def test_no_heartbeat_for_one_rank_and_none_without_a_meeting_place(monkeypatch):
+    assert hbm.start(0, 1, "h") is None
+    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert hbm.start(0, 4, "h") is None  # no transport, no torchrun store: off, and says so
+    assert hbm.current() is None
+
+
+def test_the_setting():
+    from distmem import settings
+    from distmem.errors import ConfigError
+
+    assert settings.fail_fast({}) is True
+    assert settings.fail_fast({"DISTMEM_FAIL_FAST": "0"}) is False
+    with pytest.raises(ConfigError, match="DISTMEM_FAIL_FAST='maybe'"):
+        settings.validate({"DISTMEM_FAIL_FAST": "maybe"})
+
+
+def test_a_rank_that_never_connects_is_named_after_the_join_timeout():
+    deaths: List[hbm.Death] = []
+    server, info = hbm.rendezvous_info("h0")
+    hub = hbm.Heartbeat(0, 3, "h0", info, server=server, on_death=deaths.append).start(1.0)
+    one = hbm.Heartbeat(1, 3, "h1", info, on_death=lambda d: None).start(5.0)
+    try:
+        deadline = time.monotonic() + 6
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(d.rank, d.cause.split(" (")[0]) for d in deaths] == \
+            [(2, "never connected to the fail-fast heartbeat within 1 s of init()")]
+    finally:
+        hub._closing = one._closing = True

@@ -1,0 +1,106 @@
+"""The overlapped guard step on thread ranks: from the step after the first clean one the flag
+all-reduce is posted before the gradient all-reduce and waited after it; every rank enters the
+gradient all-reduce on every step (a rank whose step failed with zeros of the last clean step's
+shapes), and the step's own verdict decides whether the reduced gradients are applied. Same
+fallbacks and bit-identical weights as the blocking protocol, with and without faults."""
+from __future__ import annotations
+
+from typing import Any, List
+
+import numpy as np
+import pytest
+
+import distmem.guard as guard
+from distmem.comm import FlagReducer, PostedFlags
+from unit.guard.test_guard import Linear, make_data
+from unit.guard.test_threads import mean_reducer, run_ranks
+
+
+class EventFlags(FlagReducer):
+    """Flags over the thread transport that record when they are posted and waited."""
+
+    name = "threads"
+    overlaps = True
+
+    def __init__(self, comm, events: List[str]):
+        self.comm, self.events = comm, events
+        super().__init__(comm.rank, comm.size)
+
+    def reduce(self, vec, timeout):
+        self.events.append("flags")
+        return self.comm.allreduce(vec, "sum", timeout)
+
+    def post(self, vec):
+        self.events.append("post")
+        me = self
+
+        class Posted(PostedFlags):
+            def wait(self, timeout):
+                me.events.append("wait")
+                return me.comm.allreduce(vec, "sum", timeout)
+
+        return Posted(self, vec)
+
+
+def _train(comm, overlap, fault=None, steps=6, local=32, micro=16):
+    events: List[str] = []
+    m = Linear()
+    m.fault = (lambda call, n: fault(comm.rank, call, n)) if fault else None
+    grads_reduce = mean_reducer(comm)
+
+    def reduce(grads: List[Any]) -> List[Any]:
+        events.append("grads" if grads[0] is not None and np.any(grads[0]) else "grads(zeros)")
+        return grads_reduce(grads)
+
+    s = guard.step(m.grads_of, apply=m.apply, micro_batch_size=micro, global_batch_size=local * comm.size,
+                   comm=comm, timeout=20.0, reduce_gradients=reduce, flags=EventFlags(comm, events),
+                   overlap=overlap)
+    x, y = make_data(10 + comm.rank, local * steps)
+    for i in range(steps):
+        s(x[i * local:(i + 1) * local], y[i * local:(i + 1) * local])
+        events.append("|")
+    return m.w, s, events
+
+
+def test_from_the_second_step_the_flags_ride_beside_the_gradient_all_reduce():
+    out = run_ranks(4, lambda c: _train(c, True))
+    for r in range(4):
+        assert not isinstance(out[r], BaseException), out[r]
+        w, s, events = out[r]
+        steps = "".join(e if e == "|" else e + " " for e in events).split("|")
+        assert steps[0].split() == ["flags", "grads"]  # the first step: blocking (no shapes known yet)
+        assert all(st.split() == ["post", "grads", "wait"] for st in steps[1:6]), steps
+        assert s.overlapped
+    ref = run_ranks(4, lambda c: _train(c, False))
+    assert not ref[0][1].overlapped and ref[0][2].count("post") == 0
+    for r in range(4):
+        assert np.array_equal(out[r][0], ref[r][0]), "the overlapped protocol trains differently"
+
+
+def test_an_oom_in_an_overlapped_step_is_decided_on_that_step_by_every_rank():
+    fault = lambda r, call, n: MemoryError("rank 2 OOM") if (r, call) == (2, 7) else None  # noqa: E731
+    out = run_ranks(4, lambda c: _train(c, True, fault))
+    ref = run_ranks(4, lambda c: _train(c, False, fault))
+    for r in range(4):
+        assert not isinstance(out[r], BaseException), out[r]
+        w, s, events = out[r]
+        assert [(f.step, f.ranks, f.new_micro_batch) for f in s.fallbacks] == [(3, [2], 8)]
+        assert [(f.step, f.ranks, f.new_micro_batch) for f in ref[r][1].fallbacks] == [(3, [2], 8)]
+        assert np.array_equal(w, ref[r][0]), "the dropped step's reduced gradients were applied"
+        step3 = "".join(e if e == "|" else e + " " for e in events).split("|")[3].split()
+        # every rank entered the gradient all-reduce of the failed attempt (rank 2 with zeros), then
+        # the retry: post, grads, wait again
+        assert step3[:3] == ["post", "grads(zeros)" if r == 2 else "grads", "wait"], step3
+        assert step3[3:] == ["post", "grads", "wait"], step3
+
+
+def test_auto_overlaps_only_under_fail_fast():
+    out = run_ranks(2, lambda c: _train(c, "auto", steps=3))
+    assert all(not s.overlapped and "post" not in ev for _, s, ev in out)
+
+
+def test_overlap_option_is_checked():
+    from distmem.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="overlap='yes'"):
+        guard.step(lambda x: ([x], 0.0), micro_batch_size=1, overlap="yes")
