@@ -176,17 +176,9 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     asked = dict(strategy=strategy, framework=framework, memory=memory, reserve=reserve, limit=limit,
                  overhead=overhead, foreign=foreign, fleet=fleet, enforce=enforce, estimate=estimate,
                  **({"from_report": from_report, "from_margin": from_margin} if from_report else {}), **strategy_options)
-    earlier = session.state.options
-    if session.state.plan is not None and earlier is not None:
-        changed = {k: (earlier.get(k), asked.get(k)) for k in sorted(set(earlier) | set(asked))
-                   if repr(earlier.get(k)) != repr(asked.get(k))}
-        if not changed:
-            return session.state.plan  # the same call again: the plan stands
-        raise ConfigError(
-            "distmem.init() was already called in this process with other options: "
-            + "; ".join(f"{k}={old!r} then {new!r}" for k, (old, new) in changed.items())
-            + ". A process applies one plan (the framework keeps the first configuration); call init() once, "
-            "first, with the options you want (distmem.reset() exists for tests only)")
+    again = _same_call_again(asked)
+    if again is not None:
+        return again
     fw = detect_framework(framework)
     fw_adapter = adapter(fw)
     # Read before planning (the estimator may build a model): what the framework started on its own.
@@ -221,27 +213,49 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
 
         install()
     if verbose:
-        mine = plan.mine
-        topo = session.state.topology
-        if topo is not None and topo.source == "single" and identity.launcher_of() == "none":
-            say("[distmem] no launcher detected: 1 rank (start with horovodrun, mpirun, srun or torchrun for "
-                "more)")
-        done = applied.get("applied") or []
-        where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not inv.real
-                                                          else f"{fw}: nothing to apply")
-        say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
-        if from_report:
-            from .plan.from_report import describe_changes
-
-            for line in describe_changes(plan)[:1] + [ln.strip() for ln in describe_changes(plan)[1:]
-                                                      if ln.strip().startswith(f"rank {mine.rank}:")
-                                                      or ln.strip().startswith(f"rank {mine.rank} ")]:
-                say(f"[distmem rank {mine.rank}] {line.strip()}")
-        for w in plan.warnings:
-            say(f"[distmem rank {mine.rank}] WARNING: {w}")
+        _say_applied(plan, applied, fw, inv.real, bool(from_report))
     if settings.fail_fast() if fail_fast is None else fail_fast:
         _start_heartbeat(verbose)
     return plan
+
+
+def _same_call_again(asked: Dict[str, Any]) -> Optional[Plan]:
+    """The applied plan when ``init()`` is called again with the same options; an error naming what
+    changed when they differ; None on the first call."""
+    earlier = session.state.options
+    if session.state.plan is not None and earlier is not None:
+        changed = {k: (earlier.get(k), asked.get(k)) for k in sorted(set(earlier) | set(asked))
+                   if repr(earlier.get(k)) != repr(asked.get(k))}
+        if not changed:
+            return session.state.plan  # the same call again: the plan stands
+        raise ConfigError(
+            "distmem.init() was already called in this process with other options: "
+            + "; ".join(f"{k}={old!r} then {new!r}" for k, (old, new) in changed.items())
+            + ". A process applies one plan (the framework keeps the first configuration); call init() once, "
+            "first, with the options you want (distmem.reset() exists for tests only)")
+    return None
+
+
+def _say_applied(plan: Plan, applied: Dict[str, Any], fw: str, real: bool, from_report: bool) -> None:
+    """init()'s lines: what this rank was planned and given, what changed from the last run, warnings."""
+    mine = plan.mine
+    topo = session.state.topology
+    if topo is not None and topo.source == "single" and identity.launcher_of() == "none":
+        say("[distmem] no launcher detected: 1 rank (start with horovodrun, mpirun, srun or torchrun for "
+            "more)")
+    done = applied.get("applied") or []
+    where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not real
+                                                      else f"{fw}: nothing to apply")
+    say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
+    if from_report:
+        from .plan.from_report import describe_changes
+
+        lines = describe_changes(plan)
+        own = [ln.strip() for ln in lines[1:] if ln.strip().startswith((f"rank {mine.rank}:", f"rank {mine.rank} "))]
+        for line in lines[:1] + own:  # the summary, then this rank's own change
+            say(f"[distmem rank {mine.rank}] {line.strip()}")
+    for w in plan.warnings:
+        say(f"[distmem rank {mine.rank}] WARNING: {w}")
 
 
 def _start_heartbeat(verbose: bool = True) -> None:
