@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
+import re
+import signal
 import sys
-from typing import List, Optional
+import time
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import DistmemError
+from .checks import did_you_mean
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "SUBCOMMANDS", "stop_children"]
 
 SUBCOMMANDS = {
     "plan": ("distmem.cli.plan", "compute a plan (dry run, no GPU needed)"),
@@ -27,7 +32,7 @@ SUBCOMMANDS = {
 }
 
 
-def _parser(argv: List[str]) -> argparse.ArgumentParser:
+def _parser(argv: List[str]) -> Tuple[argparse.ArgumentParser, Dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="distmem", description="Planned, enforced and observed GPU memory for distributed training.",
         epilog="Also: distmem-exec [options] -- COMMAND runs COMMAND under distmem's native hard cap "
@@ -37,8 +42,10 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"distmem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = argv[0] if argv and not argv[0].startswith("-") else None
+    subs: Dict[str, argparse.ArgumentParser] = {}
     for name, (module, helptext) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
+        subs[name] = p
         if wanted == name:  # import only the module that runs: keeps `distmem plan` fast
             try:
                 mod = importlib.import_module(module)
@@ -50,29 +57,165 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
             else:
                 mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
-    return parser
+    return parser, subs
+
+
+def _unknown(sub: argparse.ArgumentParser, extras: List[str]) -> str:
+    """The usage error for words ``sub`` does not take, with the closest option for each mistyped one."""
+    known = [s for s in sub._option_string_actions if s.startswith("--")]  # noqa: SLF001 - no public list
+    hints = []
+    for word in extras:
+        if word.startswith("-"):
+            hint = did_you_mean(word.split("=", 1)[0], known, n=2)
+            if hint:
+                hints.append(f"{word}{hint}")
+    return "unrecognized arguments: " + " ".join(extras) + ("; " + "; ".join(hints) if hints else "")
+
+
+def _children() -> List[int]:
+    """The ids of this process's live child processes (from /proc: Linux)."""
+    me = os.getpid()
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(me):
+            out.append(int(entry))
+    return out
+
+
+def stop_children(grace: float = 3.0) -> List[int]:
+    """SIGTERM every child process this one started (each with what it started, when it leads its own
+    process group), SIGKILL those still there after ``grace`` seconds; the ids stopped."""
+    pids = _children()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            for kill in (lambda: os.killpg(pid, sig) if os.getpgid(pid) == pid else None, lambda: os.kill(pid, sig)):
+                try:
+                    kill()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+        if not any(_alive(p) for p in pids):
+            break
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return False
+    except OSError:
+        return False
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write (launchers that tag writes never split it)."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        sys.stderr.write(line.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+_NEGATIVE = re.compile(r"^-[0-9.]")
+_KEYWORD = re.compile(r"^([a-z][a-z0-9_]*)(=|: )|(?<=\bneeds )([a-z][a-z0-9_]*)(=)")
+
+
+def _negative_values(argv: List[str]) -> List[str]:
+    """``--limit -2GiB`` as ``--limit=-2GiB``: argparse takes a word that starts with '-' for an option
+    (unless it is a plain negative number), so a negative value would read as a missing one and the
+    message would not name it. Words after ``--`` are left alone."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return out + argv[i:]
+        if word.startswith("--") and "=" not in word and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
+def _as_flags(message: str, sub: Optional[argparse.ArgumentParser]) -> str:
+    """A message of the API (``num_stages='0': ...``, ``needs global_batch_size=``) in the command
+    line's words (``--num-stages '0'``) where the word is an option of the sub-command ``sub``."""
+    if sub is None:
+        return message
+    flags = {a.dest: a.option_strings[-1] for a in sub._actions if a.option_strings}  # noqa: SLF001
+
+    def repl(m: "re.Match[str]") -> str:
+        word, sep = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        flag = flags.get(word)
+        if flag is None or not flag.startswith("--"):
+            return m.group(0)
+        after = m.string[m.end():m.end() + 1]
+        return flag + (("" if after == " " else " ") if sep == "=" else ": ")
+
+    return _KEYWORD.sub(repl, message)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(argv)
-    args = parser.parse_args(argv)
-    if getattr(args, "_error", None):
-        print(f"distmem: {args._error}", file=sys.stderr)
-        return 2
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
+    """The ``distmem`` command: every sub-command under one rule. An input distmem cannot use ends in
+    one line ``distmem CMD: error: ...`` and status 1 (2 for a usage error, with the sub-command's
+    usage); Ctrl-C (SIGINT) ends in one line ``distmem CMD: interrupted``, status 130, every child
+    process it started stopped; a closed stdout (``| head``) ends quietly."""
+    argv = _negative_values(list(sys.argv[1:] if argv is None else argv))
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    name = f"distmem {command}" if command in SUBCOMMANDS else "distmem"
+    sub: Optional[argparse.ArgumentParser] = None
     try:
+        parser, subs = _parser(argv)
+        sub = subs.get(command or "")
+        if command is not None and command not in SUBCOMMANDS:
+            parser.error(f"unknown command {command!r}{did_you_mean(command, SUBCOMMANDS)}; the commands are "
+                         f"{', '.join(SUBCOMMANDS)} (distmem --help)")
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            (subs.get(args.command) or parser).error(_unknown(subs.get(args.command) or parser, extras))
+        if getattr(args, "_error", None):
+            _say(f"distmem: {args._error}")
+            return 2
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 2
         return int(args._run(args) or 0)
     except DistmemError as exc:
-        print(f"distmem {args.command}: error: {exc}", file=sys.stderr)
+        _say(f"{name}: error: {_as_flags(str(exc), sub)}")
         return 1
+    except KeyboardInterrupt:
+        stopped = stop_children()
+        _say(f"{name}: interrupted" + (f"; stopped {len(stopped)} child process(es) it started" if stopped else ""))
+        return 130
     except BrokenPipeError:
         # `distmem report --json | head`: the reader left; say nothing more (and not again at exit).
-        import os
-
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-
+    except OSError as exc:
+        # A file the command was given and could not use, found only while working: one line, the path.
+        what = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
+        _say(f"{name}: error: {what}")
+        return 1
