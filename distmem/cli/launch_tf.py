@@ -31,7 +31,6 @@ from typing import IO, Dict, List, Optional, Sequence
 from .. import settings
 from ..errors import ConfigError
 from ..units import plural
-from .checks import at_least, positive_number
 
 __all__ = ["add_arguments", "run", "main", "launch", "tf_configs", "free_ports", "worker_command",
            "DEFAULT_TIMEOUT", "TIMEOUT_EXIT"]
@@ -276,8 +275,8 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: Optional[float]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--num-workers", type=at_least(1), required=True, help="number of workers (ranks) to start")
-    p.add_argument("--timeout", type=positive_number, default=None,
+    p.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers (ranks) to start")
+    p.add_argument("--timeout", type=float, default=None,
                    help=f"hard limit in seconds for the whole job; then every worker is killed and the exit code "
                         f"is {TIMEOUT_EXIT} (default {DEFAULT_TIMEOUT:.0f}, or DISTMEM_LAUNCH_TIMEOUT)")
     p.add_argument("--host", default="localhost", help="address the workers listen on (default localhost)")
