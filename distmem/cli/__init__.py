@@ -10,13 +10,11 @@ import importlib
 import inspect
 import os
 import re
-import signal
 import sys
-import time
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import DistmemError
-from .checks import did_you_mean
+from .checks import did_you_mean, stop_children
 
 __all__ = ["main", "SUBCOMMANDS", "stop_children"]
 
@@ -70,57 +68,6 @@ def _unknown(sub: argparse.ArgumentParser, extras: List[str]) -> str:
             if hint:
                 hints.append(f"{word}{hint}")
     return "unrecognized arguments: " + " ".join(extras) + ("; " + "; ".join(hints) if hints else "")
-
-
-def _children() -> List[int]:
-    """The ids of this process's live child processes (from /proc: Linux)."""
-    me = os.getpid()
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and fields[1] == str(me):
-            out.append(int(entry))
-    return out
-
-
-def stop_children(grace: float = 3.0) -> List[int]:
-    """SIGTERM every child process this one started (each with what it started, when it leads its own
-    process group), SIGKILL those still there after ``grace`` seconds; the ids stopped."""
-    pids = _children()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            for kill in (lambda: os.killpg(pid, sig) if os.getpgid(pid) == pid else None, lambda: os.kill(pid, sig)):
-                try:
-                    kill()
-                except OSError:
-                    pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.05)
-        if not any(_alive(p) for p in pids):
-            break
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return False
-    except OSError:
-        return False
 
 
 def _say(line: str) -> None:

@@ -17,14 +17,17 @@ import difflib
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
+import time
 from typing import Callable, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
 __all__ = ["at_least", "positive_number", "input_file", "output_file", "did_you_mean", "k8s_name",
-           "k8s_quantity", "where", "rank_step", "parse_example", "run_example"]
+           "k8s_quantity", "where", "rank_step", "parse_example", "run_example",
+           "stop_children"]
 
 
 def at_least(minimum: int = 1) -> Callable[[str], int]:
@@ -169,8 +172,6 @@ def run_example(main: Callable[[], Optional[int]], prog: Optional[str] = None) -
         _line(f"{name}: error: {exc}")
         code = 1
     except KeyboardInterrupt:
-        from . import stop_children
-
         stop_children()
         _line(f"{name}: interrupted")
         code = 130
@@ -184,3 +185,54 @@ def _line(text: str) -> None:
         pass
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
+
+
+def _children() -> List[int]:
+    """The ids of this process's live child processes (from /proc: Linux)."""
+    me = os.getpid()
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(me):
+            out.append(int(entry))
+    return out
+
+
+def stop_children(grace: float = 3.0) -> List[int]:
+    """SIGTERM every child process this one started (each with what it started, when it leads its own
+    process group), SIGKILL those still there after ``grace`` seconds; the ids stopped."""
+    pids = _children()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            for kill in (lambda: os.killpg(pid, sig) if os.getpgid(pid) == pid else None, lambda: os.kill(pid, sig)):
+                try:
+                    kill()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+        if not any(_alive(p) for p in pids):
+            break
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return False
+    except OSError:
+        return False

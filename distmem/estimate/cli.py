@@ -150,10 +150,18 @@ def _estimate(args: argparse.Namespace, shape, precision) -> Estimate:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m distmem.estimate.cli``: the same as ``distmem estimate`` (and under the same rule)."""
-    from ..cli import main as distmem_main
-
-    return distmem_main(["estimate", *(sys.argv[1:] if argv is None else argv)])
+    """``python -m distmem.estimate.cli``: ``distmem estimate`` under the same rule (an input it cannot
+    use: one line, status 1; Ctrl-C: one line, status 130)."""
+    parser = argparse.ArgumentParser(prog="distmem estimate", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except DistmemError as exc:
+        sys.stderr.write(f"distmem estimate: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("distmem estimate: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":
