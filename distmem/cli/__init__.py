@@ -60,7 +60,8 @@ def _parser(argv: List[str]) -> Tuple[argparse.ArgumentParser, Dict[str, argpars
 
 def _unknown(sub: argparse.ArgumentParser, extras: List[str]) -> str:
     """The usage error for words ``sub`` does not take, with the closest option for each mistyped one."""
-    known = [s for s in sub._option_string_actions if s.startswith("--")]  # noqa: SLF001 - no public list
+    known = [s for s, a in sub._option_string_actions.items()  # noqa: SLF001 - argparse has no public list
+             if s.startswith("--") and a.help != argparse.SUPPRESS]
     hints = []
     for word in extras:
         if word.startswith("-"):
