@@ -5,6 +5,11 @@ A case passes when the process exits non-zero, prints no traceback, and the last
 stderr (the one line a user reads) names the bad value; ``forbid`` lists words a misleading message
 said before (``did you mean 4x0GiB``, ``(relative to ...)`` for an absolute path), ``usage`` the
 usage line a usage error must show (the sub-command's, not the top-level one).
+
+Against another tree (an older commit, to count what the rule fixed):
+
+    git worktree add /tmp/old COMMIT
+    python tests/unit/cli/bad_input_cases.py --root /tmp/old --module distmem.cli
 """
 from __future__ import annotations
 
