@@ -85,7 +85,6 @@ def _say(line: str) -> None:
 
 
 _NEGATIVE = re.compile(r"^-[0-9.]")
-_KEYWORD = re.compile(r"^([a-z][a-z0-9_]*)(=|: )|(?<=\bneeds )([a-z][a-z0-9_]*)(=)")
 
 
 def _negative_values(argv: List[str]) -> List[str]:
@@ -107,24 +106,6 @@ def _negative_values(argv: List[str]) -> List[str]:
     return out
 
 
-def _as_flags(message: str, sub: Optional[argparse.ArgumentParser]) -> str:
-    """A message of the API (``num_stages='0': ...``, ``needs global_batch_size=``) in the command
-    line's words (``--num-stages '0'``) where the word is an option of the sub-command ``sub``."""
-    if sub is None:
-        return message
-    flags = {a.dest: a.option_strings[-1] for a in sub._actions if a.option_strings}  # noqa: SLF001
-
-    def repl(m: "re.Match[str]") -> str:
-        word, sep = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-        flag = flags.get(word)
-        if flag is None or not flag.startswith("--"):
-            return m.group(0)
-        after = m.string[m.end():m.end() + 1]
-        return flag + (("" if after == " " else " ") if sep == "=" else ": ")
-
-    return _KEYWORD.sub(repl, message)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     """The ``distmem`` command: every sub-command under one rule. An input distmem cannot use ends in
     one line ``distmem CMD: error: ...`` and status 1 (2 for a usage error, with the sub-command's
@@ -133,10 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = _negative_values(list(sys.argv[1:] if argv is None else argv))
     command = argv[0] if argv and not argv[0].startswith("-") else None
     name = f"distmem {command}" if command in SUBCOMMANDS else "distmem"
-    sub: Optional[argparse.ArgumentParser] = None
     try:
         parser, subs = _parser(argv)
-        sub = subs.get(command or "")
         if command is not None and command not in SUBCOMMANDS:
             parser.error(f"unknown command {command!r}{did_you_mean(command, SUBCOMMANDS)}; the commands are "
                          f"{', '.join(SUBCOMMANDS)} (distmem --help)")
@@ -151,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         return int(args._run(args) or 0)
     except DistmemError as exc:
-        _say(f"{name}: error: {_as_flags(str(exc), sub)}")
+        _say(f"{name}: error: {exc}")  # the API's own words: every door says the same
         return 1
     except KeyboardInterrupt:
         stopped = stop_children()

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 class Case:
     name: str
     argv: Sequence[str]  # "{py}" the interpreter, "{exec}" distmem-exec, "{tmp}" the files' folder, "{root}"
-    names: Sequence[str]  # each must appear in the last stderr line (case-insensitive)
+    names: Sequence[str]  # each must appear in the last stderr line (case-insensitive; --x-y also as x_y)
     forbid: Sequence[str] = ()
     usage: Optional[str] = None  # "usage: distmem plan": a usage error showing the sub-command's usage
     env: Dict[str, str] = field(default_factory=dict)
@@ -365,7 +365,9 @@ def problems(case: Case, out: Outcome, folder: str) -> List[str]:
         found.append("a traceback on stderr")
     for word in case.names:
         word = word.replace("{tmp}", folder)
-        if word.lower() not in last.lower():
+        # an option is named by its flag (--num-stages) or, in the API's words every door shares, its keyword
+        spellings = [word, word[2:].replace("-", "_")] if word.startswith("--") and len(word) > 3 else [word]
+        if not any(w.lower() in last.lower() for w in spellings):
             found.append(f"the last stderr line does not name {word!r}")
     for word in case.forbid:
         if word.lower() in out.stderr.lower():
