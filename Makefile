@@ -3,6 +3,7 @@
 #   make test   the whole test suite (unit, mpirun -np 1/2/4, horovodrun -np 4 Gloo and MPI, TF 2.21 pass)
 #   make env    build (or reuse) the environment; its bin/ folder is the last line printed
 # Each installs what it needs (scripts/env.sh: a venv outside the clone, keyed by requirements/).
+# The environment's distmem, horovodrun and python on PATH:  export PATH=$(make -s env | tail -n 1):$PATH
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 # Open MPI refuses root without these (CI and containers run as root); harmless otherwise.
@@ -17,7 +18,7 @@ DEMO_FLEET ?= 2x16GiB
 .PHONY: env env-latest demo test test-main test-latest native clean help
 
 help:
-	@sed -n '2,6p' Makefile
+	@awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' Makefile
 
 env:
 	@scripts/env.sh main
@@ -32,9 +33,11 @@ demo:
 	@bin=$$(scripts/env.sh main | tail -n 1); \
 	bash scripts/build_native.sh >/dev/null 2>&1 || echo "[make demo] native cap not built (optional)"; \
 	rm -f runs/demo/report.json; \
+	DISTMEM_FLEET='$(DEMO_FLEET)' $$bin/python -m distmem plan --ranks $(NP) >/dev/null || exit 1; \
 	echo "[make demo] horovodrun -np $(NP) -H localhost:$(NP) python examples/train.py"; \
 	echo "[make demo] without a GPU the plan is made against DISTMEM_FLEET=$(DEMO_FLEET) (dry run: planned, not applied)"; \
-	DISTMEM_FLEET=$(DEMO_FLEET) TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-2} timeout 900 $$bin/horovodrun -np $(NP) -H localhost:$(NP) $$bin/python examples/train.py \
+	DISTMEM_FLEET='$(DEMO_FLEET)' TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-2} timeout --foreground 900 \
+	  $$bin/horovodrun -np $(NP) -H localhost:$(NP) $$bin/python examples/train.py \
 	  --steps $(DEMO_STEPS) --report runs/demo/report.json --plot runs/demo/report.png; \
 	test -s runs/demo/report.json && echo "[make demo] report: runs/demo/report.json"
 

@@ -10,7 +10,7 @@ from typing import IO, List, Optional, Sequence
 
 from . import settings
 
-__all__ = ["say", "text_table"]
+__all__ = ["say", "echo", "text_table"]
 
 
 def say(msg: str, *, always: bool = False, file: Optional[IO[str]] = None,
@@ -31,6 +31,14 @@ def say(msg: str, *, always: bool = False, file: Optional[IO[str]] = None,
         out.flush()
     except (OSError, ValueError):  # a closed pipe must not break training
         pass
+
+
+def echo(text: str = "", *, file: Optional[IO[str]] = None) -> None:
+    """``print(text, flush=True)`` in one write: the text and its newline together, so a launcher that
+    tags every write (horovodrun's ``[1,0]<stdout>:``) never splits the line."""
+    out = sys.stdout if file is None else file
+    out.write(text if text.endswith("\n") else text + "\n")
+    out.flush()
 
 
 def text_table(head: Sequence[str], rows: Sequence[Sequence[object]], right: Optional[Sequence[bool]] = None, *,

@@ -15,26 +15,25 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, rank_step, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import horovod.tensorflow.keras as hvd  # noqa: E402
-
-from distmem.guard.keras import KerasGuard  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--global-batch", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--simulate-oom", default=None, metavar="RANK:BATCH")
-    args = p.parse_args()
+    p.add_argument("--global-batch", type=at_least(1), default=256)
+    p.add_argument("--micro-batch", type=at_least(1), default=64)
+    p.add_argument("--steps", type=at_least(1), default=12)
+    p.add_argument("--simulate-oom", default=None, type=rank_step, metavar="RANK:BATCH")
+    args = parse_example(p)
+    import numpy as np  # noqa: E402 - after the arguments are checked: a bad one costs no TensorFlow import
+    import tensorflow as tf
+    import horovod.tensorflow.keras as hvd
+    from distmem.guard.keras import KerasGuard
 
     hvd.init()
-    fault = tuple(int(v) for v in args.simulate_oom.split(":")) if args.simulate_oom else None
+    fault = args.simulate_oom
     calls = {"n": 0}
 
     def maybe_fail(t):
@@ -63,9 +62,9 @@ def main():
     guard = KerasGuard(micro_batch_size=args.micro_batch, global_batch_size=args.global_batch)
     model.fit(x, y, batch_size=local, epochs=1, verbose=2 if hvd.rank() == 0 else 0, callbacks=[guard])
     if hvd.rank() == 0:
-        print(f"done: {guard.guard.describe()}; fallbacks: "
+        echo(f"done: {guard.guard.describe()}; fallbacks: "
               f"{[(f.step, f.ranks, f.new_micro_batch) for f in guard.guard.fallbacks]}")
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

@@ -14,23 +14,23 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import distmem.guard  # noqa: E402
-from distmem.comm import get_comm  # noqa: E402
+from distmem.cli.checks import at_least, parse_example, rank_step, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--global-batch", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--global-batch", type=at_least(1), default=256)
+    p.add_argument("--micro-batch", type=at_least(1), default=64)
+    p.add_argument("--steps", type=at_least(1), default=20)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--find-batch-size", action="store_true", help="probe the micro-batch first (all ranks agree)")
-    p.add_argument("--simulate-oom", default=None, metavar="RANK:STEP")
-    args = p.parse_args()
+    p.add_argument("--simulate-oom", default=None, type=rank_step, metavar="RANK:STEP")
+    args = parse_example(p)
+    import torch  # noqa: E402 - after the arguments are checked: a bad one costs no torch import
+    import torch.nn.functional as F
+    import distmem.guard
+    from distmem.comm import get_comm
 
     comm = get_comm()  # mpi4py under mpirun; Horovod or torch.distributed when initialised; else one process
     rank, size = comm.rank, comm.size
@@ -39,7 +39,7 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     local = args.global_batch // size
-    fault = tuple(int(v) for v in args.simulate_oom.split(":")) if args.simulate_oom else None
+    fault = args.simulate_oom
 
     micro = args.micro_batch
     if args.find_batch_size:
@@ -66,10 +66,10 @@ def main():
         x, y = torch.randn(local, 512, generator=g).to(device), torch.randint(0, 10, (local,), generator=g).to(device)
         loss = step(x, y)
         if rank == 0 and i % 5 == 0:
-            print(f"step {i}: loss {float(loss):.4f}, {step.describe()}", flush=True)
+            echo(f"step {i}: loss {float(loss):.4f}, {step.describe()}")
     if rank == 0:
-        print(f"done: {step.describe()}; fallbacks: {[(f.step, f.ranks, f.new_micro_batch) for f in step.fallbacks]}")
+        echo(f"done: {step.describe()}; fallbacks: {[(f.step, f.ranks, f.new_micro_batch) for f in step.fallbacks]}")
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

@@ -17,6 +17,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
@@ -52,11 +54,11 @@ def build():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", type=int, default=2, help="devices per rank (GPUs, or logical CPUs without GPUs)")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--devices", type=at_least(1), default=2, help="devices per rank (GPUs, or logical CPUs without GPUs)")
+    ap.add_argument("--batch-size", type=at_least(1), default=64)
+    ap.add_argument("--steps", type=at_least(1), default=20)
     ap.add_argument("--report", default=os.environ.get("DISTMEM_REPORT", "runs/model_parallel/report.json"))
-    args = ap.parse_args()
+    args = parse_example(ap)
     plan = distmem.init(strategy="model", layers=layer_costs(args.batch_size), gpus_per_rank=args.devices,
                         batch_size=args.batch_size, input_bytes=4 * args.batch_size * INPUT,
                         wrapper="horovod")  # hvd.DistributedOptimizer below: its fusion buffer and reduced copies
@@ -76,13 +78,13 @@ def main():
         from distmem.units import format_bytes
 
         for g in info["groups"]:
-            print(f"[rank 0] {g['device']}: layers {g['first_layer']}..{g['last_layer']} demand "
-                  f"{format_bytes(g['demand_bytes'])}, planned {format_bytes(g['planned_bytes'])}", flush=True)
+            echo(f"[rank 0] {g['device']}: layers {g['first_layer']}..{g['last_layer']} demand "
+                  f"{format_bytes(g['demand_bytes'])}, planned {format_bytes(g['planned_bytes'])}")
         by_device = {}
         for layer, var, device in placement.variable_devices(model):
             by_device.setdefault(device.split("device:")[-1], []).append(var)
         for device, names in sorted(by_device.items()):
-            print(f"[rank 0] variables on {device}: {', '.join(names)}", flush=True)
+            echo(f"[rank 0] variables on {device}: {', '.join(names)}")
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(1e-3))
     model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(7 + hvd.rank())
@@ -93,9 +95,9 @@ def main():
     placement.check_placement(model, plan)
     rep = distmem.report(path=args.report)
     if rep is not None:
-        print(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}", flush=True)
+        echo(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

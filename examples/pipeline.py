@@ -19,6 +19,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
@@ -74,13 +76,13 @@ def build_stage(names, input_shape):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--micro-batch-size", type=int, default=16)
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--micro-batch-size", type=at_least(1), default=16)
+    ap.add_argument("--micro-batches", type=at_least(1), default=4)
+    ap.add_argument("--steps", type=at_least(1), default=5)
     ap.add_argument("--recompute", action="store_true", help="plan with activation recomputation (the "
                     "example itself keeps activations; the plan shows the smaller demand)")
     ap.add_argument("--report", default=os.environ.get("DISTMEM_REPORT", "runs/pipeline/report.json"))
-    args = ap.parse_args()
+    args = parse_example(ap)
     mb, m = args.micro_batch_size, args.micro_batches
     costs = layer_costs(mb)
     plan = distmem.init(strategy="pipeline", layers=costs, schedule="gpipe", num_micro_batches=m,
@@ -108,10 +110,10 @@ def main():
         from distmem.units import format_bytes
 
         for a in plan.allocations:
-            print(f"[rank 0] plan: rank {a.rank} stage {a.stage}: demand {format_bytes(a.demand_bytes)}, planned "
-                  f"{format_bytes(a.limit_bytes or a.breakdown['planned_bytes'])} ({a.mode}); {a.notes[0]}", flush=True)
-        print("[rank 0] stages: " + "; ".join(f"{s}: {', '.join(x['layers'])}"
-                                              for s, x in enumerate(info["partition"]["parts"])), flush=True)
+            echo(f"[rank 0] plan: rank {a.rank} stage {a.stage}: demand {format_bytes(a.demand_bytes)}, planned "
+                  f"{format_bytes(a.limit_bytes or a.breakdown['planned_bytes'])} ({a.mode}); {a.notes[0]}")
+        echo("[rank 0] stages: " + "; ".join(f"{s}: {', '.join(x['layers'])}"
+                                              for s, x in enumerate(info["partition"]["parts"])))
     width = max(int(np.prod(s)) for s in shapes)  # every tick exchanges one padded vector per rank
     rng = np.random.default_rng(1234)
     data = [(rng.random((mb,) + INPUT, dtype=np.float32), rng.integers(0, 10, mb)) for _ in range(m)]
@@ -161,12 +163,12 @@ def main():
                                                .reshape(shapes[stage + 1]))
         opt.apply_gradients(zip(acc, model.trainable_variables))
         if stage == p - 1:
-            print(f"[rank {rank}] step {step}: loss {sum(losses):.4f}", flush=True)
+            echo(f"[rank {rank}] step {step}: loss {sum(losses):.4f}")
     rep = distmem.report(path=args.report)
     if rep is not None:
-        print(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}", flush=True)
+        echo(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

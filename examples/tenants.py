@@ -15,6 +15,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
@@ -26,10 +28,10 @@ def parse_args():
     p.add_argument("--tenants", default="bert=6GiB,resnet=8GiB",
                    help="name=size pairs; this example serves a text model named 'bert' and an image model named "
                         "'resnet' (default bert=6GiB,resnet=8GiB)")
-    p.add_argument("--requests", type=int, default=8, help="requests served per model")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--requests", type=at_least(1), default=8, help="requests served per model")
+    p.add_argument("--batch-size", type=at_least(1), default=16)
     p.add_argument("--report", default=None, help="also write the JSON report here")
-    return p.parse_args()
+    return parse_example(p)
 
 
 def build_bert(tf):
@@ -81,15 +83,14 @@ def main():
     for name in names:
         devs = sorted({tf.DeviceSpec.from_string(variable_device(v)).to_string() for v in models[name].weights})
         placed[name] = devs
-        print(f"[tenants] {name}: {len(models[name].weights)} variables on {devs}, planned {plan.device(name)}",
-              flush=True)
+        echo(f"[tenants] {name}: {len(models[name].weights)} variables on {devs}, planned {plan.device(name)}")
     served = {n: 0 for n in names}
     for _ in range(args.requests):  # interleaved, as two services on one card would be
         for name in names:
             with tf.device(plan.device(name)):
                 out = models[name](inputs[name](args.batch_size), training=False)
             served[name] += int(out.shape[0])
-    print("[tenants] served " + ", ".join(f"{n}: {c} samples" for n, c in served.items()), flush=True)
+    echo("[tenants] served " + ", ".join(f"{n}: {c} samples" for n, c in served.items()))
 
     rep = distmem.report(path=args.report)
     usage = {}
@@ -100,10 +101,10 @@ def main():
             usage[dev] = {"current_bytes": int(info["current"]), "peak_bytes": int(info["peak"])}
         except (ValueError, RuntimeError):
             usage[dev] = {}
-    print("tenants (this process):")
-    print(tenant_table(plan, usage))
+    echo("tenants (this process):")
+    echo(tenant_table(plan, usage))
     for w in plan.warnings:
-        print(f"WARNING: {w}")
+        echo(f"WARNING: {w}")
     def same(actual, planned):
         a, p = tf.DeviceSpec.from_string(actual), tf.DeviceSpec.from_string(planned)
         return (a.device_type, a.device_index) == (p.device_type, p.device_index)
@@ -115,4 +116,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

@@ -18,6 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, positive_number, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import distmem  # noqa: E402
@@ -28,16 +30,16 @@ from distmem.units import plural  # noqa: E402
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5, help="training steps")
-    p.add_argument("--batch-size", type=int, default=16, help="batch size per replica")
+    p.add_argument("--steps", type=at_least(1), default=5, help="training steps")
+    p.add_argument("--batch-size", type=at_least(1), default=16, help="batch size per replica")
     p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"], help="data-parallel memory mode")
     p.add_argument("--mirrored", action="store_true", help="MirroredStrategy over logical devices of one process")
-    p.add_argument("--replicas", type=int, default=2, help="--mirrored: logical devices (replicas)")
+    p.add_argument("--replicas", type=at_least(1), default=2, help="--mirrored: logical devices (replicas)")
     p.add_argument("--replica-memory", default="auto", help="--mirrored: limit of each replica's slice (default: "
                                                             "an equal share of the GPU)")
     p.add_argument("--report", default=os.environ.get("DISTMEM_REPORT"), help="rank 0 also writes the JSON report here")
-    p.add_argument("--timeout", type=float, default=None, help="seconds the report gather may wait for other ranks")
-    return p.parse_args()
+    p.add_argument("--timeout", type=positive_number, default=None, help="seconds the report gather may wait for other ranks")
+    return parse_example(p)
 
 
 def build_model(tf):
@@ -106,8 +108,8 @@ def main():
         if len(set(sums)) != 1:
             raise SystemExit(f"rank {rank}: replicas diverged, weight checksums by rank: {sums}")
     if rank == 0:
-        print(f"[rank 0] {type(strategy).__name__}: {plural(replicas, 'replica')} in sync, "
-              f"{plural(plan.world_size, 'rank')}, {plural(args.steps, 'step')}, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        echo(f"[rank 0] {type(strategy).__name__}: {plural(replicas, 'replica')} in sync, "
+              f"{plural(plan.world_size, 'rank')}, {plural(args.steps, 'step')}, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     rep = distmem.report(path=args.report, timeout=args.timeout)  # collective: every rank calls it
     if rep is not None:
         if args.mirrored:
@@ -117,12 +119,12 @@ def main():
             for t in plan.extras["tenants"]:
                 info = tf.config.experimental.get_memory_info(t["device"].lstrip("/"))
                 usage[t["device"].lstrip("/")] = {"current_bytes": info["current"], "peak_bytes": info["peak"]}
-            print(tenant_table(plan, usage))
-        print(f"[rank 0] report: {len(rep.ranks)} of {plural(rep.world_size, 'rank')} reporting"
-              + (f", missing {rep.missing}" if rep.missing else ""), flush=True)
+            echo(tenant_table(plan, usage))
+        echo(f"[rank 0] report: {len(rep.ranks)} of {plural(rep.world_size, 'rank')} reporting"
+              + (f", missing {rep.missing}" if rep.missing else ""))
         return 1 if rep.missing else 0
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

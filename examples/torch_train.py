@@ -18,6 +18,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, positive_number, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 
 import distmem  # noqa: E402
 from distmem.units import plural  # noqa: E402
@@ -25,15 +27,15 @@ from distmem.units import plural  # noqa: E402
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--steps", type=at_least(1), default=30, help="training steps")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="per-rank batch size")
     p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"])
     p.add_argument("--overhead", default=None, help="per-process overhead for the plan, e.g. 768MiB")
     p.add_argument("--comm", default="auto", choices=["auto", "mpi", "ddp", "none"],
                    help="gradient averaging: mpi4py (mpirun), DDP (torchrun or mpirun), none (one process)")
     p.add_argument("--report", default=os.environ.get("DISTMEM_REPORT"), help="where rank 0 writes the JSON report")
-    p.add_argument("--timeout", type=float, default=None, help="seconds the report waits for every rank")
-    return p.parse_args()
+    p.add_argument("--timeout", type=positive_number, default=None, help="seconds the report waits for every rank")
+    return parse_example(p)
 
 
 def choose_comm(requested):
@@ -135,17 +137,17 @@ def main():
         avg.average()
         opt.step()
         if avg.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"[rank 0] step {step} loss {loss.item():.4f} on {dev}", flush=True)
+            echo(f"[rank 0] step {step} loss {loss.item():.4f} on {dev}")
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.monotonic() - t0
     rep = distmem.report(path=args.report, timeout=args.timeout)
     if rep is not None:
-        print(f"[rank 0] {args.steps} steps in {seconds:.1f} s; report of {plural(len(rep.ranks), 'rank')}, transport "
-              f"{rep.aggregates.get('transport')}" + (f", written to {args.report}" if args.report else ""), flush=True)
+        echo(f"[rank 0] {args.steps} steps in {seconds:.1f} s; report of {plural(len(rep.ranks), 'rank')}, transport "
+              f"{rep.aggregates.get('transport')}" + (f", written to {args.report}" if args.report else ""))
     avg.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

@@ -12,6 +12,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from distmem.cli.checks import at_least, parse_example, run_example  # noqa: E402
+from distmem.console import echo  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out of the log
 
@@ -23,14 +25,14 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", default="data", choices=["data"],
                    help="memory strategy (pipeline and model parallel: examples/pipeline.py, model_parallel.py)")
-    p.add_argument("--steps", type=int, default=30, help="training steps")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--steps", type=at_least(1), default=30, help="training steps")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="per-rank batch size")
     p.add_argument("--memory", default="auto", choices=["auto", "growth", "limit"])
     p.add_argument("--report", default=os.environ.get("DISTMEM_REPORT", "runs/last/report.json"),
                    help="where rank 0 writes the JSON report")
     p.add_argument("--plot", default=None, help="also draw the report as a PNG here")
-    p.add_argument("--every", type=int, default=10, help="gather a timeline point every N batches")
-    return p.parse_args()
+    p.add_argument("--every", type=at_least(1), default=10, help="gather a timeline point every N batches")
+    return parse_example(p)
 
 
 def main():
@@ -80,18 +82,18 @@ def main():
     model.fit(data, steps_per_epoch=args.steps, epochs=1, callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
     rep = distmem.report(path=args.report)
     if rep is not None:
-        print(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}", flush=True)
+        echo(f"[rank 0] report for {plural(len(rep.ranks), 'rank')} written to {args.report}")
         if args.plot:
             try:
                 from distmem.report.sinks import plot
 
                 points = timeline.every.points if timeline is not None else None
                 plot(rep, args.plot, timeline=points)
-                print(f"[rank 0] plot written to {args.plot}")
+                echo(f"[rank 0] plot written to {args.plot}")
             except ImportError:
                 pass
     return 0 if plan is not None else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

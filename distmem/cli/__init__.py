@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
+import re
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import DistmemError
+from .checks import did_you_mean, stop_children
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "SUBCOMMANDS", "stop_children"]
 
 SUBCOMMANDS = {
     "plan": ("distmem.cli.plan", "compute a plan (dry run, no GPU needed)"),
@@ -27,7 +30,7 @@ SUBCOMMANDS = {
 }
 
 
-def _parser(argv: List[str]) -> argparse.ArgumentParser:
+def _parser(argv: List[str]) -> Tuple[argparse.ArgumentParser, Dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="distmem", description="Planned, enforced and observed GPU memory for distributed training.",
         epilog="Also: distmem-exec [options] -- COMMAND runs COMMAND under distmem's native hard cap "
@@ -37,8 +40,10 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"distmem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = argv[0] if argv and not argv[0].startswith("-") else None
+    subs: Dict[str, argparse.ArgumentParser] = {}
     for name, (module, helptext) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=helptext, description=helptext)
+        subs[name] = p
         if wanted == name:  # import only the module that runs: keeps `distmem plan` fast
             try:
                 mod = importlib.import_module(module)
@@ -50,29 +55,94 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
             else:
                 mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
-    return parser
+    return parser, subs
+
+
+def _unknown(sub: argparse.ArgumentParser, extras: List[str]) -> str:
+    """The usage error for words ``sub`` does not take, with the closest option for each mistyped one."""
+    known = [s for s, a in sub._option_string_actions.items()  # noqa: SLF001 - argparse has no public list
+             if s.startswith("--") and a.help != argparse.SUPPRESS]
+    hints = []
+    for word in extras:
+        if word.startswith("-"):
+            hint = did_you_mean(word.split("=", 1)[0], known, n=2)
+            if hint:
+                hints.append(f"{word}{hint}")
+    return "unrecognized arguments: " + " ".join(extras) + ("; " + "; ".join(hints) if hints else "")
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write (launchers that tag writes never split it)."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        sys.stderr.write(line.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+_NEGATIVE = re.compile(r"^-[0-9.]")
+
+
+def _negative_values(argv: List[str]) -> List[str]:
+    """``--limit -2GiB`` as ``--limit=-2GiB``: argparse takes a word that starts with '-' for an option
+    (unless it is a plain negative number), so a negative value would read as a missing one and the
+    message would not name it. Words after ``--`` are left alone."""
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return out + argv[i:]
+        if word.startswith("--") and "=" not in word and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(argv)
-    args = parser.parse_args(argv)
-    if getattr(args, "_error", None):
-        print(f"distmem: {args._error}", file=sys.stderr)
-        return 2
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
+    """The ``distmem`` command: every sub-command under one rule. An input distmem cannot use ends in
+    one line ``distmem CMD: error: ...`` and status 1 (2 for a usage error, with the sub-command's
+    usage); Ctrl-C (SIGINT) ends in one line ``distmem CMD: interrupted``, status 130, every child
+    process it started stopped; a closed stdout (``| head``) ends quietly."""
+    argv = _negative_values(list(sys.argv[1:] if argv is None else argv))
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    name = f"distmem {command}" if command in SUBCOMMANDS else "distmem"
     try:
+        parser, subs = _parser(argv)
+        if command is not None and command not in SUBCOMMANDS:
+            parser.error(f"unknown command {command!r}{did_you_mean(command, SUBCOMMANDS)}; the commands are "
+                         f"{', '.join(SUBCOMMANDS)} (distmem --help)")
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            (subs.get(args.command) or parser).error(_unknown(subs.get(args.command) or parser, extras))
+        if getattr(args, "_error", None):
+            _say(f"distmem: {args._error}")
+            return 2
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 2
         return int(args._run(args) or 0)
     except DistmemError as exc:
-        print(f"distmem {args.command}: error: {exc}", file=sys.stderr)
+        _say(f"{name}: error: {exc}")  # the API's own words: every door says the same
         return 1
+    except KeyboardInterrupt:
+        stopped = stop_children()
+        _say(f"{name}: interrupted" + (f"; stopped {len(stopped)} child process(es) it started" if stopped else ""))
+        return 130
     except BrokenPipeError:
         # `distmem report --json | head`: the reader left; say nothing more (and not again at exit).
-        import os
-
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-
+    except OSError as exc:
+        # A file the command was given and could not use, found only while working: one line, the path.
+        what = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
+        _say(f"{name}: error: {what}")
+        return 1

@@ -361,6 +361,11 @@ def _print(d: Diagnosis) -> None:
 def run(args: argparse.Namespace) -> int:
     declared = any(getattr(args, k, None) is not None for k in ("ranks", "ranks_per_host", "hosts"))
     request = request_from_args(args, job=declared)
+    if args.gpus:  # a fleet given on the command line is an input: refused in one line, not a finding
+        from ..discover.gpus import fleet_hosts, parse_fleet
+
+        for host in fleet_hosts(args.gpus, "--gpus"):
+            parse_fleet(args.gpus, host if host != "*" else None, "--gpus")
     d = diagnose(strategy=args.strategy, fleet=args.gpus, launcher=args.launcher, request=request,
                  probe=None if args.no_horovod_probe else probe_horovod)
     if args.json:

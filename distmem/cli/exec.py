@@ -7,6 +7,7 @@ import grp
 import json
 import os
 import shlex
+import shutil
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -82,8 +83,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         devices: Optional[List[int]] = None
+        # Every input first, before the plan or the library: one line naming the option and its value.
         if args.cap is not None:
             parse_cap(args.cap, what="--cap")
+        if args.gpu_budget is not None:
+            budget_bytes = parse_cap(args.gpu_budget, what="--gpu-budget")
+            if args.cap is not None and budget_bytes < parse_cap(args.cap, what="--cap"):
+                raise ConfigError(f"--gpu-budget {args.gpu_budget} is below --cap {args.cap}: the budget holds every "
+                                  "capped process on a GPU together, so it must be at least one cap; raise it or "
+                                  "lower --cap")
+        if args.library is not None and not os.path.isfile(args.library):
+            raise ConfigError(f"--library {args.library!r}: no such file; build it with scripts/build_native.sh or "
+                              f"leave --library out to use the installed {LIBRARY_NAME}")
+        if os.sep not in command[0] and shutil.which(command[0]) is None:
+            raise ConfigError(f"cannot run {command[0]!r}: not found on PATH ({os.environ.get('PATH', '')}); give "
+                              "its full path")
+        if args.gpu_budget_group:
+            _group_id(args.gpu_budget_group)
+        if args.cap is not None:
             cap: CapLike = args.cap
             where = f"--cap {args.cap}"
         else:

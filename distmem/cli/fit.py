@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 from .. import defaults, settings
 from ..discover.runtime import FRAMEWORK_ALIASES, FRAMEWORKS
 from ..errors import ConfigError
+from .checks import at_least, did_you_mean
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -23,9 +24,12 @@ def _ints(text: Optional[str], what: str) -> Optional[List[int]]:
     if not text:
         return None
     try:
-        return [int(x) for x in str(text).split(",") if x.strip()]
+        values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"--{what} {text!r}: give whole numbers separated by commas, e.g. 1,2,4") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"--{what} {text!r}: give whole numbers of at least 1, separated by commas, e.g. 1,2,4")
+    return values
 
 
 def _overhead(given: Optional[str]) -> Optional[str]:
@@ -44,10 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="torchvision:NAME, keras:NAME or module.path:factory (estimated per layer, no GPU)")
     src.add_argument("--layers", metavar="FILE.json",
                      help="per-layer costs: a JSON list of {name, state_bytes, activation_bytes, output_bytes}")
-    p.add_argument("--layers-batch-size", type=int, default=1, help="the batch --layers was measured at (default 1)")
-    p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step, whole job")
+    p.add_argument("--layers-batch-size", type=at_least(1), default=1, help="the batch --layers was measured at (default 1)")
+    p.add_argument("--global-batch-size", type=at_least(1), required=True, help="samples per optimizer step, whole job")
     p.add_argument("--gpus", required=True, help="GPUs of each host, e.g. 8x80GiB or 4x80GiB,4x40GiB")
-    p.add_argument("--hosts", type=int, default=None,
+    p.add_argument("--hosts", type=at_least(1), default=None,
                    help="hosts with --gpus each (default 1; a per-host fleet a=...;b=... names its hosts)")
     p.add_argument("--framework", choices=FRAMEWORKS + sorted(FRAMEWORK_ALIASES), default=None,
                    help="whose allocator and overhead to model (default: the model's)")
@@ -68,15 +72,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory outside the allocator per process (default: modelled per layout, NCCL included)")
     p.add_argument("--foreign", default="0", help="memory other jobs hold on each GPU")
     p.add_argument("--nccl-buffsize", default=None, help="NCCL_BUFFSIZE the job runs with (default NCCL's 4 MiB)")
-    p.add_argument("--ranks-per-host", type=int, default=None,
+    p.add_argument("--ranks-per-host", type=at_least(1), default=None,
                    help="ranks each host already runs (what strategy='auto' searches for a launched job); default: "
                         "every layout that keeps the GPUs busy")
     p.add_argument("--memory", default=None, choices=["auto", "growth", "limit"],
                    help="how limits are applied (default DISTMEM_MEMORY, else auto): under growth the default "
                         "headroom also holds torch's cache")
-    p.add_argument("--top", type=int, default=10, help="layouts that fit to list (default 10)")
-    p.add_argument("--rejected", type=int, default=5, help="best rejected layouts to list (default 5)")
+    p.add_argument("--top", type=at_least(1), default=10, help="layouts that fit to list (default 10)")
+    p.add_argument("--rejected", type=at_least(0), default=5, help="best rejected layouts to list (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON for tools instead of the table")
+
+
+def _check_pipelines(args: argparse.Namespace, pipelines: Optional[List[int]], per_gpu: List[int]) -> None:
+    """--pipelines none of whose degrees divides any job this fleet makes: one line with the divisors."""
+    if not pipelines:
+        return
+    from ..discover.gpus import fleet_hosts, parse_fleet
+
+    hosts = [h if h != "*" else None for h in fleet_hosts(args.gpus, "--gpus")]
+    gpus = sum(len(parse_fleet(args.gpus, h, "--gpus")) for h in hosts) * (args.hosts or 1 if len(hosts) == 1 else 1)
+    ranks = sorted({gpus * k for k in per_gpu})
+    if any(r % p == 0 for p in pipelines for r in ranks):
+        return
+    divisors = sorted({d for r in ranks for d in range(1, r + 1) if r % d == 0})
+    raise ConfigError(f"--pipelines {args.pipelines}: no pipeline degree given divides the "
+                      f"{' or '.join(map(str, ranks))} ranks of {gpus} GPU(s) (--ranks-per-gpu "
+                      f"{','.join(map(str, per_gpu))}); give degrees among {', '.join(map(str, divisors))}")
 
 
 def _options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -88,6 +109,14 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
         raise ConfigError(f"--top {args.top}: list at least one layout that fits (default 10)")
     if args.rejected < 0:
         raise ConfigError(f"--rejected {args.rejected}: give 0 or more rejected layouts to list (default 5)")
+    from ..estimate.loader import parse_shape
+    from ..estimate.optimizers import OPTIMIZER_NAMES
+
+    if args.optimizer.lower() not in OPTIMIZER_NAMES:
+        raise ConfigError(f"--optimizer {args.optimizer!r} is not one distmem counts{did_you_mean(args.optimizer.lower(), OPTIMIZER_NAMES)}; "
+                          f"use one of {', '.join(OPTIMIZER_NAMES)}")
+    if args.input_shape is not None:
+        parse_shape(args.input_shape)  # before any model is loaded
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     opts: Dict[str, Any] = dict(global_batch_size=args.global_batch_size, gpus=args.gpus, hosts=args.hosts,
                                 framework=args.framework, precision=args.precision, optimizer=args.optimizer,
@@ -99,6 +128,7 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
                                 defaults.RESERVE, overhead=_overhead(args.overhead), memory=args.memory or settings.memory(),
                                 foreign=args.foreign, nccl_buffsize=args.nccl_buffsize, top=args.top,
                                 rejected=args.rejected, fixed_local_size=args.ranks_per_host)
+    _check_pipelines(args, opts["pipelines"], opts["ranks_per_gpu"] or [1, 2])
     if args.layers:
         from ..plan.strategies.text import layers_file
 

@@ -31,8 +31,10 @@ from typing import Any, Dict, List, Optional
 from ..errors import ConfigError
 from ..plan.types import Plan
 from ..units import MiB, plural
+from .checks import k8s_name, k8s_quantity
 
-__all__ = ["emit_k8s", "manifests", "render_yaml", "add_cli_arguments", "SHARING_MODES", "API_VERSION"]
+__all__ = ["emit_k8s", "manifests", "render_yaml", "add_cli_arguments", "check_k8s_arguments", "SHARING_MODES",
+           "API_VERSION"]
 
 API_VERSION = "kubeflow.org/v2beta1"
 SHARING_MODES = ("whole", "time-slicing", "hami")
@@ -212,8 +214,41 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     add("--k8s-host-memory", default=None, help="--emit k8s: host memory limit of each worker container, e.g. 64Gi")
 
 
+def check_k8s_arguments(args: argparse.Namespace) -> None:
+    """ConfigError naming the option and value of every ``--k8s-*`` text Kubernetes would refuse (or
+    that would make a job that cannot run), and of any ``--k8s-*`` given without ``--emit k8s``."""
+    given = [k for k, v in _DEFAULTS.items() if getattr(args, k, v) != v]
+    if getattr(args, "emit", None) != "k8s":
+        if given:
+            raise ConfigError(f"{'--' + given[0].replace('_', '-')} {getattr(args, given[0])!r} only shapes the "
+                              "manifests of --emit k8s; add --emit k8s or drop it")
+        return
+    k8s_name(getattr(args, "k8s_name", None) or _DEFAULTS["k8s_name"], "--k8s-name")
+    if getattr(args, "k8s_namespace", None) is not None:
+        k8s_name(args.k8s_namespace, "--k8s-namespace")
+    if getattr(args, "k8s_host_memory", None) is not None:
+        k8s_quantity(args.k8s_host_memory, "--k8s-host-memory")
+    image = getattr(args, "k8s_image", _DEFAULTS["k8s_image"])
+    if image is not None and (not image.strip() or any(c.isspace() for c in image.strip())):
+        raise ConfigError(f"--k8s-image {image!r}: give a container image reference, e.g. horovod/horovod:0.28.1")
+    command = getattr(args, "k8s_command", _DEFAULTS["k8s_command"])
+    if command is not None:
+        try:
+            words = shlex.split(command)
+        except ValueError as exc:
+            raise ConfigError(f"--k8s-command {command!r} cannot be read as a command line ({exc}); check its "
+                              "quotes") from None
+        if not words:
+            raise ConfigError(f"--k8s-command {command!r} is empty; give the training command every rank runs, "
+                              "e.g. 'python examples/train.py'")
+    timeout = getattr(args, "k8s_timeout", _DEFAULTS["k8s_timeout"])
+    if timeout is not None and int(timeout) <= 0:
+        raise ConfigError(f"--k8s-timeout {timeout}: the MPIJob needs a positive hard deadline in seconds")
+
+
 def emit_k8s(plan: Plan, args: argparse.Namespace) -> str:
     """``distmem plan --emit k8s``: the manifests as YAML text (options missing from ``args`` take defaults)."""
+    check_k8s_arguments(args)
     opt = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in _DEFAULTS.items()}
     objects = manifests(plan, sharing=opt["k8s_sharing"], name=opt["k8s_name"], image=opt["k8s_image"],
                         command=opt["k8s_command"], namespace=opt["k8s_namespace"], timeout=opt["k8s_timeout"],

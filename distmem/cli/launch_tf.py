@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,31 @@ def worker_command(command: Sequence[str], python: str = sys.executable) -> List
     return [python] + cmd if cmd[0].endswith(".py") else cmd
 
 
+def check_command(cmd: Sequence[str], python_flag: bool) -> None:
+    """ConfigError naming the program (or script) of ``cmd`` when it cannot be started: checked
+    before any worker starts, so a typo is one line, not N tracebacks."""
+    program = cmd[0]
+    if os.sep in program:
+        if not os.path.isfile(program) or not os.access(program, os.X_OK):
+            what = "--python" if python_flag else "the command"
+            raise ConfigError(f"{what} {program!r}: no such executable file; give the path of an interpreter "
+                              "or program (e.g. --python $(command -v python3))")
+    elif shutil.which(program) is None:
+        raise ConfigError(f"the command {program!r} is not on PATH ({os.environ.get('PATH', '')}); give its full "
+                          "path, or a script ending in .py to run under --python")
+    if python_flag and len(cmd) > 1 and cmd[1].endswith(".py") and not os.path.isfile(cmd[1]):
+        raise ConfigError(f"the script {cmd[1]!r} does not exist (relative to {os.getcwd()}); check the path")
+
+
+def _check_host(host: str) -> str:
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"--host {host!r} is not an address of this machine ({exc}); give one the workers can "
+                          "listen on, e.g. localhost or this machine's IP address") from None
+    return host
+
+
 @dataclass
 class _Worker:
     rank: int
@@ -95,10 +121,13 @@ def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock, ra
     # distmem's own lines name their rank ("[distmem rank 1] ..."); under this launcher's "[rank 1] "
     # prefix that would say it twice, so they keep only "[distmem] ".
     own = f"[distmem rank {rank}] " if rank is not None else None
+    mine = f"[rank {rank}] " if rank is not None else None
     for raw in iter(stream.readline, b""):
         text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
         if own and text.startswith(own):
             text = "[distmem] " + text[len(own):]
+        elif mine and text.startswith(mine):
+            text = text[len(mine):]  # the worker named its rank as this prefix does: say it once
         with lock:
             out.write(f"{prefix}{text}\n")
             out.flush()
@@ -157,9 +186,16 @@ def launch(command: Sequence[str], num_workers: int, *, timeout: Optional[float]
         timeout = settings.launch_timeout()
     elif not timeout > 0:
         raise ConfigError(f"--timeout {timeout}: every launch needs a positive hard timeout in seconds")
+    if not grace >= 0:
+        raise ConfigError(f"--grace {grace}: give the seconds between SIGTERM and SIGKILL, 0 or more")
     cmd = worker_command(command, python)
-    bind = "127.0.0.1" if host in ("localhost", "127.0.0.1") else host
-    addrs = [f"{host}:{p}" for p in free_ports(num_workers, bind)]
+    check_command(cmd, python_flag=cmd[:1] == [python] and cmd[1:2] != [] and cmd[1].endswith(".py"))
+    bind = "127.0.0.1" if host in ("localhost", "127.0.0.1") else _check_host(host)
+    try:
+        addrs = [f"{host}:{p}" for p in free_ports(num_workers, bind)]
+    except OSError as exc:
+        raise ConfigError(f"--host {host!r}: cannot listen there ({exc.strerror or exc}); give an address of this "
+                          "machine, e.g. localhost") from None
     configs = tf_configs(addrs, chief)
     lock = threading.Lock()
     workers: List[_Worker] = []

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[str]] = No
 
 
 def run(args: argparse.Namespace) -> int:
+    from .k8s import check_k8s_arguments
+
+    check_k8s_arguments(args)  # before the plan: a name Kubernetes refuses is no reason to plan
     plan = request_from_args(args).plan()
     if args.emit == "k8s":
         from .k8s import emit_k8s

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from typing import Dict
+from typing import Any, Dict
 
 from ..errors import ConfigError
 from ..units import plural
 from ..report.sinks import plot, print_report, prometheus, read_json
+from .checks import input_file, output_file
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,12 +45,49 @@ def _labels(items) -> Dict[str, str]:
     return out
 
 
+_SIZES = ("limit_bytes", "current_bytes", "peak_bytes", "reserved_bytes", "rss_bytes", "overhead_bytes")
+
+
+def _check_ranks(path: str, data: Dict[str, Any]) -> None:
+    ranks = data.get("ranks", [])
+    if not isinstance(ranks, list):
+        raise ConfigError(f"report file {path!r}: 'ranks' is {type(ranks).__name__} {ranks!r}, not a list of "
+                          "ranks; was it written by distmem.report(path=...)?")
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict):
+            raise ConfigError(f"report file {path!r}: rank entry {i} is {r!r}, not an object")
+        for key in _SIZES:
+            v = r.get(key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"report file {path!r}: rank {r.get('rank', i)} {key} is {v!r}, not a number of "
+                                  "bytes; the file was changed or damaged: write it again with distmem.report(path=...)")
+
+
 def run(args: argparse.Namespace) -> int:
-    rep = read_json(args.file)
+    input_file(args.file, "report file")
+    if args.plot:
+        output_file(args.plot, "--plot")
+    if args.prometheus:
+        output_file(args.prometheus, "--prometheus")
     labels = _labels(args.label)
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError:
+        raw = None  # read_json says why
+    if isinstance(raw, dict) and "world_size" in raw:
+        _check_ranks(args.file, raw)
+    try:
+        rep = read_json(args.file)
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"report file {args.file!r} is not a report distmem can read ({type(exc).__name__}: "
+                          f"{exc}); write it again with distmem.report(path=...)") from None
     if args.json:
-        json.dump(rep.to_dict(), sys.stdout, indent=1, sort_keys=True, default=str)
-        sys.stdout.write("\n")
+        # One write: under a launcher that tags each write (horovodrun), json.dump's many small ones shred it.
+        sys.stdout.write(json.dumps(rep.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
+        sys.stdout.flush()
     else:
         print_report(rep, use_rich={"auto": None, "always": True, "never": False}[args.color])
     if args.plot:

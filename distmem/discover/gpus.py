@@ -298,8 +298,12 @@ def parse_fleet(spec: str, host: Optional[str] = None, what: str = "fleet") -> L
             # "4x" reads as 4 of unit "x": say what a fleet item looks like, not a size
             raise ConfigError(f"{what}={spec!r}: cannot read {part.strip()!r} as COUNTxSIZE; write {FLEET_FORM}") from None
         if size < 1024**3 // 4:
+            # "4x16" (bytes) likely meant 4x16GiB; a size already in GiB (4x0GiB) has no nearby meaning
+            guess = f"{m.group(1) or 1}x{m.group(2)}GiB"
+            hint = (f" - did you mean {guess}?" if guess.lower() != part.strip().lower() and float(m.group(2)) > 0
+                    else "; give each GPU's memory, e.g. 4x16GiB")
             raise ConfigError(f"{what}={spec!r}: {part.strip()!r} declares GPUs of {size} bytes; a GPU has at least "
-                              f"256 MiB - did you mean {m.group(1) or 1}x{m.group(2)}GiB?")
+                              f"256 MiB{hint}")
         totals += [size] * count
     return totals
 

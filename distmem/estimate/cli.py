@@ -107,17 +107,23 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``distmem estimate`` with parsed ``args``; returns the exit status."""
-    try:
-        if args.batch_size < 1:
-            raise DistmemError(f"--batch-size must be a positive integer, got {args.batch_size}")
-        shape = parse_shape(args.input_shape)
-        precision = "mixed_float16" if args.mixed_precision else args.precision
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the estimate lists its own warnings
-            est = _estimate(args, shape, precision)
-    except DistmemError as exc:
-        print(f"distmem estimate: {exc}", file=sys.stderr)
-        return 2
+    # A DistmemError goes up to the ``distmem`` command's one rule: one line, status 1.
+    if args.batch_size < 1:
+        raise DistmemError(f"--batch-size {args.batch_size}: give a whole number of samples, at least 1")
+    if not str(args.model).strip():
+        raise DistmemError("--model '': give a model, e.g. torchvision:resnet50 or keras:MobileNetV2")
+    if str(args.optimizer).lower() not in OPTIMIZER_NAMES:  # before any framework is imported
+        import difflib
+
+        close = difflib.get_close_matches(str(args.optimizer).lower(), OPTIMIZER_NAMES, n=2)
+        raise DistmemError(f"--optimizer {args.optimizer!r} is not one distmem counts"
+                           + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                           + f"; use one of {', '.join(OPTIMIZER_NAMES)}")
+    shape = parse_shape(args.input_shape)
+    precision = "mixed_float16" if args.mixed_precision else args.precision
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the estimate lists its own warnings
+        est = _estimate(args, shape, precision)
     if args.json:
         print(json.dumps(est.to_dict(per_layer=args.per_layer), indent=2))
     else:
@@ -144,9 +150,18 @@ def _estimate(args: argparse.Namespace, shape, precision) -> Estimate:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m distmem.estimate.cli``: ``distmem estimate`` under the same rule (an input it cannot
+    use: one line, status 1; Ctrl-C: one line, status 130)."""
     parser = argparse.ArgumentParser(prog="distmem estimate", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except DistmemError as exc:
+        sys.stderr.write(f"distmem estimate: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("distmem estimate: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

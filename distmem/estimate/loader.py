@@ -31,6 +31,16 @@ DEFAULT_KERAS_INPUT_SHAPE = (224, 224, 3)
 DEFAULT_HF_SEQUENCE = 512
 
 
+def _closest(name: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?); N known, e.g. A, B, C`` - the nearest names first, not the whole list."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    close += [k for k in known if k.lower() == name.lower() and k not in close]
+    head = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return head + (f"; {len(known)} known, e.g. {', '.join(list(known)[:6])}" if known else "")
+
+
 def parse_shape(text: Any) -> Optional[Tuple[int, ...]]:
     """``"96,96,3"`` / ``"96x96x3"`` / ``(96, 96, 3)`` -> ``(96, 96, 3)``; ``None`` stays ``None``."""
     if text is None or text == "":
@@ -74,7 +84,7 @@ def _keras_app(name: str, shape: Optional[Tuple[int, ...]]):
     fn = getattr(apps, name, None)
     if fn is None or not callable(fn):
         known = sorted(n for n in dir(apps) if n[:1].isupper())
-        raise ConfigError(f"keras:{name} is not a keras.applications model; known: {', '.join(known)}")
+        raise ConfigError(f"keras:{name} is not a keras.applications model{_closest(name, known)}")
     shape = shape or DEFAULT_KERAS_INPUT_SHAPE
     try:
         return fn(weights=None, input_shape=shape)
@@ -102,8 +112,8 @@ def _torchvision(name: str, shape: Optional[Tuple[int, ...]], device: str = "met
             fn = lambda **kw: builders.get_model(name, **kw)  # noqa: E731
             builders.get_model_builder(name)
         except (ValueError, AttributeError):
-            known = ", ".join(sorted(builders.list_models())) if hasattr(builders, "list_models") else ""
-            raise ConfigError(f"torchvision:{name} is not a torchvision model builder; known: {known}") from None
+            known = sorted(builders.list_models()) if hasattr(builders, "list_models") else []
+            raise ConfigError(f"torchvision:{name} is not a torchvision model builder{_closest(name, known)}") from None
     try:
         with torch.device(device):  # on meta: no weights are allocated or initialised
             model = fn(weights=None)

@@ -45,9 +45,9 @@ def test_config_json_file_and_model_type(tiny_gpt2):
 def test_unresolvable_name_says_no_download(capsys):
     with pytest.raises(ConfigError, match="cannot be resolved without a download"):
         load_model("hf:nobody/no-such-model-xyz")
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.run(parser.parse_args(["--model", "hf:nobody/no-such-model-xyz"])) == 2
+    from distmem.cli import main
+
+    assert main(["estimate", "--model", "hf:nobody/no-such-model-xyz"]) == 1
     assert "huggingface-cli download" in capsys.readouterr().err
 
 
