@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(run_dir):
         raise ConfigError(f"{run_dir!r} is not a folder; give the run folder whose {OOM_FOLDER}/ holds the records "
                           "(DISTMEM_RUN_DIR, default runs/last)")
+    if args.plot:
+        from .checks import output_file
+
+        output_file(args.plot, "--plot")  # before the work it follows
     records = read_records(run_dir)
     size = None
     report = os.path.join(run_dir, "report.json")
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, TypeError, AttributeError):
             size = None
     page = postmortem(records, run_dir=run_dir, world_size=size)
-    if args.plot:
+    if args.plot and records:  # nothing to draw without a record: the page says so
         plot(page, args.plot)
     if args.json:
         print(json.dumps(page, indent=1, default=str))

@@ -27,18 +27,20 @@ from ..report.live import SORTS, LiveJob, ViewState, render
 
 __all__ = ["add_arguments", "run", "Watcher"]
 
+from .checks import positive_number  # noqa: E402 - after __all__, like the rest of cli/
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH",
                    help="report/timeline JSON files, Prometheus .prom textfiles, or folders holding them")
     p.add_argument("--once", action="store_true", help="print one plain table and exit (scripts)")
     p.add_argument("--json", action="store_true", help="print the model (every rank, host totals, warnings) as JSON")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes (default 0.5)")
+    p.add_argument("--interval", type=_interval, default=0.5, help="seconds between refreshes (default 0.5)")
     p.add_argument("--sort", choices=SORTS, default="rank")
     p.add_argument("--collapse", action="store_true", help="one line per host")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="colours: auto (on a terminal), always, never")
-    p.add_argument("--duration", type=float, default=None, help="leave after this many seconds (live view)")
+    p.add_argument("--duration", type=positive_number, default=None, help="leave after this many seconds (live view)")
 
 
 class Watcher:
@@ -101,9 +103,18 @@ def _once(job: LiveJob, state: ViewState, color: bool) -> None:
     print("\n".join(render(job, state, width=width, color=color, keys=False)))
 
 
+def _interval(text: str) -> float:
+    value = positive_number(text)
+    if not 0.05 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds between 0.05 and 3600, e.g. 0.5")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
-    if not 0.05 <= args.interval <= 3600:
-        raise ConfigError(f"--interval {args.interval} must be between 0.05 and 3600 seconds")
+    missing = [p for p in args.paths if not os.path.exists(p)]
+    if missing:
+        raise ConfigError(f"{', '.join(repr(p) for p in missing)}: no such file or folder; give the folder (or files) "
+                          "where the job writes its reports (ReportEvery(path=..., prometheus=...), DISTMEM_REPORT)")
     watcher = Watcher(args.paths)
     job = LiveJob()
     state = ViewState(sort=args.sort, collapsed=args.collapse)

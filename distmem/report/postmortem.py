@@ -211,7 +211,7 @@ def render_text(page: Dict[str, Any]) -> str:
     """The page as text: one paragraph per rank that ran out, first one first."""
     entries = page["entries"]
     if not entries:
-        return f"distmem postmortem {page['run_dir']}: no out-of-memory record (no rank wrote RUN_DIR/oom/rank-N.json)"
+        return f"distmem postmortem {page['run_dir']}: no out-of-memory record (no rank wrote RUN_DIR/oom/rank-N.json)\n"
     size = page.get("world_size")
     first = entries[0]
     when = time.strftime("%H:%M:%S", time.localtime(first["time"])) if first.get("time") else "?"

@@ -282,6 +282,19 @@ CASES: List[Case] = [
     Case("postmortem-missing", _cmd("postmortem", "/no/such/report.json"), ["/no/such/report.json"],
          needs="distmem.cli.postmortem"),
     Case("top-interval-0", _cmd("top", "--interval", "0"), ["--interval", "0"], needs="distmem.cli.top"),
+    Case("top-interval-abc", _cmd("top", ".", "--interval", "abc"), ["--interval", "abc"], needs="distmem.cli.top"),
+    Case("top-duration-negative", _cmd("top", ".", "--duration", "-1"), ["--duration", "-1"], needs="distmem.cli.top"),
+    Case("top-missing-path", _cmd("top", "/no/such/run", "--once"), ["/no/such/run"], needs="distmem.cli.top"),
+    Case("top-missing-path-json", _cmd("top", "/no/such/run", "--json"), ["/no/such/run"], needs="distmem.cli.top"),
+    Case("top-sort-bogus", _cmd("top", ".", "--sort", "bogus"), ["--sort", "bogus"], needs="distmem.cli.top"),
+    Case("postmortem-file-not-folder", _cmd("postmortem", "{tmp}/layers.json"), ["layers.json"],
+         needs="distmem.cli.postmortem"),
+    Case("postmortem-plot-nowhere", _cmd("postmortem", "{tmp}", "--plot", "/proc/pm.png"),
+         ["/proc/pm.png"], needs="distmem.cli.postmortem"),
+    Case("plan-from-missing", _cmd("plan", "--gpus", "2x16GiB", "--from", "/no/such/report.json"),
+         ["/no/such/report.json"]),
+    Case("plan-from-margin-negative", _cmd("plan", "--gpus", "2x16GiB", "--from", "{tmp}/report.json",
+                                           "--from-margin", "-1"), ["-1"]),
 ]
 
 _LAYER = {"name": "dense", "state_bytes": 4_000_000, "activation_bytes": 1_000_000, "output_bytes": 100_000}
