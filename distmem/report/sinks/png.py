@@ -225,6 +225,20 @@ def _extent(report: Report, points: Sequence[Dict[str, Any]]) -> Tuple[float, fl
     return max(use, default=0.0), max(lim, default=0.0)
 
 
+def _nothing_to_draw(ax: Any, report: Report, limits: bool) -> None:
+    """No rank reported a usage figure (torch on the CPU keeps no allocator statistics): say so on
+    the panel instead of empty bars on a meaningless axis."""
+    frameworks = sorted({s.framework for s in report.ranks if getattr(s, "framework", None)})
+    if not limits:
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+    ax.text(0.5, 0.5, "no rank reported a memory figure" + (f" ({', '.join(frameworks)})" if frameworks else "")
+            + (" - only the planned limits are drawn" if limits else "")
+            + "\ntorch on the CPU keeps no allocator statistics: run on a GPU (or TensorFlow, whose CPU "
+              "allocator counts) to see peaks here",
+            transform=ax.transAxes, ha="center", va="center", fontsize=10, color="#8A4B00")
+
+
 def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]] = None, dpi: int = 110) -> str:
     """Draw the report as a PNG: per-rank bars of limit / peak / current (and NVML), the timeline of
     every rank under it when there is one, and the warnings. Requires matplotlib; uses its Agg canvas
@@ -265,6 +279,8 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
         _bars(axes[0], report, unit, uname, off_scale)
     else:
         _summary_bars(axes[0], report, unit, uname)
+    if used_max <= 0:
+        _nothing_to_draw(axes[0], report, limit_max > 0)
     if points:
         _timeline(axes[1], points, unit, uname, off_scale)
     a = report.aggregates

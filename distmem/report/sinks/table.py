@@ -1,6 +1,7 @@
 """The report as a table: plain text readable in any job log, or rich on an interactive terminal."""
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import IO, Any, List, Optional
 
@@ -153,7 +154,11 @@ def print_report(report: Report, file: Optional[IO[str]] = None, use_rich: Optio
         try:
             from rich.console import Console
 
-            Console(file=file, width=max(120, 0)).print(rich_table(report))
+            tty = bool(getattr(file, "isatty", lambda: False)())
+            # A terminal's own width; into a pipe or file (``--color always``) the table's natural
+            # width: a fixed one would cut its columns.
+            width = shutil.get_terminal_size((120, 40)).columns if tty else 1000
+            Console(file=file, width=width, force_terminal=True if not tty else None).print(rich_table(report))
             return
         except ImportError:
             pass

@@ -188,4 +188,28 @@ def test_cli_report_renders_a_saved_file(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["missing"] == [2]
     assert cli.main(["report", path, "--fail-on-warnings", "--color", "never"]) == 1
     assert cli.main(["report", str(tmp_path / "none.json")]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_rich_table_into_a_pipe_keeps_every_column_whole():
+    # `distmem report --color always | less`: a fixed 120-column console cut the columns to "…"
+    pytest.importorskip("rich")
+    wide = aggregate([snap(r, peak=(3 + r) * GiB, current=GiB, reserved=(4 + r) * GiB, nvml={r: (5 + r) * GiB},
+                           host="a-long-host-name-of-a-real-cluster.example.org") for r in range(4)], 4)
+    buf = io.StringIO()
+    print_report(wide, file=buf, use_rich=True)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    header = next(ln for ln in plain.splitlines() if "rank" in ln and "host" in ln)
+    assert "headroom" in header and "…" not in plain and "6.0 GiB" in plain
+
+
+def test_a_report_without_figures_says_why_on_the_picture(tmp_path, monkeypatch):
+    # torch on the CPU reports no allocator figure: the panel says so instead of empty bars
+    pytest.importorskip("matplotlib")
+    from distmem.report.sinks import png
+
+    said = []
+    monkeypatch.setattr(png, "_nothing_to_draw", lambda ax, report, limits: said.append(report.world_size))
+    plot(aggregate([snap(r, size=2, peak=None, current=None) for r in range(2)], 2), str(tmp_path / "e.png"))
+    plot(job(), str(tmp_path / "r.png"))
+    assert said == [2]
