@@ -96,8 +96,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--library {args.library!r}: no such file; build it with scripts/build_native.sh or "
                               f"leave --library out to use the installed {LIBRARY_NAME}")
         if os.sep not in command[0] and shutil.which(command[0]) is None:
-            raise ConfigError(f"cannot run {command[0]!r}: not found on PATH ({os.environ.get('PATH', '')}); give "
-                              "its full path")
+            # 127, as env, timeout and the shell answer a command that is not found
+            _say(f"cannot run {command[0]!r}: not found on PATH ({os.environ.get('PATH', '')}); give its full path")
+            return 127
         if args.gpu_budget_group:
             _group_id(args.gpu_budget_group)
         if args.cap is not None:

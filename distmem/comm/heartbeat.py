@@ -63,6 +63,12 @@ ABORT_SECONDS = 2.0
 BEAT_SECONDS = 0.5
 #: A rank silent this long (seconds; ``DISTMEM_TIMEOUT`` when longer) is declared lost.
 SILENCE_SECONDS = 60.0
+#: a hub refusing connections on every address this long has ended (it listens before its port is sent)
+HUB_GONE_SECONDS = 3.0
+
+
+class _HubGone(Exception):
+    """Rank 0's heartbeat no longer listens: it ended before this rank connected."""
 #: The cause when a connection ends without a goodbye or an exception: nothing in the process ran.
 KILLED = ("died (killed: its heartbeat connection closed with no exit record - SIGKILL, the kernel's OOM "
           "killer or a crash)")
@@ -219,7 +225,14 @@ class Heartbeat:
             self.server.setblocking(False)
             self._thread = threading.Thread(target=self._hub, name="distmem-heartbeat-hub", daemon=True)
         else:
-            self._sock = self._connect(timeout)
+            try:
+                self._sock = self._connect(timeout)
+            except _HubGone as exc:
+                # Rank 0 listened before it sent its port: a hub that refuses on every address has
+                # ended (a short job whose rank 0 finished first). Nothing to watch: run without.
+                self._closing = True
+                log.warning("distmem: %s", exc)
+                return self
             _send(self._sock, {"t": "hello", "token": self.info["token"], "rank": self.rank, "host": self.host,
                                "pid": os.getpid()})
             self._thread = threading.Thread(target=self._client, name="distmem-heartbeat", daemon=True)
@@ -245,7 +258,9 @@ class Heartbeat:
         if self.info.get("host") == self.host:
             addrs = ["127.0.0.1"] + addrs
         errors = []
+        refused_since: Optional[float] = None
         while True:
+            refused = True
             for addr in addrs:
                 try:
                     sock = socket.create_connection((addr, int(self.info["port"])),
@@ -254,7 +269,14 @@ class Heartbeat:
                     sock.settimeout(2.0)
                     return sock
                 except OSError as exc:
+                    refused = refused and isinstance(exc, ConnectionRefusedError)
                     errors.append(f"{addr}: {exc}")
+            now = time.monotonic()
+            refused_since = (refused_since or now) if refused else None
+            if refused_since is not None and now - refused_since > HUB_GONE_SECONDS:
+                raise _HubGone(f"rank {self.rank}: rank 0's fail-fast heartbeat (port {self.info['port']}) refuses on "
+                               f"every address ({'; '.join(errors[-2:])}): rank 0 has ended; fail fast is off on "
+                               "this rank")
             if time.monotonic() > deadline:
                 from ..errors import GatherTimeoutError
 

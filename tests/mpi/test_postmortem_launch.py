@@ -11,6 +11,9 @@ import pytest
 from helpers import ROOT, have, horovodrun, mpirun
 
 PROG = os.path.join(ROOT, "tests", "mpi", "progs", "oom_rank.py")
+# The other ranks run to the end (they check that only the failing rank writes a record): fail fast,
+# which would stop them within a second, has its own tests (tests/faults/test_fail_fast.py).
+ALONE = {"DISTMEM_FAIL_FAST": "0"}
 
 
 def postmortem(run_dir):
@@ -38,7 +41,7 @@ def test_mpirun_one_rank_out_of_memory(tmp_path, oom_rank):
     pytest.importorskip("mpi4py")
     run_dir = tmp_path / "run"
     res = mpirun(4, [PROG], timeout=240, env={"OOM_RANK": str(oom_rank), "DISTMEM_RUN_DIR": str(run_dir),
-                                                "DISTMEM_FLEET": ""})
+                                                "DISTMEM_FLEET": "", **ALONE})
     check(res, run_dir, oom_rank)
 
 
@@ -46,7 +49,7 @@ def test_no_record_when_turned_off(tmp_path):
     pytest.importorskip("mpi4py")
     run_dir = tmp_path / "run"
     res = mpirun(4, [PROG], timeout=240, env={"OOM_RANK": "1", "DISTMEM_RUN_DIR": str(run_dir),
-                                                "DISTMEM_POSTMORTEM": "0"})
+                                                "DISTMEM_POSTMORTEM": "0", **ALONE})
     assert not res.timed_out and res.rc != 0 and "CUDA out of memory" in res.out
     assert not (run_dir / "oom").exists()
 
@@ -55,5 +58,5 @@ def test_horovodrun_one_rank_out_of_memory(tmp_path):
     if not have("horovodrun"):
         pytest.skip("horovodrun is not installed here")
     run_dir = tmp_path / "run"
-    res = horovodrun(4, [PROG], env={"OOM_RANK": "1", "DISTMEM_RUN_DIR": str(run_dir)}, timeout=300)
+    res = horovodrun(4, [PROG], env={"OOM_RANK": "1", "DISTMEM_RUN_DIR": str(run_dir), **ALONE}, timeout=300)
     check(res, run_dir, 1)

@@ -153,3 +153,14 @@ def test_a_rank_that_never_connects_is_named_after_the_join_timeout():
             [(2, "never connected to the fail-fast heartbeat within 1 s of init()")]
     finally:
         hub._closing = one._closing = True
+
+
+def test_a_rank_whose_hub_has_ended_runs_on_without_fail_fast():
+    # A short job: rank 0 finished (its hub closed) before a slow rank connected. The rank must not
+    # wait the whole timeout and then fail its init(): nothing listens there any more.
+    server, info = hbm.rendezvous_info("h0")
+    server.close()
+    t0 = time.monotonic()
+    late = hbm.Heartbeat(1, 2, "h0", info, on_death=lambda d: None).start(30.0)
+    assert time.monotonic() - t0 < hbm.HUB_GONE_SECONDS + 3 and late._sock is None and late._thread is None
+    late.close()  # no goodbye to send, no error
