@@ -195,7 +195,9 @@ CASES: List[Case] = [
     Case("estimate-optimizer", _cmd("estimate", "--model", "torchvision:resnet18", "--optimizer", "adamz"), ["adamz"]),
     Case("estimate-device", _cmd("estimate", "--model", "torchvision:resnet18", "--device", "tpu"), ["tpu"],
          usage="usage: distmem estimate"),
-    Case("estimate-unknown-model", _cmd("estimate", "--model", "torchvision:resnet5"), ["resnet5", "resnet50"]),
+    Case("estimate-unknown-model", _cmd("estimate", "--model", "torchvision:resnet5"), ["resnet5", "resnet50"],
+         needs="torchvision"),  # without torch the answer is "needs torch", rightly
+    Case("estimate-unknown-keras-model", _cmd("estimate", "--model", "keras:ResNet5"), ["ResNet5"]),
     # distmem report
     Case("report-folder", _cmd("report", "{tmp}"), ["{tmp}"]),
     Case("report-missing", _cmd("report", "no-such-report.json"), ["no-such-report.json"]),
