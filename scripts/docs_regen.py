@@ -19,7 +19,8 @@ Keys of the marker (``key="value"`` or ``key=value``):
 * ``head=N`` - quote the first N lines and a ``  ...`` line;
 * ``prompt=1`` - the block starts with ``$ CMD`` (the command as written, ``comment`` appended);
 * ``comment`` - a comment after the prompt line's command (``# dry run``);
-* ``stderr=1`` - quote stderr after stdout (a command whose message is the point).
+* ``stderr=1`` - quote stderr after stdout (a command whose message is the point);
+* ``needs`` - a module the command needs (``torchvision``): where it is missing the command is not re-run.
 
 Timings (``10.59 s``) and this machine's paths are normalised before comparing, never in the docs.
 
