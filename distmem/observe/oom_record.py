@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import session, settings
+from ..plan.from_report import OOM_FOLDER, read_oom_records
 
 __all__ = ["RECORD_VERSION", "OOM_FOLDER", "TorchAllocator", "note_step", "note_layers", "request_from_text",
            "largest_free_block", "layer_groups", "build_record", "write_record", "record_path", "read_records",
@@ -30,7 +31,6 @@ __all__ = ["RECORD_VERSION", "OOM_FOLDER", "TorchAllocator", "note_step", "note_
 
 RECORD_VERSION = 1
 #: The folder of the records inside the run folder.
-OOM_FOLDER = "oom"
 
 _lock = threading.Lock()
 _state: Dict[str, Any] = {"step": None, "layers": None}
@@ -365,22 +365,5 @@ def write_record(record: Dict[str, Any], run_dir: Optional[str] = None, count: b
 
 def read_records(run_dir: str) -> List[Dict[str, Any]]:
     """Every rank's record under ``RUN_DIR/oom/`` (links and files that are not records skipped), by rank."""
-    folder = os.path.join(run_dir, OOM_FOLDER)
-    out: List[Dict[str, Any]] = []
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return out
-    for name in names:
-        if not (name.startswith("rank-") and name.endswith(".json")):
-            continue
-        try:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("distmem_oom"):
-            out.append(data)
-    return sorted(out, key=lambda r: (r.get("rank") is None, r.get("rank")))
+    return read_oom_records(run_dir)
 

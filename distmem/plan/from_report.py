@@ -21,7 +21,9 @@ from .. import defaults
 from ..errors import ConfigError
 from ..units import MiB, format_bytes
 
-__all__ = ["Observed", "read_observed", "observed_from_dicts", "apply_observed", "describe_changes"]
+__all__ = ["OOM_FOLDER", "Observed", "read_observed", "read_oom_records", "observed_from_dicts", "apply_observed", "describe_changes"]
+
+OOM_FOLDER = "oom"  #: under the run folder: one record per rank that ran out of memory
 
 
 @dataclass(frozen=True)
@@ -91,31 +93,35 @@ def read_observed(path: str) -> Observed:
     elif not os.path.isdir(path):
         raise ConfigError(f"--from {path!r} does not exist; give the last run's report (runs/last/report.json) or "
                           "its run folder")
-    records = _records(folder)
+    records = read_oom_records(folder)
     if report is None and not records:
         raise ConfigError(f"--from {path!r}: the folder holds neither report.json nor oom/ records; give the last "
                           "run's report file")
     return observed_from_dicts(report, records, path)
 
 
-def _records(folder: str) -> List[Dict[str, Any]]:
+def read_oom_records(run_dir: str) -> List[Dict[str, Any]]:
+    """Every rank's out-of-memory record under ``RUN_DIR/oom/`` (links and files that are not records
+    skipped), by rank: the one reader of what :mod:`distmem.observe.oom_record` writes (here, the
+    earlier stage, so that the plan and the post-mortem both read it)."""
+    folder = os.path.join(run_dir, OOM_FOLDER)
     out: List[Dict[str, Any]] = []
-    oom = os.path.join(folder, "oom")
     try:
-        names = sorted(os.listdir(oom))
+        names = sorted(os.listdir(folder))
     except OSError:
         return out
     for name in names:
-        if name.startswith("rank-") and name.endswith(".json"):
-            try:
-                fd = os.open(os.path.join(oom, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                with os.fdopen(fd, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if isinstance(data, dict) and data.get("distmem_oom"):
-                out.append(data)
-    return out
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("distmem_oom"):
+            out.append(data)
+    return sorted(out, key=lambda r: (r.get("rank") is None, r.get("rank")))
 
 
 def _ceil_mib(n: float) -> int:
