@@ -69,8 +69,8 @@ def _tool(name: str) -> str:
     here = os.path.join(env_bin(), name)
     found = here if os.path.exists(here) else shutil.which(name)
     if not found:
-        raise SystemExit(f"bench/faults.py: {name} not found beside {sys.executable} or on PATH; "
-                         "use the main environment (scripts/env.sh main)")
+        raise SystemExit(f"bench/{os.path.basename(sys.argv[0]) or 'faults.py'}: {name} not found beside "
+                         f"{sys.executable} or on PATH; use the main environment (scripts/env.sh main)")
     return found
 
 
