@@ -105,25 +105,55 @@ def cross_entropy(out):
 
 # ------------------------------------------------------------------ measured side
 
-def train_peak(model: Any, opt: Any, inputs: Callable, batch: int, device: str, steps: int = 3) -> Dict[str, int]:
+def train_peak(model: Any, opt: Any, inputs: Callable, batch: int, device: str, steps: int = 3) -> Dict[str, Any]:
+    """The allocator's peak over ``steps`` steps of the loop the estimator assumes: ``out = model(x);
+    loss = crit(out); loss.backward(); opt.step()`` (the output stays referenced to the update). Each
+    step's peak is kept beside it, and the last step's peak of each phase (forward, backward,
+    update): which step and where the peak falls."""
     import torch
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    for _ in range(steps):
-        args, kwargs = inputs(batch, device)
-        loss = cross_entropy(model(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss, args, kwargs
-    if not cuda:
+    if device != "cuda":
+        for _ in range(steps):
+            args, kwargs = inputs(batch, device)
+            out = model(*args, **kwargs)
+            loss = cross_entropy(out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss, args, kwargs
         return {"allocated": 0, "reserved": 0, "base": 0}
     torch.cuda.synchronize()
-    return {"allocated": int(torch.cuda.max_memory_allocated()), "reserved": int(torch.cuda.max_memory_reserved()),
-            "base": int(base)}
+    base = torch.cuda.memory_allocated()
+    per_step: List[int] = []
+    phases: Dict[str, int] = {}
+    reserved = 0
+
+    def peak() -> int:
+        nonlocal reserved
+        torch.cuda.synchronize()
+        reserved = max(reserved, int(torch.cuda.max_memory_reserved()))
+        value = int(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        return value
+
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(steps):
+        last = i == steps - 1
+        args, kwargs = inputs(batch, device)
+        out = model(*args, **kwargs)
+        loss = cross_entropy(out)
+        if last:
+            phases["forward"] = peak()
+        loss.backward()
+        if last:
+            phases["backward"] = peak()
+        opt.step()
+        if last:
+            phases["update"] = peak()
+        opt.zero_grad(set_to_none=True)
+        del out, loss, args, kwargs
+        per_step.append(max(phases.values()) if last else peak())
+    return {"allocated": max(per_step), "reserved": reserved, "base": int(base), "phases": phases,
+            "steps": per_step}
 
 
 def free(device: str) -> None:
@@ -144,7 +174,7 @@ def run_case(name: str, kind: str, n: int, tiny: bool, device: str, **options: A
         from torch.distributed.fsdp import fully_shard
         for u in units:
             fully_shard(u, reshard_after_forward=options.get("reshard_after_forward", True))
-        fully_shard(model, reshard_after_forward=options.get("reshard_after_forward", True))
+        fully_shard(model)  # the root as users write it: torch keeps it unsharded from forward to backward
         opt = torch.optim.AdamW(model.parameters())
     elif kind in ("zero1", "zero2"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -225,7 +255,8 @@ def measure_all(names: List[str], worlds: List[int], kinds: List[str], tiny: boo
         try:
             meas = run_case(m, kind, n, tiny, device, **options)
             row.update(measured_allocated=meas["allocated"], measured_reserved=meas["reserved"],
-                       measured_base=meas["base"])
+                       measured_base=meas["base"], measured_phases=meas.get("phases", {}),
+                       measured_steps=meas.get("steps", []))
         except Exception as exc:  # one case failing says so and the rest carry on
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
             free(device)

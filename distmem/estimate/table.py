@@ -127,6 +127,8 @@ class Estimate:
     measurement: Optional[Dict[str, Any]] = None
     _peak_fn: Optional[PeakFn] = field(default=None, repr=False, compare=False)
     _parts_fn: Optional[PartsFn] = field(default=None, repr=False, compare=False)
+    #: batch -> {phase: the split of the step's peak within that phase} (torch's simulation)
+    _phases_fn: Optional[Any] = field(default=None, repr=False, compare=False)
     _cache: Dict[Any, Dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------ totals
@@ -268,6 +270,16 @@ class Estimate:
                                   f"{sum(parts.values()):,} bytes, not the peak {peak:,}: {parts}")
             self._cache[key] = parts
         return dict(self._cache[key])
+
+    def phase_breakdown(self, batch_size: Optional[int] = None) -> Dict[str, Dict[str, int]]:
+        """The step's peak within each phase (``forward``, ``backward``, ``update``), each split as
+        :meth:`breakdown` splits the whole step's; empty where the estimator keeps no such record
+        (Keras, a measured estimate, one loaded from JSON). A sharded plan prices the backward's
+        peak beside the update's: sharding the optimizer state can move the peak there."""
+        if self._phases_fn is None:
+            return {}
+        b = self.batch_size if batch_size is None else int(batch_size)
+        return {k: dict(v) for k, v in self._phases_fn(b).items()}
 
     def to_dict(self, *, per_layer: bool = True) -> Dict[str, Any]:
         b = self.batch_size

@@ -10,14 +10,23 @@ wrapper shards replaced by the rank's shard, plus the buffers the wrapper holds 
 * ``ddp`` (``DistributedDataParallel``): the reducer's buckets hold a flat copy of every gradient
   (``bucket_cap_mb`` sets how the copy is cut, not its sum), alive from construction. With
   ``gradient_as_bucket_view=True`` the gradients *are* views of the buckets: no copy, but all the
-  gradient bytes stay allocated from the first backward on, also in the forward. ``static_graph``
-  rebuilds the buckets once in registration order; their bytes do not change.
+  gradient bytes stay allocated from the first backward on, also in the forward. Once, the reducer
+  rebuilds its buckets in the order the gradients became ready (at the second step; the third
+  with ``static_graph``), and the new buckets are allocated while the old are alive: that step's
+  peak holds two gradient-sized sets (measured on the H200 in 13 of 15 model x option cases,
+  ``bench/results/wrappers_gpu.json``), and a plan must hold the run's worst step.
 * ``fsdp2`` at world size N: parameters, gradients and optimizer state are the rank's shards (each
   parameter's dim 0 padded to a multiple of N, so ``ceil(bytes / N)`` per tensor). In the forward
   and backward a rank also holds the root unit's parameters unsharded (the root is not resharded
   after the forward), the unit being computed and ``prefetch`` more (all-gathered ahead), and in
   the backward the unit's unsharded gradients plus the reduce-scatter input they are copied into.
   ``reshard_after_forward=False`` keeps every unit unsharded from its forward to its backward.
+  Those unit buffers exist only while units run: a peak that falls outside them (the loss and an
+  output layer the root holds, where a language model's logits and their gradients peak, before
+  any unit's backward has made a gradient) holds the root's parameters alone (with every unit too
+  under ``reshard_after_forward=False``). The estimator's split of the peak tells which: gradients
+  alive at the peak no more than the root's own. That peak is then held against the backward
+  through the units (the kept activations, the shards and the unit buffers), the larger taken.
   The update runs on the shards: its temporaries shrink with the optimizer state.
 * ``zero1`` (``torch.distributed.optim.ZeroRedundancyOptimizer``): the optimizer state of the
   parameters this rank owns; torch's partition gives whole tensors, largest first, each to the
@@ -175,6 +184,8 @@ class WrapperDemand:
     update_buffers: int
     update_scale: float
     persistent_buffers: int = 0
+    #: FSDP2: the buffers held where no unit runs (the loss, the root's own layers); None: as backward
+    outside_buffers: Optional[int] = None
     parts: Dict[str, int] = field(default_factory=dict)
     rules: List[str] = field(default_factory=list)
 
@@ -220,13 +231,19 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
     if w.kind is None:
         return WrapperDemand(w, P, G, O, 0, 0, 1.0, rules=["no wrapper: the replica's state"])
     if w.kind == "ddp":
+        rebuilt = {"gradient buckets": G, "rebuilt buckets (once)": G}
+        when = "third" if w.static_graph else "second"
         if w.gradient_as_bucket_view:
-            return WrapperDemand(w, P, G, O, 0, 0, 1.0, persistent_buffers=G, parts={"gradient buckets": G},
+            return WrapperDemand(w, P, G, O, 2 * G, 2 * G, 1.0, persistent_buffers=G, parts=rebuilt,
                                  rules=["DDP gradient_as_bucket_view: gradients are views of the buckets, "
-                                        "all gradient bytes allocated from the first backward on"])
-        return WrapperDemand(w, P, G, O, G, G, 1.0, persistent_buffers=G, parts={"gradient buckets": G},
+                                        "all gradient bytes allocated from the first backward on; the "
+                                        f"buckets rebuilt once (the {when} step) beside the old ones: "
+                                        f"{format_bytes(2 * G)} with the gradients in them"])
+        return WrapperDemand(w, P, G, O, 2 * G, 2 * G, 1.0, persistent_buffers=G, parts=rebuilt,
                              rules=[f"DDP: buckets of {w.bucket_cap_mb:g} MB hold a copy of every gradient "
-                                    f"({format_bytes(G)})"])
+                                    f"({format_bytes(G)}), and once (the {when} step) the buckets rebuilt in "
+                                    "the order gradients became ready are allocated beside them: "
+                                    f"{format_bytes(2 * G)} at that step's peak"])
     if w.kind in ("zero1", "zero2"):
         mine = zero_partition(state.tensor_bytes, n, rank) if state.tensor_bytes else int(math.ceil(P / n))
         share = mine / P if P else 1.0 / n
@@ -257,7 +274,11 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
                                  f"{w.prefetch})" if w.reshard_after_forward else
                                  "every unit gathered from its forward to its backward") +
                 f", a unit's gradients + its reduce-scatter input {format_bytes(rs)}")
-        return WrapperDemand(w, p, g, o, gathered + rs, 0, share, parts=parts, rules=[rule])
+        outside = root + (0 if w.reshard_after_forward else sum(state.unit_bytes))
+        rule += (f"; where no unit runs (the loss, the root's own layers) the root {format_bytes(root)}"
+                 + ("" if w.reshard_after_forward else " and every unit") + " alone")
+        return WrapperDemand(w, p, g, o, gathered + rs, 0, share, outside_buffers=outside, parts=parts,
+                             rules=[rule])
     if w.kind == "horovod":
         fusion = w.fusion_threshold * w.fusion_buffers if n > 1 else 0
         copies = G if n > 1 and w.framework == "tensorflow" else 0
@@ -276,46 +297,77 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
 
 
 def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Optional[Wrapper], *,
-              activation_bytes: Optional[int] = None, rank: int = 0) -> Tuple[int, Dict[str, int], WrapperDemand]:
+              activation_bytes: Optional[int] = None, backward: Optional[Mapping[str, int]] = None,
+              rank: int = 0) -> Tuple[int, Dict[str, int], WrapperDemand]:
     """One rank's peak (bytes) under ``w``, from the peak of the same step without it.
 
-    ``breakdown``: that peak split into parts (``weights``, ``gradients``, ``optimizer state``, the
-    rest: activations, temporaries, inputs, workspaces); ``phase``: where it happens (``forward``,
-    ``backward`` or ``update``). The rank's share of each state part replaces the replica's; the
-    rest is the rank's own micro-batch and stays, but an update's temporaries shrink with the
-    optimizer's share; the wrapper's buffers at that phase are added. A peak in the update may move
-    to the backward once the state is sharded: with ``activation_bytes`` (what the layers keep for
-    the backward) the backward's peak is also taken, the shards plus the kept activations, the
-    workspaces and inputs, and the backward's buffers. Returns (peak, its parts, the demand)."""
+    ``breakdown``: that peak split into parts (``weights``, ``gradients``, ``optimizer state``,
+    ``accumulated gradients`` under gradient accumulation, the rest: activations, temporaries,
+    inputs, workspaces); ``phase``: where it happens (``forward``, ``backward`` or ``update``). The
+    rank's share of each state part replaces the replica's; the rest is the rank's own micro-batch
+    and stays, but an update's temporaries shrink with the optimizer's share; the wrapper's buffers
+    at that moment are added. A peak in the update may move to the backward once the state is
+    sharded: ``backward`` (the split of the step's peak within its backward pass) is priced the same
+    way, and without it ``activation_bytes`` (what the layers keep for the backward) stands for the
+    backward's start: the shards plus the kept activations, the workspaces and inputs, and the
+    backward's buffers. The larger moment is the rank's peak. Returns (peak, its parts, the demand)."""
     w = w or Wrapper()
     d = wrapper_demand(w, state, rank=rank)
-    parts = {k: int(v) for k, v in breakdown.items()}
-    weights = parts.pop("weights", 0)
-    grads = parts.pop("gradients", 0)
-    opt = parts.pop("optimizer state", 0)
-    steady = sum(v for k, v in parts.items() if k in ("workspaces", "inputs"))
-    rest = sum(parts.values())
     P, G, O = state.param_bytes, state.grad_bytes, state.optimizer_bytes
-    out: Dict[str, int] = {}
-    out["weights"] = int(round(weights * (d.params / P))) if P else weights
-    out["gradients"] = int(round(grads * (d.grads / G))) if G else grads
-    out["optimizer state"] = int(round(opt * (d.optimizer / O))) if O else opt
-    if phase == "update":
-        out["activations, temporaries, inputs"] = steady + int(round((rest - steady) * d.update_scale))
-        buffers = d.update_buffers
-    else:
-        out["activations, temporaries, inputs"] = rest
-        buffers = d.backward_buffers
-    if w.kind == "ddp" and w.gradient_as_bucket_view:
-        # the buckets hold every gradient byte; the gradients alive at the peak are part of them
-        buffers = max(0, d.persistent_buffers - out["gradients"])
-    out["wrapper buffers"] = buffers
-    if phase == "update" and activation_bytes is not None and w.kind in SHARDED_WRAPPERS:
-        back = {"weights": d.params, "gradients": 0, "optimizer state": d.optimizer,
-                "activations, temporaries, inputs": int(activation_bytes) + steady,
-                "wrapper buffers": d.backward_buffers}
-        if sum(back.values()) > sum(out.values()):
-            out = back
+
+    def share(nbytes: int, whole: int, mine: int) -> int:
+        return int(round(nbytes * (mine / whole))) if whole else nbytes
+
+    def moment(split: Mapping[str, int], at: str, accumulated: int) -> Dict[str, int]:
+        parts = {k: int(v) for k, v in split.items()}
+        weights = parts.pop("weights", 0)
+        made = parts.pop("gradients", 0)  # this micro-step's gradients made by the moment
+        parts.pop("accumulated gradients", None)
+        # a new gradient added into its accumulated one (the largest layer's): on this rank, its shard
+        # under FSDP2 (the reduce-scatter's output is accumulated), whole otherwise (ZeRO gives rank 0
+        # the largest tensor)
+        transient = parts.pop("accumulation transient", 0)
+        if transient and w.kind == "fsdp2" and P:
+            transient = share(transient, P, d.params)
+        if transient:
+            parts["accumulation transient"] = transient
+        opt = parts.pop("optimizer state", 0)
+        steady = sum(v for k, v in parts.items() if k in ("workspaces", "inputs"))
+        rest = sum(parts.values())
+        out = {"weights": share(weights, P, d.params), "gradients": share(made + accumulated, G, d.grads),
+               "optimizer state": share(opt, O, d.optimizer)}
+        if at == "update":
+            out["activations, temporaries, inputs"] = steady + int(round((rest - steady) * d.update_scale))
+            buffers = d.update_buffers
+        else:
+            out["activations, temporaries, inputs"] = rest
+            buffers = d.backward_buffers
+        if w.kind == "ddp" and w.gradient_as_bucket_view:
+            # the buckets hold every gradient byte; the gradients alive at the peak are part of them
+            buffers = max(0, buffers - out["gradients"])
+        if d.outside_buffers is not None and at != "update" and made <= int(state.root * state.grad_ratio):
+            # FSDP2 at the loss and the root's own layers, before any unit's backward has made a
+            # gradient: no unit gathered, none reducing (an output layer that is a unit of its own is
+            # gathered once its output's gradient is ready: after the loss's backward)
+            buffers = d.outside_buffers
+        out["wrapper buffers"] = buffers
+        return out
+
+    accumulated = int(breakdown.get("accumulated gradients", 0))
+    moments = [moment(breakdown, phase, accumulated)]
+    start_of_backward = activation_bytes is not None and (
+        (phase == "update" and w.kind in SHARDED_WRAPPERS) or
+        (d.outside_buffers is not None and phase != "update"))
+    if backward is not None and phase == "update" and w.kind in SHARDED_WRAPPERS:
+        # the backward's own peak: with accumulation every gradient it has not made yet is alive
+        made = int(backward.get("gradients", 0))
+        moments.append(moment(backward, "backward", max(0, G - made) if accumulated else 0))
+    elif start_of_backward:
+        steady = sum(int(v) for k, v in breakdown.items() if k in ("workspaces", "inputs"))
+        moments.append({"weights": d.params, "gradients": share(accumulated, G, d.grads), "optimizer state": d.optimizer,
+                        "activations, temporaries, inputs": int(activation_bytes) + steady,
+                        "wrapper buffers": d.backward_buffers})
+    out = max(moments, key=lambda m: sum(m.values()))
     return sum(out.values()), out, d
 
 
@@ -343,9 +395,10 @@ def added_bytes(w: Optional[Wrapper], grad_bytes: int) -> int:
     if w.kind in SHARDED_WRAPPERS:
         raise ConfigError(f"wrapper={w.kind!r} shards the model state: plan it with strategy='sharded' (or fit), "
                           "which replaces the state by each rank's shard")
-    if w.kind == "ddp" and w.gradient_as_bucket_view:
-        return 0  # the buckets are the gradients the demand already holds
     d = wrapper_demand(w, ModelState(0, int(grad_bytes), 0))
+    if w.kind == "ddp" and w.gradient_as_bucket_view:
+        # the buckets are the gradients the demand holds at its end; the rebuilt set is beside them
+        return max(0, d.backward_buffers - int(grad_bytes))
     return max(d.backward_buffers, d.update_buffers, d.persistent_buffers)
 
 

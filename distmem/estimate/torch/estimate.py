@@ -44,7 +44,7 @@ CUDNN_WORKSPACES = True
 #: Per-sample input shape assumed for a torchvision model when none is given.
 DEFAULT_TORCH_INPUT_SHAPE = (3, 224, 224)
 
-_TABLE_KEYS = ("kept", "rows", "out_bytes", "read_values", "parts")
+_TABLE_KEYS = ("kept", "rows", "out_bytes", "read_values", "parts", "phase_parts")
 
 #: What an estimate of a ``torch.compile``d module says: the meta device cannot run Inductor's
 #: kernels, so the eager module is simulated; compiled graphs fuse element-wise kernels and keep
@@ -102,12 +102,13 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     # the per-sample slope of each row's kept bytes: one more forward pass at batch + 1
     second = sim.run(batch_size + 1, True, steps=1, forward_only=True)
     rows = _rows(first, second, sim.params, info, prec, batch_size)
-    peak_fn, parts_fn = _evaluators(sim, first, batch_size)
+    peak_fn, parts_fn, phases_fn = _evaluators(sim, first, batch_size)
     est = Estimate(framework="torch", model=name or type(model).__name__, batch_size=batch_size,
                    precision=prec.name, optimizer=info.to_dict(), layers=rows, method="simulated",
                    device="cuda" if cuda else "cpu",
                    input_bytes_per_sample=input_bytes(model, example_input, input_shape, input_dtype),
-                   extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn, _parts_fn=parts_fn)
+                   extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn, _parts_fn=parts_fn,
+                   _phases_fn=phases_fn)
     est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in _TABLE_KEYS}
     if compiled:
         est.warnings.append(COMPILED_NOTE)
@@ -135,6 +136,10 @@ def _evaluators(sim: Simulation, first: Dict[str, Any], batch_size: int):
                               "from a trace); estimate again with distmem.estimate.torch.estimate.REPLAY_LATER_STEPS")
         return dict(parts)
 
+    def phases_fn(batch: int) -> Dict[str, Dict[str, int]]:
+        parts_fn(batch)
+        return {k: dict(v) for k, v in (cache[(batch, True)].get("phase_parts") or {}).items()}
+
     def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
         if train:
             if (batch, True) not in cache:
@@ -144,7 +149,7 @@ def _evaluators(sim: Simulation, first: Dict[str, Any], batch_size: int):
         peak = inference_peak(sim.model, sim.params, sim.buffers, args, kwargs, sim.cuda, sim.prec, sim.cudnn,
                                sim.memo)
         return {"peak": peak, "phase": "forward", "node": -1, "batch": batch}
-    return peak_fn, parts_fn
+    return peak_fn, parts_fn, phases_fn
 
 
 def _count_parameter(row: LayerEstimate, p: Any, info: Any) -> None:

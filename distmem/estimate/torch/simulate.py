@@ -227,9 +227,11 @@ class _Run:
         res = {"peak": step_peak, "phase": self.phases[peaks.index(step_peak)], "node": -1, "batch": self.batch,
                "steps": peaks}
         if self.want_parts and not self.forward_only and sim.replay_later and self.steps > 1:
+            phases: Dict[str, Dict[str, int]] = {}
             res["parts"] = peak_parts(sim.cuda, self.before_trace, self.trace, self.alive, self.grad_serials,
                                        CUBLAS_WORKSPACES * [sim.workspace] if self.blas_after_first else [],
-                                       self.steps, peaks.index(step_peak), step_peak)
+                                       self.steps, peaks.index(step_peak), step_peak, phases=phases)
+            res["phase_parts"] = phases
         if self.keep_table:
             res["kept"] = self.kept
             res["rows"] = tracker.row_names

@@ -2,9 +2,9 @@
 peak split into its parts (weights, gradients, optimizer state, activations...)."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ..allocators import CudaCachingAllocator, ExactAllocator
+from ..allocators import PARTS, CudaCachingAllocator, ExactAllocator
 
 __all__ = ["replay_steps", "peak_parts"]
 
@@ -37,7 +37,8 @@ def replay_steps(alloc, tracker, steps: int, peaks: List[int], phases: List[str]
 
 
 def peak_parts(cuda: bool, before: List[Tuple[int, str]], trace: List[Tuple[int, int, str]], alive: set,
-                grad_serials: set, workspaces: List[int], steps: int, which: int, peak: int) -> Dict[str, int]:
+                grad_serials: set, workspaces: List[int], steps: int, which: int, peak: int,
+                phases: Optional[Dict[str, Dict[str, int]]] = None) -> Dict[str, int]:
     """The peak of step ``which`` split into ``liveness.PARTS``: the recorded step replayed through a
     fresh allocator model in the same order, each buffer booked by what it was — weights and the
     batch (alive before the step), the weights' gradients, the optimizer state (made in the update
@@ -60,10 +61,21 @@ def peak_parts(cuda: bool, before: List[Tuple[int, str]], trace: List[Tuple[int,
             return "activations"
         return "temporaries"
     results: List[Tuple[int, Dict[str, int]]] = []
+    best: Dict[str, int] = {}
+
+    def track(ph: str) -> None:
+        # step ``which``'s peak within each phase, split the same way (``phases``)
+        if phases is not None and len(results) == which and alloc.in_use > best.get(ph, -1):
+            best[ph] = alloc.in_use
+            split = {p: int(alloc.by_part.get(p, 0)) for p in PARTS}
+            split["allocator rounding"] += alloc.in_use - sum(split.values())
+            phases[ph] = split
+
     alloc.reset_peak()
     for serial, n, ph in trace:
         if n >= 0:
             alloc.alloc(("s", serial), n, part(serial, ph))
+            track(ph)
         else:
             alloc.free(("s", serial))
     for i, n in enumerate(workspaces):
@@ -77,6 +89,7 @@ def peak_parts(cuda: bool, before: List[Tuple[int, str]], trace: List[Tuple[int,
                 continue
             if n >= 0:
                 alloc.alloc(("r", r, serial), n, part(serial, ph))
+                track(ph)
             else:
                 alloc.free(("r", r, serial))
         for serial, n, _ in trace:

@@ -110,8 +110,6 @@ class Costs:
             out["weights"] = sum(b["weights"] for b in split)
             out["gradients"] = sum(b["gradients"] for b in split)
             out["optimizer state"] = parts["state"] - out["weights"] - out["gradients"]
-        if "accumulated gradients" in out:
-            out["gradients"] = out.get("gradients", 0) + out.pop("accumulated gradients")
         return out, "backward", None
 
     def rank_peak(self, mb: int, accumulate: bool, wrapper: Any) -> Tuple[int, Dict[str, int]]:
@@ -120,8 +118,19 @@ class Costs:
         from ..wrappers import rank_peak
 
         parts, phase, kept = self.peak_parts(mb, accumulate)
-        peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept)
+        backward = self.backward_parts(mb)
+        if backward is not None and accumulate:
+            backward = dict(backward, **{"accumulation transient": self.largest_gradient})
+        peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept,
+                                 backward=backward)
         return peak, out
+
+    def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
+        return None
+
+    @property
+    def largest_gradient(self) -> int:
+        return 0
 
 
 class EstimateCosts(Costs):
@@ -179,18 +188,47 @@ class EstimateCosts(Costs):
         return int((TRANSIENT_OUTPUTS * out + work) * mb)
 
     def whole_peak(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int]]:
+        return self._whole(mb, accumulate)[:2]
+
+    def _whole(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int], str]:
+        """(peak, its split, its phase) of one micro-step at ``mb``; under gradient accumulation
+        (``accumulate``) the micro-step after the first: the gradients of earlier micro-steps are
+        alive through its forward and backward, and each parameter's new gradient is added into its
+        accumulated one, so the largest gradient tensor is alive twice for a moment."""
         key = (int(mb), bool(accumulate))
         if key not in self._peaks:
             detail = self.est.peak_detail(int(mb))
             peak = int(detail["peak"])
+            phase = str(detail.get("phase", "backward"))
             parts = {k: int(v) for k, v in self.est.breakdown(int(mb)).items()}
             if accumulate:
-                # Accumulated gradients are alive during every later micro-step's forward and backward.
-                missing = max(0, int(self.est.grad_bytes) - int(detail.get("grads_at_peak", 0)))
-                peak += missing
-                parts["accumulated gradients"] = missing
-            self._peaks[key] = (peak, parts)
+                grad_bytes = int(self.est.grad_bytes)
+                transient = self.largest_gradient
+                if phase == "update":
+                    # the update's peak holds them all already: the same bytes, named for what they are
+                    moved = min(grad_bytes, int(parts.get("gradients", 0)))
+                    parts["gradients"] = int(parts.get("gradients", 0)) - moved
+                    parts["accumulated gradients"] = moved
+                    # a later micro-step's backward: its own peak, the gradients it has not made, the add
+                    bwd = self.backward_parts(mb)
+                    if bwd is not None:
+                        alt = dict(bwd)
+                        alt["accumulated gradients"] = max(0, grad_bytes - int(alt.get("gradients", 0)))
+                        alt["accumulation transient"] = transient
+                        if sum(alt.values()) > peak:
+                            peak, parts, phase = sum(alt.values()), alt, "backward"
+                else:
+                    at_peak = int(detail.get("grads_at_peak", parts.get("gradients", 0)))
+                    parts["accumulated gradients"] = max(0, grad_bytes - at_peak)
+                    parts["accumulation transient"] = transient
+                    peak += parts["accumulated gradients"] + transient
+            self._peaks[key] = (peak, parts, phase)
         return self._peaks[key]
+
+    @property
+    def largest_gradient(self) -> int:
+        """The largest layer's gradient bytes (a module's weight and bias together)."""
+        return max((int(r.grad_bytes) for g in self._rows for r in g), default=0)
 
     def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
         """:meth:`Costs.model_state`, with each estimator row's parameters as the tensors ZeRO
@@ -201,11 +239,13 @@ class EstimateCosts(Costs):
 
     def peak_parts(self, mb: int, accumulate: bool) -> Tuple[Dict[str, int], str, Optional[int]]:
         peak, parts = self.whole_peak(mb, accumulate)
-        out = dict(parts)
-        if "accumulated gradients" in out:
-            out["gradients"] = out.get("gradients", 0) + out.pop("accumulated gradients")
-        phase = str(self.est.peak_detail(int(mb)).get("phase", "backward"))
-        return out, phase, int(self.est.activation_bytes(int(mb)))
+        _, parts, phase = self._whole(mb, accumulate)
+        return dict(parts), phase, int(self.est.activation_bytes(int(mb)))
+
+    def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
+        """The step's peak within its backward pass, split (None where the estimate has no record)."""
+        phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
+        return phases.get("backward")
 
 
 class LayerListCosts(Costs):
