@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipelines", default=None, help="pipeline degrees to try, e.g. 1,2,4 (default: all)")
     p.add_argument("--micro-batches", default=None, help="micro-batch sizes to allow, e.g. 8,16 (default: all)")
     p.add_argument("--ranks-per-gpu", default="1,2", help="ranks sharing one GPU to try (default 1,2)")
+    p.add_argument("--shardings", default="auto", metavar="LIST",
+                   help="sharded data parallel to try beside replicated state: auto (zero1,zero2,fsdp2,"
+                        "fsdp2_keep), none, or a comma list of them (default auto)")
     p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
                    help="activation recomputation in pipelines (default: try both)")
     p.add_argument("--headroom", default=None,
@@ -127,7 +130,11 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
                                 headroom=args.headroom, reserve=args.reserve if args.reserve is not None else
                                 defaults.RESERVE, overhead=_overhead(args.overhead), memory=args.memory or settings.memory(),
                                 foreign=args.foreign, nccl_buffsize=args.nccl_buffsize, top=args.top,
-                                rejected=args.rejected, fixed_local_size=args.ranks_per_host)
+                                rejected=args.rejected, fixed_local_size=args.ranks_per_host,
+                                shardings=args.shardings)
+    from ..plan.fit.solve import _shard_choices
+
+    _shard_choices(args.shardings)  # a bad name refused before any model is loaded
     _check_pipelines(args, opts["pipelines"], opts["ranks_per_gpu"] or [1, 2])
     if args.layers:
         from ..plan.strategies.text import layers_file

@@ -169,6 +169,7 @@ CASES: List[Case] = [
     Case("fit-overhead-text", _cmd(*FIT, "--overhead", "a lot"), ["a lot"]),
     Case("fit-precision", _cmd(*FIT, "--precision", "fp64"), ["--precision", "fp64"]),
     Case("fit-optimizer", _cmd(*FIT, "--optimizer", "adamz"), ["adamz", "adam"]),
+    Case("fit-shardings", _cmd(*FIT, "--shardings", "zero3"), ["zero3", "zero2", "fsdp2"]),
     Case("fit-schedules", _cmd(*FIT, "--schedules", "zigzag"), ["zigzag"]),
     Case("fit-nccl-buffsize", _cmd(*FIT, "--nccl-buffsize", "abc"), ["abc"]),
     Case("fit-layers-batch-0", _cmd(*FIT, "--layers-batch-size", "0"), ["--layers-batch-size", "0"]),
