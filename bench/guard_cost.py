@@ -9,9 +9,9 @@ Launches itself under ``mpirun -np N`` (mpi4py: the flags' ``Iallreduce`` and th
 as it does on a GPU's kernels), then NumPy gradients of ``--floats`` float32 (two tensors) averaged
 over the ranks, then the update. ``distmem.init()`` starts fail fast, so ``overlap="auto"`` is on.
 A fourth variant, ``machinery``, is the overlapped guard with a no-op flag exchange: the guard's own
-Python per step, the part of its cost that is not the flags. Each round runs the variants once, in
-an order that rotates every round, so
-drift hits all three alike; the figure is the median over the rounds of the per-round difference
+Python per step, the part of its cost that is not the flags; a fifth, ``control``, is the unguarded
+step again (what the pairing reads where nothing differs). Each round runs the variants once, in
+an order that rotates every round, so drift hits them all alike; the figure is the median over the rounds of the per-round difference
 (guarded minus unguarded) on rank 0, over the median unguarded step. One JSON line.
 """
 from __future__ import annotations
@@ -83,7 +83,12 @@ def worker(args: argparse.Namespace) -> None:
 
     machinery = guard.step(grads_of, apply=apply, micro_batch_size=1, comm=comm, overlap=True,
                            reduce_gradients=reducer, flags=NoFlags(rank, size))
-    variants = {"plain": plain, "blocking": blocking, "overlapped": overlapped, "machinery": machinery}
+    def control(x):  # the unguarded step again: what the pairing reads where nothing differs
+        grads, _ = grads_of(x)
+        apply(reducer(grads))
+
+    variants = {"plain": plain, "blocking": blocking, "overlapped": overlapped, "machinery": machinery,
+                "control": control}
     x = np.ones(1, dtype="float32")
     for _ in range(5):  # warm-up (the overlapped guard switches after its first clean step)
         for fn in variants.values():
@@ -115,7 +120,7 @@ def summarise(rows: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[str,
                            "gradient_floats": args.floats + args.floats // 4, "rounds": args.rounds,
                            "flag_transport": rows[0]["flag_transport"], "overlapped_active": rows[0]["overlapped"],
                            "plain_step_ms_p50": round(plain * 1e3, 3)}
-    for name in ("blocking", "overlapped", "machinery"):
+    for name in ("blocking", "overlapped", "machinery", "control"):
         d = paired(name, r0)
         out[f"{name}_overhead_us"] = round(d * 1e6, 1)
         out[f"{name}_overhead_pct"] = round(100 * d / plain, 3)
@@ -125,6 +130,9 @@ def summarise(rows: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[str,
     out["baseline"] = "blocking_overhead_pct (the protocol before: flags waited before the gradient all-reduce)"
     out["ratio_blocking_over_overlapped"] = (round(out["blocking_overhead_us"] / out["overlapped_overhead_us"], 2)
                                              if out["overlapped_overhead_us"] > 0 else None)
+    # the pairing's own reading where nothing differs (the unguarded step against itself): a guard's
+    # figure within it of zero is not distinguishable from the step's own jitter
+    out["overlapped_minus_control_pct"] = round(out["overlapped_overhead_pct"] - out["control_overhead_pct"], 3)
     out["target_pct"] = 0.2
     out["loadavg_1m_before_after"] = getattr(args, "_load", None)
     return out
