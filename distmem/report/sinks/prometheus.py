@@ -70,8 +70,11 @@ def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, ste
             lines.append(f"{name}{_labels({**base, **lab})} {_num(v)}")
 
     def rank_labels(s: Any) -> Dict[str, Any]:
-        return {"rank": s.rank, "host": s.host, "local_rank": s.local_rank,
-                "gpu": ",".join(map(str, s.devices)) or "cpu"}
+        out = {"rank": s.rank, "host": s.host, "local_rank": s.local_rank,
+               "gpu": ",".join(map(str, s.devices)) or "cpu"}
+        if getattr(s, "stage", None) is not None:  # a pipeline's stage: `distmem top` groups by it
+            out["stage"] = s.stage
+        return out
 
     up = [(rank_labels(s), 1) for s in report.ranks] + [({"rank": r, "host": "", "local_rank": "", "gpu": ""}, 0)
                                                          for r in report.missing]

@@ -113,6 +113,22 @@ def test_prometheus_text_is_well_formed_with_rank_labels():
     assert ("distmem_report_step", '{run="res\\"net\\\\7"}', 500.0) in samples
 
 
+def test_a_pipeline_rank_s_stage_is_a_label_top_groups_by():
+    """The textfile carries each pipeline rank's stage, and `distmem top` reading it back groups by it
+    (bug guarded: the textfile had no stage label, so top over Prometheus files showed every stage
+    as '-')."""
+    from distmem.report.live import parse_prometheus
+
+    snaps = [snap(r, peak=(3 + r) * GiB, current=(2 + r) * GiB, limit=8 * GiB, stage=r // 2) for r in range(4)]
+    text = prometheus_text(aggregate(snaps, 4, strategy="pipeline"))
+    _parse(text)
+    assert 'stage="1"' in text
+    rows, _, _ = parse_prometheus(text)
+    assert sorted((r.rank, r.stage) for r in rows) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    # a data-parallel rank has no stage and no stage label
+    assert "stage=" not in prometheus_text(job())
+
+
 def test_prometheus_rejects_scraper_labels_and_writes_atomically(tmp_path):
     with pytest.raises(ConfigError, match="exported_job"):
         prometheus_text(job(), {"job": "x"})
