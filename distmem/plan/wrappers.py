@@ -13,8 +13,10 @@ wrapper shards replaced by the rank's shard, plus the buffers the wrapper holds 
   gradient bytes stay allocated from the first backward on, also in the forward. Once, the reducer
   rebuilds its buckets in the order the gradients became ready (at the second step; the third
   with ``static_graph``), and the new buckets are allocated while the old are alive: that step's
-  peak holds two gradient-sized sets (measured on the H200 in 13 of 15 model x option cases,
-  ``bench/results/wrappers_gpu.json``), and a plan must hold the run's worst step.
+  forward and backward hold two gradient-sized sets (measured on the H200 in 19 of 21 model x
+  option cases, ``bench/results/wrappers_gpu.json``; a plan must hold the run's worst step). The
+  update comes after the backward is done with the buckets: one set then (none beyond the
+  gradients with ``gradient_as_bucket_view``, whose gradients are the buckets).
 * ``fsdp2`` at world size N: parameters, gradients and optimizer state are the rank's shards (each
   parameter's dim 0 padded to a multiple of N, so ``ceil(bytes / N)`` per tensor). In the forward
   and backward a rank also holds the root unit's parameters unsharded (the root is not resharded
@@ -64,7 +66,7 @@ WRAPPERS = ("ddp", "fsdp2", "zero1", "zero2", "horovod", "tf_distribute")
 #: The wrappers that shard model state over the data-parallel degree.
 SHARDED_WRAPPERS = ("fsdp2", "zero1", "zero2")
 #: What ``wrapper=`` takes on the strategies that count a wrapper's buffers (pipeline, model).
-WRAPPER_CHOICES = ("auto", "none", "horovod", "ddp", "tf_distribute")
+WRAPPER_CHOICES = ("auto", "none", "horovod", "ddp", "ddp_bucket_view", "tf_distribute")
 #: How ``fit`` and the ``sharded`` strategy name a sharded data-parallel layout: ZeRO's stages, and
 #: FSDP2 resharding after the forward (``fsdp2``) or keeping units gathered to the backward
 #: (``fsdp2_keep``: ``reshard_after_forward=False``).
@@ -233,13 +235,14 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
     if w.kind == "ddp":
         rebuilt = {"gradient buckets": G, "rebuilt buckets (once)": G}
         when = "third" if w.static_graph else "second"
+        # the update runs after the backward has finished with the buckets: the old set is gone by then
         if w.gradient_as_bucket_view:
-            return WrapperDemand(w, P, G, O, 2 * G, 2 * G, 1.0, persistent_buffers=G, parts=rebuilt,
+            return WrapperDemand(w, P, G, O, 2 * G, G, 1.0, persistent_buffers=G, parts=rebuilt,
                                  rules=["DDP gradient_as_bucket_view: gradients are views of the buckets, "
                                         "all gradient bytes allocated from the first backward on; the "
                                         f"buckets rebuilt once (the {when} step) beside the old ones: "
                                         f"{format_bytes(2 * G)} with the gradients in them"])
-        return WrapperDemand(w, P, G, O, 2 * G, 2 * G, 1.0, persistent_buffers=G, parts=rebuilt,
+        return WrapperDemand(w, P, G, O, 2 * G, G, 1.0, persistent_buffers=G, parts=rebuilt,
                              rules=[f"DDP: buckets of {w.bucket_cap_mb:g} MB hold a copy of every gradient "
                                     f"({format_bytes(G)}), and once (the {when} step) the buckets rebuilt in "
                                     "the order gradients became ready are allocated beside them: "
@@ -358,7 +361,7 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
     start_of_backward = activation_bytes is not None and (
         (phase == "update" and w.kind in SHARDED_WRAPPERS) or
         (d.outside_buffers is not None and phase != "update"))
-    if backward is not None and phase == "update" and w.kind in SHARDED_WRAPPERS:
+    if backward is not None and phase == "update" and w.kind is not None:
         # the backward's own peak: with accumulation every gradient it has not made yet is alive
         made = int(backward.get("gradients", 0))
         moments.append(moment(backward, "backward", max(0, G - made) if accumulated else 0))
@@ -414,7 +417,8 @@ def fixed_bytes(w: Optional[Wrapper]) -> int:
 def plan_wrapper(kind: Optional[str], *, world_size: int, on_gpu: bool,
                  env: Optional[Mapping[str, str]] = None, framework: str = "") -> Optional[Wrapper]:
     """The wrapper a ``pipeline`` or ``model`` plan counts: ``wrapper=`` as the strategy got it
-    (``"none"``, the strategies' default; ``"ddp"``, ``"horovod"``, ``"tf_distribute"``; or
+    (``"none"``, the strategies' default; ``"ddp"``, ``"ddp_bucket_view"`` (``gradient_as_bucket_view=True``),
+    ``"horovod"``, ``"tf_distribute"``; or
     ``"auto"``: Horovod when ``HOROVOD_*`` variables say this process runs under it - a dry run sees
     none, so only a named wrapper plans the same bytes at every door)."""
     if kind is not None and not isinstance(kind, str):
@@ -466,7 +470,9 @@ def wrapper_from_env(kind: Optional[str], env: Optional[Mapping[str, str]] = Non
         found = horovod_from_env(env, world_size=world_size, on_gpu=on_gpu)
         base = found or Wrapper("horovod", max(1, int(world_size)))
         return check_wrapper(replace(base, **options))  # type: ignore[arg-type]
+    if kind == "ddp_bucket_view":  # DistributedDataParallel(gradient_as_bucket_view=True)
+        kind, options = "ddp", dict(options, gradient_as_bucket_view=True)
     if kind not in WRAPPERS:
-        raise ConfigError(f"wrapper={kind!r} is not one of {', '.join(WRAPPERS)}, 'auto' (Horovod from HOROVOD_*) "
-                          "or None")
+        raise ConfigError(f"wrapper={kind!r} is not one of {', '.join(WRAPPERS)}, 'ddp_bucket_view', 'auto' "
+                          "(Horovod from HOROVOD_*) or None")
     return check_wrapper(Wrapper(str(kind), max(1, int(world_size)), **options))  # type: ignore[arg-type]

@@ -228,6 +228,11 @@ class Evaluator:
             if layout.shard:
                 peak, parts = c.rank_peak(layout.micro_batch, layout.accumulation > 1,
                                           sharding_wrapper(layout.shard, layout.data_parallel))
+            elif self.wrapper is not None and self.wrapper.kind == "ddp":
+                # DDP's buckets depend on where the step peaks (the rebuild's second set is gone by the
+                # update): the phase-aware rule, as for a sharded wrapper
+                peak, parts = c.rank_peak(layout.micro_batch, layout.accumulation > 1,
+                                          self.wrapper.with_world(layout.data_parallel))
             else:
                 peak, parts = c.whole_peak(layout.micro_batch, layout.accumulation > 1)
                 added = self._added(c.gradient_bytes)

@@ -61,3 +61,34 @@ def test_summary_through_torch_distributed_equals_the_full_aggregate(tmp_path):
     assert got["differ"] == {}, got["differ"]
     assert got["kinds"][0] == got["kinds"][1]
     assert got["min_peak_rank"] == 0 and got["above_worst_rank"] == 3
+
+
+@pytest.mark.skipif(not have("torchrun"), reason="torchrun not installed")
+def test_ddp_example_plans_the_buckets_and_trains_under_torchrun(tmp_path):
+    """examples/ddp_train.py under torchrun -np 2 (DDP over Gloo, CPU): one search for the job, every
+    rank's demand counting DDP's buckets (a plan without them is smaller by the rebuilt set and the
+    copy), the training runs, and the check says there is no CUDA peak to hold on a CPU."""
+    out = tmp_path / "ddp.json"
+    exe = os.path.join(env_bin(), "torchrun") if os.path.exists(os.path.join(env_bin(), "torchrun")) else "torchrun"
+    example = os.path.join(ROOT, "examples", "ddp_train.py")
+    res = run([exe, "--standalone", "--nproc_per_node", "2", example, "--width", "512", "--depth", "2", "--steps", "2",
+               "--check", "5", "--out", str(out)], timeout=240,
+              env={"OMP_NUM_THREADS": "1", "DISTMEM_FLEET": "1x16GiB", "DISTMEM_QUIET": "1"})
+    res.check()
+    got = json.loads(out.read_text())
+    assert got["backend"] == "gloo" and [r["rank"] for r in got["rows"]] == [0, 1]
+    demands = {r["demand"] for r in got["rows"]}
+    assert len(demands) == 1  # one job, one answer
+    assert "no CUDA allocator peak" in res.out
+    # the same search without the wrapper plans less: the buckets are in the demand
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import ddp_train
+    from distmem.plan.fit import fit
+
+    kw = dict(global_batch_size=128, gpus="1x16GiB", input_shape=(512,), optimizer="adamw", precision="float32",
+              pipelines=[1], shardings="none", micro_batches=[64], ranks_per_gpu=[2], estimate="model")
+    plain = fit(ddp_train.build(512, 2, "meta"), **kw).chosen.heaviest.allocator_bytes
+    from distmem.plan.wrappers import Wrapper
+    with_ddp = fit(ddp_train.build(512, 2, "meta"), wrapper=Wrapper("ddp", 2), **kw).chosen.heaviest.allocator_bytes
+    assert with_ddp > plain and min(demands) > plain  # the example's ranks were planned with the buckets

@@ -67,6 +67,30 @@ def test_ddp_buckets_copy_every_gradient_and_are_rebuilt_once_beside_the_old_one
     assert added_bytes(Wrapper("ddp", 2, gradient_as_bucket_view=True), 123) == 123
 
 
+def test_ddp_update_holds_one_bucket_set_and_a_bucket_view_none_beyond_the_gradients():
+    """The rebuilt buckets' second set is gone by the update (measured on the H200 with
+    examples/ddp_train.py: an update-phase peak held one set, bench/results/ddp_example_h200.json);
+    the backward through a later micro-step is priced beside it."""
+    upd = dict(PEAK, gradients=1000 * MiB)
+    peak, parts, d = rank_peak(upd, "update", STATE, Wrapper("ddp", 2))
+    assert parts["wrapper buffers"] == STATE.grad_bytes
+    peak, parts, d = rank_peak(upd, "update", STATE, Wrapper("ddp", 2, gradient_as_bucket_view=True))
+    assert parts["wrapper buffers"] == 0  # the gradients are the buckets
+    # a backward peak beside it, with both sets alive, is the larger moment when it is close enough
+    backward = dict(PEAK, gradients=200 * MiB)
+    both, parts, d = rank_peak(upd, "update", STATE, Wrapper("ddp", 2), backward=backward)
+    assert both == max(sum(upd.values()) + STATE.grad_bytes, sum(backward.values()) + 2 * STATE.grad_bytes)
+
+
+def test_ddp_bucket_view_is_a_wrapper_name_the_strategies_take():
+    from distmem.plan.wrappers import plan_wrapper
+
+    w = plan_wrapper("ddp_bucket_view", world_size=4, on_gpu=True)
+    assert w.kind == "ddp" and w.gradient_as_bucket_view and w.world_size == 4
+    with pytest.raises(ConfigError, match="ddp_bucket_view"):
+        plan_wrapper("ddp_view", world_size=4, on_gpu=True)
+
+
 def test_fsdp2_at_the_loss_holds_the_root_alone():
     """A peak before any unit's backward has made a gradient (a language model's logits and their
     gradients at the loss): the root's parameters are gathered, no unit is, none is reducing. Bug
