@@ -132,9 +132,9 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
                                 foreign=args.foreign, nccl_buffsize=args.nccl_buffsize, top=args.top,
                                 rejected=args.rejected, fixed_local_size=args.ranks_per_host,
                                 shardings=args.shardings)
-    from ..plan.fit.solve import _shard_choices
+    from ..plan.fit.solve import shard_choices
 
-    _shard_choices(args.shardings)  # a bad name refused before any model is loaded
+    shard_choices(args.shardings)  # a bad name refused before any model is loaded
     _check_pipelines(args, opts["pipelines"], opts["ranks_per_gpu"] or [1, 2])
     if args.layers:
         from ..plan.strategies.text import layers_file

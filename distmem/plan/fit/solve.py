@@ -26,7 +26,7 @@ from .costs import Costs
 from .evaluate import Candidate, Evaluator
 from .space import PROXY_TEXT, ParallelLayout, enumerate_layouts
 
-__all__ = ["solve_fit", "FitResult", "PRECISION_CHOICES", "precision_choices"]
+__all__ = ["solve_fit", "FitResult", "PRECISION_CHOICES", "precision_choices", "shard_choices"]
 
 #: The headroom over the allocator peak is :data:`distmem.defaults.LIMIT_HEADROOM` (measured on an
 #: H200: bench/results/fit_h200.json), the one every door uses.
@@ -110,7 +110,7 @@ def precision_choices(precision: Any) -> List[str]:
 SHARD_RANK = {"": 0, "zero1": 1, "zero2": 2, "fsdp2_keep": 3, "fsdp2": 4}
 
 
-def _shard_choices(value: Any) -> List[str]:
+def shard_choices(value: Any) -> List[str]:
     from ..wrappers import SHARDINGS
 
     if value in ("auto", None):
@@ -272,7 +272,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     k_choices = _int_choices(ranks_per_gpu, "ranks_per_gpu", (1, 2))
     p_choices = None if pipelines is None else _int_choices(pipelines, "pipelines", ())
     mb_choices = None if micro_batches is None else _int_choices(micro_batches, "micro_batches", ())
-    shard_choices = _shard_choices(shardings)
+    shard_names = shard_choices(shardings)
     precisions = [p for p in costs]
     first = next(iter(costs.values()))
     nblocks = len(first.block_names)
@@ -283,7 +283,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     layouts, degrees = enumerate_layouts(nblocks, global_batch_size, g, hosts, precisions=precisions,
                                   schedules=list(schedules), recompute=rc_choices, ranks_per_gpu=k_choices,
                                   pipelines=p_choices, micro_batches=mb_choices, fixed_local_size=fixed_local_size,
-                                  idle_gpus=idle_gpus, shardings=shard_choices)
+                                  idle_gpus=idle_gpus, shardings=shard_names)
     if not layouts:
         ok = sorted({d for d in degrees if d})
         mult = sorted({global_batch_size // d * d for d in ok} | {-(-global_batch_size // d) * d for d in ok})
