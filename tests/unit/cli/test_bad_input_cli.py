@@ -107,9 +107,12 @@ def test_ctrl_c_ends_in_one_line_and_status_130(name, argv, busy, needs, tmp_pat
     if not _importable(needs):
         pytest.skip(f"distmem {name} is not busy for long without {needs} (not in this environment)")
     env = dict(os.environ, PYTHONPATH=ROOT, DISTMEM_QUIET="1", TF_CPP_MIN_LOG_LEVEL="3")
+    # A terminal's foreground job has Ctrl-C's default action; a suite started in the background of
+    # a non-interactive shell (`make test &`) inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt: give the command the terminal's disposition
     proc = subprocess.Popen([sys.executable, "-m", "distmem", *argv], cwd=str(tmp_path), env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Mid-run: the command has loaded its framework (sizing the model) or started its probe.
     deadline = time.monotonic() + 180
     while proc.poll() is None and not busy(proc) and time.monotonic() < deadline:
