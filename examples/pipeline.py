@@ -11,8 +11,9 @@ their gradients backward between neighbouring stages (through ``hvd.allgather``,
 joins at each tick), every stage keeps all its micro-batches' activations until the backward, and
 applies its own Adam update. Rank 0 prints distmem's report: each rank's stage, planned limit
 and measured peak. Without GPUs the plan is computed (mode "cpu") and the peaks are TensorFlow's
-CPU allocator figures; they also hold what the plan does not model: this example's exchange
-buffers (one padded boundary tensor per rank per tick) and the backward pass's temporaries.
+CPU allocator figures. The example's own exchange (each tick, one vector per rank padded to the largest
+activation, all-gathered) is stated to the plan as ``exchange_bytes``: the all-gather's input and its
+output of one vector per rank (``--exchange-in-plan off`` leaves it out, to see what it adds).
 """
 import argparse
 import os
@@ -82,12 +83,20 @@ def main():
     ap.add_argument("--recompute", action="store_true", help="plan with activation recomputation (the "
                     "example itself keeps activations; the plan shows the smaller demand)")
     ap.add_argument("--report", default=os.environ.get("DISTMEM_REPORT", "runs/pipeline/report.json"))
+    ap.add_argument("--exchange-in-plan", choices=["on", "off"], default="on",
+                    help="state this example's all-gather buffers to the plan (exchange_bytes=; default on)")
     args = parse_example(ap)
     mb, m = args.micro_batch_size, args.micro_batches
     costs = layer_costs(mb)
+    # Every tick each rank all-gathers one vector padded to the largest activation any cut can send
+    # (known before the partition): TensorFlow holds its input and the gathered output, one vector per
+    # rank, at once. That is this example's exchange, stated to the plan.
+    width = max([mb * INPUT[0] * INPUT[1] * INPUT[2]] + [c.output_bytes // 4 for c in costs])
+    ranks = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
     plan = distmem.init(strategy="pipeline", layers=costs, schedule="gpipe", num_micro_batches=m,
                         micro_batch_size=mb, input_bytes=4 * mb * INPUT[0] * INPUT[1] * INPUT[2],
-                        recompute=args.recompute)
+                        recompute=args.recompute,
+                        exchange_bytes=(1 + ranks) * 4 * width if args.exchange_in_plan == "on" else 0)
 
     import numpy as np
     import tensorflow as tf
@@ -114,7 +123,6 @@ def main():
                   f"{format_bytes(a.limit_bytes or a.breakdown['planned_bytes'])} ({a.mode}); {a.notes[0]}")
         echo("[rank 0] stages: " + "; ".join(f"{s}: {', '.join(x['layers'])}"
                                               for s, x in enumerate(info["partition"]["parts"])))
-    width = max(int(np.prod(s)) for s in shapes)  # every tick exchanges one padded vector per rank
     rng = np.random.default_rng(1234)
     data = [(rng.random((mb,) + INPUT, dtype=np.float32), rng.integers(0, 10, mb)) for _ in range(m)]
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -68,8 +68,11 @@ class PipelineOptions:
                                                   help="model input shape without the batch axis, e.g. 96,96,3")
     wrapper: Optional[str] = option("none", choices=WRAPPER_CHOICES,
                                     help="the data-parallel wrapper whose buffers each stage also holds: none "
-                                         "(default), horovod, ddp, tf_distribute, or auto (Horovod when this "
-                                         "process sees HOROVOD_*: a dry run does not) (distmem.plan.wrappers)")
+                                         "(default), horovod, ddp, ddp_bucket_view, tf_distribute, or auto (Horovod "
+                                         "when this process sees HOROVOD_*: a dry run does not) (distmem.plan.wrappers)")
+    exchange_bytes: SizeLike = option(
+        0, metavar="SIZE", help="what the stages' own activation exchange holds in the framework's allocator at "
+                                "once (e.g. an all-gather's input and output), added to every computed stage")
 
 
 def stage_of_rank(rank: int, size: int, num_stages: int, rank_order: str = "pipeline") -> Tuple[int, int]:
@@ -189,6 +192,15 @@ def plan(ctx: "Context", opts: PipelineOptions) -> Plan:
              for d in demands]
     if any(added):
         demands = [replace(d, state_bytes=d.state_bytes + a) for d, a in zip(demands, added)]
+    exchange = parse_bytes(opts.exchange_bytes, what="exchange_bytes")
+    if exchange < 0:
+        raise ConfigError(f"exchange_bytes={opts.exchange_bytes!r}: give the bytes the exchange holds, 0 or more")
+    if exchange and explicit:
+        raise ConfigError(f"exchange_bytes={opts.exchange_bytes!r} adds to stages computed from layers= or model=; "
+                          "stages= states each stage's whole bytes already: include the exchange in them and drop "
+                          "exchange_bytes")
+    if exchange:
+        demands = [replace(d, state_bytes=d.state_bytes + exchange) for d in demands]
     stage_of_rank(0, ctx.topo.size, p, opts.rank_order)  # validates size % p and the order
     fixed = [fixed_bytes(wrapper) if a else 0 for a in added]  # kept buffers: added after the headroom
     wants = [budget.limit_for(d.total_bytes - f) + f for d, f in zip(demands, fixed)]
@@ -198,6 +210,9 @@ def plan(ctx: "Context", opts: PipelineOptions) -> Plan:
         if a:
             bd["state_bytes"] -= a
             bd["wrapper_bytes"] = a
+        if exchange:
+            bd["state_bytes"] -= exchange
+            bd["exchange_bytes"] = exchange
     notes = [("" if explicit else f": layers {d.start}..{d.stop - 1}, {opts.schedule} holds {d.in_flight} "
                                   f"micro-batch(es){' (recompute)' if opts.recompute else ''}") for d in demands]
     enforce = budget.enforced(always=True)

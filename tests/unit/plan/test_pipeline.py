@@ -230,3 +230,18 @@ def test_model_goes_through_the_estimator(monkeypatch):
                     "measurement": None}
     assert plan.extras["pipeline"]["source"] == "model"
     assert sum(len(p["layers"]) for p in plan.extras["pipeline"]["partition"]["parts"]) == 4
+
+
+def test_the_stages_own_exchange_is_added_to_every_computed_stage():
+    """exchange_bytes: what the stages' activation exchange holds (examples/pipeline.py's all-gather
+    input and output) is in every stage's demand and its breakdown; stated stages= already hold
+    their whole bytes, so the two together are refused rather than one silently ignored."""
+    costs = layers()
+    base = make_plan("pipeline", topo(4, 4), fleet_inventory("4x80GiB"), layers=costs, headroom="10%")
+    plan = make_plan("pipeline", topo(4, 4), fleet_inventory("4x80GiB"), layers=costs, headroom="10%",
+                     exchange_bytes="10MiB")
+    for a, b in zip(plan.allocations, base.allocations):
+        assert a.demand_bytes == b.demand_bytes + 10 * MiB
+        assert a.breakdown["exchange_bytes"] == 10 * MiB and a.breakdown["state_bytes"] == b.breakdown["state_bytes"]
+    with pytest.raises(ConfigError, match="exchange_bytes='5MiB'.*stages="):
+        make_plan("pipeline", topo(2, 2), fleet_inventory("2x80GiB"), stages=["1GiB", "1GiB"], exchange_bytes="5MiB")
