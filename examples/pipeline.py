@@ -92,7 +92,12 @@ def main():
     # (known before the partition): TensorFlow holds its input and the gathered output, one vector per
     # rank, at once. That is this example's exchange, stated to the plan.
     width = max([mb * INPUT[0] * INPUT[1] * INPUT[2]] + [c.output_bytes // 4 for c in costs])
-    ranks = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+    size_var = next((v for v in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE") if os.environ.get(v)), None)
+    try:
+        ranks = int(os.environ[size_var]) if size_var else 1
+    except ValueError:
+        raise SystemExit(f"pipeline.py: {size_var}={os.environ[size_var]!r} is not a whole number of ranks; launch "
+                         "with horovodrun -np N (it sets it)") from None
     plan = distmem.init(strategy="pipeline", layers=costs, schedule="gpipe", num_micro_batches=m,
                         micro_batch_size=mb, input_bytes=4 * mb * INPUT[0] * INPUT[1] * INPUT[2],
                         recompute=args.recompute,
