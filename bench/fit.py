@@ -494,6 +494,35 @@ def summarize(rows: List[Dict[str, Any]], seconds: float, torch: Any) -> Dict[st
     return summary
 
 
+def run_jobs(rows: List[Dict[str, Any]], jobs: List[Tuple[int, str, Dict[str, Any]]], runner: Any, parallel: int,
+             describe: Any = None) -> None:
+    """Run every ``(pair, what, spec)`` job, ``parallel`` at once on the GPU, and book each result in
+    ``rows[pair]["runs"][what]``: the result with its spec, the allocated peak over the limit (a
+    limited run), and the error of the estimate booked under ``rows[pair]["chosen"]`` (or under
+    ``what`` itself for a ``rejected*`` run) where the run did not run out of memory.
+    ``describe(spec)``: more words for the progress line."""
+    def go(job):
+        idx, what, spec = job
+        r = runner(spec)
+        if os.environ.get("FIT_RUNS_LOG"):  # every run as it ends, so a killed bench still leaves its data
+            with open(os.environ["FIT_RUNS_LOG"], "a") as f:
+                f.write(json.dumps({"pair": idx, "what": what, "spec": spec, "result": r}) + "\n")
+        log(f"  {rows[idx]['model']} {what}{describe(spec) if describe else ''}: oom={r.get('oom')} "
+            f"peak={(r.get('peak_allocated') or 0) / GiB:.2f} GiB limit={spec['limit_bytes'] / GiB:.2f} GiB "
+            f"{r.get('error') or ''}")
+        return idx, what, spec, r
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for idx, what, spec, r in pool.map(go, jobs):
+            rec = dict(r, spec=spec)
+            if r.get("peak_allocated") and spec["limit_bytes"]:  # an unlimited run (limit 0) has no ratio
+                rec["peak_over_limit"] = round(r["peak_allocated"] / spec["limit_bytes"], 4)
+            est = rows[idx].get(what if what.startswith("rejected") else "chosen", {}).get("estimated_peak")
+            if est and r.get("peak_allocated") and not r.get("oom"):
+                rec["estimate_error"] = round(est / r["peak_allocated"] - 1, 4)
+            rows[idx].setdefault("runs", {})[what] = rec
+
+
 def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], sweep: bool, parallel: int,
             dry: bool = False, merge: Optional[str] = None) -> Dict[str, Any]:
     from distmem.plan.fit import fit
@@ -555,27 +584,7 @@ def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], sweep: bool, paral
             print(res.table())
         jobs = []
 
-    def go(job):
-        idx, what, spec = job
-        r = run_worker(spec)
-        if os.environ.get("FIT_RUNS_LOG"):  # every run as it ends, so a killed bench still leaves its data
-            with open(os.environ["FIT_RUNS_LOG"], "a") as f:
-                f.write(json.dumps({"pair": idx, "what": what, "spec": spec, "result": r}) + "\n")
-        log(f"  {rows[idx]['model']} {what}: oom={r.get('oom')} peak={(r.get('peak_allocated') or 0) / GiB:.2f} GiB "
-            f"limit={spec['limit_bytes'] / GiB:.2f} GiB {r.get('error') or ''}")
-        return idx, what, spec, r
-
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for idx, what, spec, r in pool.map(go, jobs):
-            rec = dict(r, spec=spec)
-            if r.get("peak_allocated") and spec["limit_bytes"]:
-                rec["peak_over_limit"] = round(r["peak_allocated"] / spec["limit_bytes"], 4)
-            est = rows[idx].get("chosen" if what != "rejected" else "rejected", {}).get("estimated_peak")
-            if what == "unlimited":
-                rec.pop("peak_over_limit", None)
-            if est and r.get("peak_allocated") and not r.get("oom"):
-                rec["estimate_error"] = round(est / r["peak_allocated"] - 1, 4)
-            rows[idx].setdefault("runs", {})[what] = rec
+    run_jobs(rows, jobs, run_worker, parallel)
     tables = [res.table() for res, _ in fits]
     if merge:
         # re-ran pairs replace theirs in an earlier result; the others stay as they were measured

@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +35,7 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 import fit as fitbench  # noqa: E402  the models, their inputs and weight init
+import wrappers_measure  # noqa: E402  ZeRO as that bench builds it
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
 
@@ -105,13 +105,7 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             fitbench.init_weights(model)
         model.train()
         if shard in ("zero1", "zero2"):
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)
-            if shard == "zero2":
-                owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
-                for prm in model.parameters():
-                    if id(prm) not in owned and prm.requires_grad:
-                        prm.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+            opt = wrappers_measure.zero_optimizer(model, shard, torch.optim.Adam)
         else:
             opt = torch.optim.Adam(model.parameters())
         gpt = fitbench.MODELS[name][0] == "gpt"
@@ -216,25 +210,10 @@ def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], parallel: int, dry
             print(t)
         jobs = []
 
-    def go(job):
-        idx, what, spec = job
-        r = run_worker(spec)
-        log(f"  {rows[idx]['model']} B={rows[idx]['global_batch_size']} {what} ({spec['shard'] or 'replicated'} "
-            f"over {spec['world']}, micro-batch {spec['micro_batch']} x {spec['micro_batches']}): oom={r.get('oom')} "
-            f"peak={(r.get('peak_allocated') or 0) / GiB:.2f} GiB limit={spec['limit_bytes'] / GiB:.2f} GiB "
-            f"{r.get('error') or ''}")
-        return idx, what, spec, r
-
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for idx, what, spec, r in pool.map(go, jobs):
-            rec = dict(r, spec=spec)
-            if r.get("peak_allocated") and spec["limit_bytes"]:
-                rec["peak_over_limit"] = round(r["peak_allocated"] / spec["limit_bytes"], 4)
-            key = what if what.startswith("rejected") else "chosen"
-            est = rows[idx].get(key, {}).get("estimated_peak")
-            if est and r.get("peak_allocated") and not r.get("oom"):
-                rec["estimate_error"] = round(est / r["peak_allocated"] - 1, 4)
-            rows[idx].setdefault("runs", {})[what] = rec
+    fitbench.run_jobs(rows, jobs, run_worker, parallel,
+                      describe=lambda spec: (f" B={spec['micro_batch'] * spec['micro_batches'] * spec['world']} "
+                                             f"({spec['shard'] or 'replicated'} over {spec['world']}, micro-batch "
+                                             f"{spec['micro_batch']} x {spec['micro_batches']})"))
     summary = fitbench.summarize(rows, time.time() - t_all, torch)
     sharded_rejected = [r["runs"]["rejected_sharded"] for r in rows if "rejected_sharded" in r.get("runs", {})]
     summary.update(bench="fit_sharded", chosen_sharded=sum(1 for r in rows if r.get("chosen", {}).get("shard")),

@@ -111,31 +111,25 @@ def train_peak(model: Any, opt: Any, inputs: Callable, batch: int, device: str, 
     step's peak is kept beside it, and the last step's peak of each phase (forward, backward,
     update): which step and where the peak falls."""
     import torch
-    if device != "cuda":
-        for _ in range(steps):
-            args, kwargs = inputs(batch, device)
-            out = model(*args, **kwargs)
-            loss = cross_entropy(out)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss, args, kwargs
-        return {"allocated": 0, "reserved": 0, "base": 0}
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    cuda = device == "cuda"  # on the CPU (the plumbing check) the loop runs and nothing is measured
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
     per_step: List[int] = []
     phases: Dict[str, int] = {}
     reserved = 0
 
     def peak() -> int:
         nonlocal reserved
+        if not cuda:
+            return 0
         torch.cuda.synchronize()
         reserved = max(reserved, int(torch.cuda.max_memory_reserved()))
         value = int(torch.cuda.max_memory_allocated())
         torch.cuda.reset_peak_memory_stats()
         return value
 
-    torch.cuda.reset_peak_memory_stats()
     for i in range(steps):
         last = i == steps - 1
         args, kwargs = inputs(batch, device)
@@ -152,6 +146,8 @@ def train_peak(model: Any, opt: Any, inputs: Callable, batch: int, device: str, 
         opt.zero_grad(set_to_none=True)
         del out, loss, args, kwargs
         per_step.append(max(phases.values()) if last else peak())
+    if not cuda:
+        return {"allocated": 0, "reserved": 0, "base": 0}
     return {"allocated": max(per_step), "reserved": reserved, "base": int(base), "phases": phases,
             "steps": per_step}
 
@@ -162,6 +158,20 @@ def free(device: str) -> None:
         import torch
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def zero_optimizer(model: Any, kind: str, optimizer_class: Any) -> Any:
+    """``ZeroRedundancyOptimizer`` over ``optimizer_class`` (ZeRO-1); ``kind="zero2"`` also frees the
+    gradients of parameters another rank owns once they are accumulated (DeepSpeed stage 2 keeps
+    only its partition's)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class)
+    if kind == "zero2":
+        owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
+        for p in model.parameters():
+            if id(p) not in owned and p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    return opt
 
 
 def run_case(name: str, kind: str, n: int, tiny: bool, device: str, **options: Any) -> Dict[str, int]:
@@ -177,13 +187,7 @@ def run_case(name: str, kind: str, n: int, tiny: bool, device: str, **options: A
         fully_shard(model)  # the root as users write it: torch keeps it unsharded from forward to backward
         opt = torch.optim.AdamW(model.parameters())
     elif kind in ("zero1", "zero2"):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
-        if kind == "zero2":
-            owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
-            for p in model.parameters():
-                if id(p) not in owned and p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        opt = zero_optimizer(model, kind, torch.optim.AdamW)
     elif kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, **{k: v for k, v in options.items() if k in ("gradient_as_bucket_view", "static_graph",
