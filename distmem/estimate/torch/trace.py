@@ -64,18 +64,21 @@ def peak_parts(cuda: bool, before: List[Tuple[int, str]], trace: List[Tuple[int,
     best: Dict[str, int] = {}
 
     def track(ph: str) -> None:
-        # step ``which``'s peak within each phase, split the same way (``phases``)
-        if phases is not None and len(results) == which and alloc.in_use > best.get(ph, -1):
+        # step ``which``'s peak within each phase, split the same way (``phases``); called only while
+        # that step is replayed
+        if alloc.in_use > best.get(ph, -1):
             best[ph] = alloc.in_use
             split = {p: int(alloc.by_part.get(p, 0)) for p in PARTS}
             split["allocator rounding"] += alloc.in_use - sum(split.values())
             phases[ph] = split
 
     alloc.reset_peak()
+    tracking = phases is not None and which == 0
     for serial, n, ph in trace:
         if n >= 0:
             alloc.alloc(("s", serial), n, part(serial, ph))
-            track(ph)
+            if tracking:
+                track(ph)
         else:
             alloc.free(("s", serial))
     for i, n in enumerate(workspaces):
@@ -84,12 +87,14 @@ def peak_parts(cuda: bool, before: List[Tuple[int, str]], trace: List[Tuple[int,
     skip = {s for s, n, _ in trace if n >= 0 and s in alive}
     for r in range(steps - 1):
         alloc.reset_peak()
+        tracking = phases is not None and which == r + 1
         for serial, n, ph in trace:
             if serial in skip:
                 continue
             if n >= 0:
                 alloc.alloc(("r", r, serial), n, part(serial, ph))
-                track(ph)
+                if tracking:
+                    track(ph)
             else:
                 alloc.free(("r", r, serial))
         for serial, n, _ in trace:

@@ -159,7 +159,8 @@ class EstimateCosts(Costs):
         self._work_ps = [max((r.workspace_bytes_per_sample for r in g), default=0) for g in self._rows]
         self._in_ps = int(getattr(est, "input_bytes_per_sample", 0) or 0)
         self.persistent_bytes = int(getattr(est, "extra_persistent_bytes", 0) or 0)
-        self._peaks: Dict[Tuple[int, bool], Tuple[int, Dict[str, int]]] = {}
+        self._largest_grad = max((int(r.grad_bytes) for r in rows), default=0)
+        self._peaks: Dict[Tuple[int, bool], Tuple[int, Dict[str, int], str]] = {}
 
     @staticmethod
     def _block_output(rows: Sequence[Any]) -> int:
@@ -228,7 +229,7 @@ class EstimateCosts(Costs):
     @property
     def largest_gradient(self) -> int:
         """The largest layer's gradient bytes (a module's weight and bias together)."""
-        return max((int(r.grad_bytes) for g in self._rows for r in g), default=0)
+        return self._largest_grad
 
     def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
         """:meth:`Costs.model_state`, with each estimator row's parameters as the tensors ZeRO
