@@ -45,7 +45,8 @@ def parse_args():
     p.add_argument("--check", type=positive_number, default=None, metavar="PCT",
                    help="exit 1 when a rank's peak is more than PCT%% off its planned demand")
     p.add_argument("--out", default=None, help="rank 0 writes every rank's peak, demand and limit here (JSON)")
-    p.add_argument("--timeout", type=positive_number, default=None, help="seconds the exchange waits for every rank")
+    p.add_argument("--timeout", type=positive_number, default=None,
+                   help="seconds a collective or the final exchange waits for every rank (default 300 / 60)")
     return parse_example(p)
 
 
@@ -82,7 +83,11 @@ def main():
         import torch.distributed as dist
 
         per_gpu = dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count()
-        kwargs = {"backend": "nccl" if per_gpu else "gloo"}
+        import datetime
+
+        # a rank that dies leaves the others waiting in a collective: bounded, not torch's 10-30 min
+        kwargs = {"backend": "nccl" if per_gpu else "gloo",
+                  "timeout": datetime.timedelta(seconds=args.timeout or 300)}
         if per_gpu:
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
