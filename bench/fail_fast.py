@@ -5,13 +5,17 @@ other rank must exit within 10 s printing one line that names the dead rank and 
 
 Each injection is one launch of tests/faults/progs/train_loop.py on 4 ranks (a tiny data parallel
 loop: 64 floats all-reduced every 5 ms by the framework's own collective - torch.distributed Gloo
-under torchrun, mpi4py Allreduce under mpirun) with ``distmem.init()`` first (fail fast on by
-default); the victim (a random rank) kills itself at a random time 0.2-2 s into the loop.
+under torchrun, mpi4py Allreduce under mpirun, horovod.tensorflow's allreduce under
+``horovodrun --gloo`` (launcher ``horovodrun``) and ``horovodrun --mpi`` (``horovodrun-mpi``: Horovod
+under mpirun)) with ``distmem.init()`` first (fail fast on by default; under Horovod before
+``hvd.init()``, as users write it); the victim (a random rank) kills itself at a random time 0.2-2 s
+into the loop.
 
 The launcher must not tear the job down itself, as it does not on a real cluster when the rank is
 lost with its node (a lost host is unseen by the other hosts' launchers until their own timeouts):
-under torchrun every rank runs under tests/faults/progs/keeper.py (which holds the dead rank's slot
-until the run is over); mpirun gets ``--mca orte_abort_on_non_zero_status 0``.
+under torchrun and horovodrun --gloo every rank runs under tests/faults/progs/keeper.py (which holds
+the dead rank's slot until the run is over); mpirun and horovodrun --mpi get
+``--mca orte_abort_on_non_zero_status 0``.
 
 Counted over the survivors of each injection: ``line`` (exited within 10 s of the kill with the one
 line), ``exited_other`` (exited within the bound without the line: the transport raised on its
@@ -41,8 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGS = os.path.join(ROOT, "tests", "faults", "progs")
 PROG = os.path.join(PROGS, "train_loop.py")
 KEEPER = os.path.join(PROGS, "keeper.py")
-LAUNCHERS = ("torchrun", "mpirun")
-TRANSPORT = {"torchrun": "torch", "mpirun": "mpi"}
+LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovodrun-mpi")
+TRANSPORT = {"torchrun": "torch", "mpirun": "mpi", "horovodrun": "horovod", "horovodrun-mpi": "horovod"}
 WITHIN = 10.0
 LINE_MARK = "; stopping this rank"
 
@@ -62,6 +66,11 @@ def command(launcher: str, np_: int) -> List[str]:
                     "FF_HOW", "FF_MODE", "FF_TRANSPORT", "FF_LIMIT"):
             cmd += ["-x", key]
         return cmd + [py, PROG]
+    if launcher == "horovodrun":
+        return [_tool("horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", py, KEEPER, PROG]
+    if launcher == "horovodrun-mpi":
+        return [_tool("horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--mpi",
+                "--mpi-args=--oversubscribe --bind-to none --mca orte_abort_on_non_zero_status 0", py, PROG]
     raise SystemExit(f"unknown launcher {launcher!r}; use one of {', '.join(LAUNCHERS)} or all")
 
 
@@ -226,7 +235,7 @@ def run_launcher(launcher: str, injections: int, bare: int, seed: int, bound: fl
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--launcher", default="all", help="torchrun, mpirun or all")
+    ap.add_argument("--launcher", default="all", help=f"{', '.join(LAUNCHERS)} or all")
     ap.add_argument("--injections", type=int, default=100)
     ap.add_argument("--bare", type=int, default=5, help="baseline injections without distmem")
     ap.add_argument("--seed", type=int, default=1)

@@ -25,9 +25,12 @@ Horovod's shutdown; MPI_Abort), each bounded by :data:`ABORT_SECONDS`, and leave
 way.
 
 Rendezvous (where the hub listens, and a random token that every connection must present): through
-the job's transport when one is up at ``init()`` (one all-gather), else through torchrun's agent
-store (``MASTER_ADDR``/``MASTER_PORT``) before ``torch.distributed`` is initialised; else the
-heartbeat does not start and says so. Every wait is bounded by ``DISTMEM_TIMEOUT``.
+the job's transport when one is up at ``init()`` (one all-gather), else through the launcher's own
+store before the framework's init: torchrun's agent store (``MASTER_ADDR``/``MASTER_PORT``) before
+``torch.distributed``, horovodrun's rendezvous server (``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``)
+before ``hvd.init()``; else the heartbeat does not start and says so. Every wait is bounded by
+``DISTMEM_TIMEOUT``. Elastic Horovod (``HOROVOD_ELASTIC=1``) recovers from a lost rank itself: no
+heartbeat there.
 
 On by default from ``distmem.init()``; ``init(fail_fast=False)`` or ``DISTMEM_FAIL_FAST=0`` turn
 it off.
@@ -485,7 +488,10 @@ class Heartbeat:
 
 # ---------------------------------------------------------------------- the process's heartbeat
 
-_state: Dict[str, Any] = {"hb": None, "hook": None}
+#: ``meetings``: how many times this process has met the others through a launcher's store - the
+#: key's generation, so that a heartbeat started again in the same launch (``distmem.reset()`` then
+#: ``init()``) never reads the earlier hub's info; every rank starts as often (it is collective).
+_state: Dict[str, Any] = {"hb": None, "hook": None, "meetings": 0}
 
 
 def current() -> Optional[Heartbeat]:
@@ -529,10 +535,10 @@ def rendezvous_info(host: str) -> Tuple[socket.socket, Dict[str, Any]]:
                     "token": secrets.token_hex(16)}
 
 
-def _exchange(rank: int, size: int, info: Optional[Dict[str, Any]], comm: Any, timeout: float
-              ) -> Optional[Dict[str, Any]]:
-    """Rank 0's info on every rank: through ``comm`` when given, else torchrun's agent store; None
-    when neither is there."""
+def _exchange(rank: int, size: int, info: Optional[Dict[str, Any]], comm: Any, timeout: float,
+              generation: int = 1) -> Optional[Dict[str, Any]]:
+    """Rank 0's info on every rank: through ``comm`` when given, else torchrun's agent store, else
+    horovodrun's rendezvous server (under a key of this ``generation``); None when none is there."""
     if comm is not None:
         rows = comm.allgather(info if rank == 0 else None, timeout)
         return rows[0]
@@ -544,12 +550,69 @@ def _exchange(rank: int, size: int, info: Optional[Dict[str, Any]], comm: Any, t
 
         store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout))
-        key = f"distmem/heartbeat/{env.get('TORCHELASTIC_RUN_ID')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        key = (f"distmem/heartbeat/{env.get('TORCHELASTIC_RUN_ID')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+               f"/{generation}")
         if rank == 0:
             store.set(key, json.dumps(info))
             return info
         return json.loads(store.get(key))
+    addr, port = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), env.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "")
+    if addr and port.isdigit():
+        return _horovod_store(rank, info, addr, int(port), timeout, generation)
     return None
+
+
+#: Where rank 0 leaves its info in horovodrun's rendezvous server: a scope of distmem's own (Horovod
+#: clears only the scopes of its host plan - ``global``, ``local_*``, ``cross_*`` - when its ranks
+#: finish their rendezvous; the server lives for the launch, so no earlier launch's key is there).
+HOROVOD_SCOPE = "distmem-heartbeat"
+
+
+def _horovod_store(rank: int, info: Optional[Dict[str, Any]], addr: str, port: int, timeout: float,
+                   generation: int = 1) -> Dict[str, Any]:
+    """Rank 0's info through horovodrun's HTTP key-value store (``PUT``/``GET /scope/key``, 404
+    until set), which serves the launch before ``hvd.init()``. Plain ``http.client``: no proxy from
+    the environment may stand between a rank and its own launcher."""
+    import http.client
+
+    path = f"/{HOROVOD_SCOPE}/hub-{generation}"
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        conn = http.client.HTTPConnection(addr, port, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+        try:
+            if rank == 0:
+                body = json.dumps(info).encode()
+                conn.request("PUT", path, body=body, headers={"Content-Length": str(len(body))})
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status == 200:
+                    assert info is not None
+                    return info
+                last = f"PUT answered {resp.status}"
+            else:
+                conn.request("GET", path)
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status == 200:
+                    got = json.loads(data)
+                    if isinstance(got, dict) and {"addrs", "port", "token"} <= set(got):
+                        return got
+                    last = "an answer that is not rank 0's info"
+                else:
+                    last = f"GET answered {resp.status} (rank 0 has not put its info yet)"
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            from ..errors import GatherTimeoutError
+
+            raise GatherTimeoutError(
+                f"rank {rank} could not meet rank 0's fail-fast heartbeat through horovodrun's rendezvous server "
+                f"at {addr}:{port} within {timeout:.1f} s ({last}); check that every rank runs distmem.init(), "
+                "or turn fail fast off (init(fail_fast=False) or DISTMEM_FAIL_FAST=0)")
+        time.sleep(0.1)
 
 
 #: An exception that ends a rank waits this long (seconds) for news of a peer's death before it is
@@ -579,10 +642,16 @@ def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[f
         return _state["hb"]
     if size <= 1:
         return None
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        # Elastic Horovod carries on without a lost rank (its reset): stopping the others would undo that.
+        log.info("distmem: fail fast is off under elastic Horovod (HOROVOD_ELASTIC=1), which recovers from a "
+                 "lost rank itself")
+        return None
     timeout = settings.timeout() if timeout is None else timeout
     server, info = rendezvous_info(host) if rank == 0 else (None, None)
+    _state["meetings"] += 1
     try:
-        got = _exchange(rank, size, info, comm, timeout)
+        got = _exchange(rank, size, info, comm, timeout, _state["meetings"])
     except Exception:
         if server is not None:
             server.close()
@@ -592,7 +661,7 @@ def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[f
             server.close()
         msg = ("fail fast is off for this job: no transport was up at init() to meet over (call hvd.init() / "
                "torch.distributed.init_process_group() before distmem.init(), or launch with mpirun and mpi4py, "
-               "or torchrun)")
+               "torchrun or horovodrun)")
         if rank == 0 and verbose:
             say(f"[distmem] {msg}", logger=log)
         else:

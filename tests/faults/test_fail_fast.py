@@ -1,12 +1,15 @@
 """Fail fast under real launchers (bench/fail_fast.py at a few injections): a 4-rank training loop on
-the framework's own collective (torch.distributed Gloo under torchrun, mpi4py under mpirun), one
-rank SIGKILLed (or ending on an out-of-memory error outside the guard); every other rank must exit
-within 10 s, non-zero, with one line naming the dead rank, its host and the cause. Without distmem
-(or with DISTMEM_FAIL_FAST=0) the MPI survivors wait in the all-reduce until the bound.
+the framework's own collective (torch.distributed Gloo under torchrun, mpi4py under mpirun,
+horovod.tensorflow under horovodrun --gloo and --mpi with ``distmem.init()`` before ``hvd.init()``),
+one rank SIGKILLed (or ending on an out-of-memory error outside the guard); every other rank must
+exit within 10 s, non-zero, with one line naming the dead rank, its host and the cause. Without
+distmem (or with DISTMEM_FAIL_FAST=0) the MPI survivors wait in the all-reduce until the bound, and
+Horovod's Gloo survivors end on Horovod's own "has been shut down", which names no rank.
 
-The launcher does not tear the job down itself here (keeper.py under torchrun, mpirun's
-orte_abort_on_non_zero_status=0): on a real cluster a rank lost with its node goes unseen by the
-other hosts' launchers. The 100-injection counts per launcher are bench/results/fail_fast.json."""
+The launcher does not tear the job down itself here (keeper.py under torchrun and horovodrun
+--gloo, mpirun's orte_abort_on_non_zero_status=0): on a real cluster a rank lost with its node goes
+unseen by the other hosts' launchers. The 100-injection counts per launcher are
+bench/results/fail_fast.json."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,14 +24,19 @@ from helpers import ROOT, have
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import fail_fast  # noqa: E402
 
-NEEDS = {"torchrun": ("torchrun", "torch"), "mpirun": ("mpirun", "mpi4py")}
+NEEDS = {"torchrun": ("torchrun", "torch"), "mpirun": ("mpirun", "mpi4py"),
+         "horovodrun": ("horovodrun", "horovod.tensorflow"), "horovodrun-mpi": ("horovodrun", "horovod.tensorflow")}
 
 
 def _need(launcher: str) -> None:
     tool, module = NEEDS[launcher]
     if not have(tool):
         pytest.skip(f"{tool} not installed (main environment: scripts/env.sh main)")
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # the parent package is missing
+        found = False
+    if not found:
         pytest.skip(f"{module} not installed (main environment: scripts/env.sh main)")
 
 
@@ -48,7 +56,8 @@ def _check(res, victim: int, cause: str) -> None:
         assert re.fullmatch(rf"distmem: rank {victim} \(host [^)]+\) {cause}.*; stopping this rank", s["line"]), s["line"]
 
 
-@pytest.mark.parametrize("launcher,victim", [("torchrun", 2), ("mpirun", 0), ("mpirun", 3)])
+@pytest.mark.parametrize("launcher,victim", [("torchrun", 2), ("mpirun", 0), ("mpirun", 3), ("horovodrun", 0),
+                                             ("horovodrun", 3), ("horovodrun-mpi", 1)])
 def test_survivors_of_a_sigkill_exit_within_10s_with_one_line(tmp_path, launcher, victim):
     _need(launcher)
     res = fail_fast.run_injection(launcher, victim, 0.6, bound=20.0, work=str(tmp_path))
@@ -71,3 +80,15 @@ def test_without_fail_fast_the_mpi_survivors_wait(tmp_path, monkeypatch, how):
                                   work=str(tmp_path))
     assert not res["problems"], res["problems"]
     assert {s["outcome"] for s in res["survivors"].values()} == {"hang"}, res["survivors"]
+
+
+def test_without_fail_fast_horovod_gloo_survivors_end_on_horovods_own_error(tmp_path, monkeypatch):
+    """The opt-out under horovodrun --gloo: no line; each survivor ends on Horovod's shutdown (its
+    Gloo pair saw the reset), or is ended by horovodrun once a first survivor exits."""
+    _need("horovodrun")
+    monkeypatch.setenv("DISTMEM_FAIL_FAST", "0")
+    res = fail_fast.run_injection("horovodrun", 2, 0.4, bound=20.0, work=str(tmp_path))
+    assert not res["problems"], f"{res['problems']}\n{res['tail']}"
+    assert all(s["line"] is None for s in res["survivors"].values()), res["survivors"]
+    assert any("Horovod has been shut down" in (s["raised"] or "") for s in res["survivors"].values()), \
+        res["survivors"]

@@ -1,11 +1,12 @@
 """One rank of a fail-fast launch (tests/faults/test_fail_fast.py, bench/fail_fast.py): a tiny data
 parallel training loop whose gradient all-reduce is the framework's own (torch.distributed Gloo
-under torchrun, mpi4py's Allreduce under mpirun); one rank (FF_VICTIM) ends itself FF_AT seconds
-into the loop, by FF_HOW: ``kill`` (SIGKILL), ``oom`` (an out-of-memory error raised outside the
-guard, unhandled).
+under torchrun, mpi4py's Allreduce under mpirun, horovod.tensorflow's allreduce under horovodrun
+--gloo or --mpi, ``hvd.init()`` after ``distmem.init()`` as users write it); one rank (FF_VICTIM)
+ends itself FF_AT seconds into the loop, by FF_HOW: ``kill`` (SIGKILL), ``oom`` (an out-of-memory
+error raised outside the guard, unhandled).
 
 FF_MODE=distmem calls ``distmem.init()`` first (fail fast on by default); FF_MODE=bare runs the same
-loop without distmem (the baseline: how long the survivors wait). FF_TRANSPORT: torch | mpi.
+loop without distmem (the baseline: how long the survivors wait). FF_TRANSPORT: torch | mpi | horovod.
 
 Every rank sends its stderr to $FF_DIR/stderr-<rank>.txt and writes $FF_DIR/pid-<rank> (its pid)
 when the loop starts; the victim writes $FF_DIR/fault (wall time) just before it ends itself.
@@ -29,7 +30,7 @@ limit = float(os.environ.get("FF_LIMIT", "60"))
 
 
 def launcher_rank() -> int:
-    for key in ("OMPI_COMM_WORLD_RANK", "RANK", "PMI_RANK"):
+    for key in ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "RANK", "PMI_RANK"):
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
     return 0
@@ -58,6 +59,15 @@ if transport == "torch":
         t = torch.from_numpy(g)
         dist.all_reduce(t)
         return t.numpy()
+elif transport == "horovod":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+
+    def allreduce(g):
+        return hvd.allreduce(tf.constant(g), op=hvd.Sum, name="grad").numpy()
 else:
     from mpi4py import MPI
 

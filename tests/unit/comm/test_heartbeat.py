@@ -124,9 +124,10 @@ def test_a_connection_without_the_token_is_dropped_and_kills_nobody():
 
 def test_no_heartbeat_for_one_rank_and_none_without_a_meeting_place(monkeypatch):
     assert hbm.start(0, 1, "h") is None
-    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+                "HOROVOD_GLOO_RENDEZVOUS_PORT"):
         monkeypatch.delenv(key, raising=False)
-    assert hbm.start(0, 4, "h") is None  # no transport, no torchrun store: off, and says so
+    assert hbm.start(0, 4, "h") is None  # no transport, no launcher's store: off, and says so
     assert hbm.current() is None
 
 
@@ -164,3 +165,116 @@ def test_a_rank_whose_hub_has_ended_runs_on_without_fail_fast():
     late = hbm.Heartbeat(1, 2, "h0", info, on_death=lambda d: None).start(30.0)
     assert time.monotonic() - t0 < hbm.HUB_GONE_SECONDS + 3 and late._sock is None and late._thread is None
     late.close()  # no goodbye to send, no error
+
+
+class _StandInStore:
+    """horovodrun's rendezvous server as its ranks see it (horovod/runner/http/http_server.py,
+    0.28.1): ``PUT /scope/key`` stores the body, ``GET`` answers it or 404 until it is set."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        cache: Dict[str, bytes] = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self):
+                cache[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self):
+                value = cache.get(self.path)
+                self.send_response(200 if value is not None else 404)
+                self.send_header("Content-Length", str(len(value or b"")))
+                self.end_headers()
+                self.wfile.write(value or b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(params=["stand-in", "horovod"])
+def horovod_store(request):
+    """A rendezvous server: the stand-in, and Horovod's own where it is installed."""
+    if request.param == "horovod":
+        server_mod = pytest.importorskip("horovod.runner.http.http_server")
+        real = server_mod.RendezvousServer()
+        port = real.start()
+        yield port
+        real.stop()
+    else:
+        store = _StandInStore()
+        yield store.port
+        store.stop()
+
+
+def test_horovodrun_ranks_meet_through_its_rendezvous_server_before_hvd_init(monkeypatch, horovod_store):
+    # horovodrun --gloo with distmem.init() before hvd.init(): no transport is up yet, and the
+    # launcher's own store carries rank 0's info (a rank that asks first waits for it).
+    import threading
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HOROVOD_ELASTIC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(horovod_store))
+    info = {"host": "h0", "addrs": ["10.0.0.1"], "port": 4242, "token": "t" * 32}
+    got: Dict[int, dict] = {}
+    early = threading.Thread(target=lambda: got.__setitem__(1, hbm._exchange(1, 2, None, None, 10.0)))
+    early.start()
+    time.sleep(0.3)
+    assert hbm._exchange(0, 2, info, None, 10.0) == info
+    early.join(10)
+    assert got == {1: info}
+
+
+def test_a_heartbeat_started_again_in_the_same_launch_never_reads_the_earlier_hubs_info(monkeypatch):
+    # distmem.reset() then init() under one horovodrun: the store still holds the first hub's info.
+    from distmem.errors import GatherTimeoutError
+
+    store = _StandInStore()
+    try:
+        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(store.port))
+        for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(key, raising=False)
+        first = {"host": "h0", "addrs": ["10.0.0.1"], "port": 4242, "token": "a" * 32}
+        hbm._exchange(0, 2, first, None, 5.0, generation=1)
+        assert hbm._exchange(1, 2, None, None, 5.0, generation=1) == first
+        with pytest.raises(GatherTimeoutError, match="GET answered 404"):
+            hbm._exchange(1, 2, None, None, 0.5, generation=2)
+    finally:
+        store.stop()
+
+
+def test_a_rank_that_never_meets_rank_0_in_horovodruns_store_is_told_within_the_timeout(monkeypatch):
+    from distmem.errors import GatherTimeoutError
+
+    store = _StandInStore()
+    try:
+        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(store.port))
+        for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(key, raising=False)
+        t0 = time.monotonic()
+        with pytest.raises(GatherTimeoutError, match=r"horovodrun's rendezvous server at 127\.0\.0\.1:\d+ within "
+                                                     r"1\.0 s \(GET answered 404"):
+            hbm._exchange(2, 4, None, None, 1.0)
+        assert time.monotonic() - t0 < 3
+    finally:
+        store.stop()
+
+
+def test_no_heartbeat_under_elastic_horovod(monkeypatch):
+    # Elastic Horovod carries on without a lost rank: stopping the others would undo its recovery.
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert hbm.start(0, 4, "h") is None and hbm.current() is None
