@@ -261,6 +261,7 @@ CASES: List[Case] = [
     Case("pipeline-micro-batches-0", _ex("pipeline.py", "--micro-batches", "0"), ["--micro-batches", "0"]),
     Case("pipeline-micro-batch-size-0", _ex("pipeline.py", "--micro-batch-size", "0"), ["--micro-batch-size", "0"]),
     Case("pipeline-report-proc", _ex("pipeline.py", "--report", "/proc/x.json"), ["--report", "/proc/x.json"]),
+    Case("pipeline-width-scale-0", _ex("pipeline.py", "--width-scale", "0"), ["--width-scale", "0"]),
     Case("model-parallel-devices-0", _ex("model_parallel.py", "--devices", "0"), ["--devices", "0"]),
     Case("model-parallel-report-proc", _ex("model_parallel.py", "--report", "/proc/x.json"),
          ["--report", "/proc/x.json"]),
