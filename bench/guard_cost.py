@@ -1,18 +1,21 @@
 """The guard's cost per step, paired in one run: the same 20 ms step with no guard, with the guard's
 blocking protocol (the flag all-reduce waited before the gradient all-reduce: the baseline) and with
-the overlapped one (posted before the gradient all-reduce, waited after it).
+the overlapped one (the verdict carried in the gradient all-reduce's own buffer).
 
     python bench/guard_cost.py --np 4 --rounds 300 --out bench/results/guard_cost.json
 
-Launches itself under ``mpirun -np N`` (mpi4py: the flags' ``Iallreduce`` and the gradients'
-``Allreduce`` on distmem's communicator). Each rank's step: 20 ms of compute (a sleep: the CPU waits
+Launches itself under ``mpirun -np N`` (mpi4py: the gradients' ``Allreduce`` and the flags'
+``Iallreduce`` on distmem's communicator). Each rank's step: 20 ms of compute (a sleep: the CPU waits
 as it does on a GPU's kernels), then NumPy gradients of ``--floats`` float32 (two tensors) averaged
 over the ranks, then the update. ``distmem.init()`` starts fail fast, so ``overlap="auto"`` is on.
-A fourth variant, ``machinery``, is the overlapped guard with a no-op flag exchange: the guard's own
-Python per step, the part of its cost that is not the flags; a fifth, ``control``, is the unguarded
-step again (what the pairing reads where nothing differs). Each round runs the variants once, in
-an order that rotates every round, so drift hits them all alike; the figure is the median over the rounds of the per-round difference
-(guarded minus unguarded) on rank 0, over the median unguarded step. One JSON line.
+Variants: ``overlapped`` (the default: distmem's own reducer, the verdict one element of its
+buffer), ``separate_flags`` (the same step with a reducer of the user's, which cannot carry the
+verdict: the flags' ``Iallreduce`` posted before it and waited after it, the protocol before),
+``machinery`` (that one with a no-op flag exchange: the guard's own Python per step) and
+``control`` (the unguarded step again: what the pairing reads where nothing differs). Each round
+runs the variants once, in an order that rotates every round, so drift hits them all alike; the
+figure is the median over the rounds of the per-round difference (guarded minus unguarded) on rank
+0, over the median unguarded step. One JSON line.
 """
 from __future__ import annotations
 
@@ -81,14 +84,19 @@ def worker(args: argparse.Namespace) -> None:
         def post(self, vec):
             return PostedFlags(self, vec)
 
+    def own_reducer(grads):  # a reducer of the user's: it cannot carry the verdict
+        return reducer(grads)
+
+    separate = guard.step(grads_of, apply=apply, micro_batch_size=1, comm=comm, overlap="auto",
+                          reduce_gradients=own_reducer)
     machinery = guard.step(grads_of, apply=apply, micro_batch_size=1, comm=comm, overlap=True,
-                           reduce_gradients=reducer, flags=NoFlags(rank, size))
+                           reduce_gradients=own_reducer, flags=NoFlags(rank, size))
     def control(x):  # the unguarded step again: what the pairing reads where nothing differs
         grads, _ = grads_of(x)
         apply(reducer(grads))
 
-    variants = {"plain": plain, "blocking": blocking, "overlapped": overlapped, "machinery": machinery,
-                "control": control}
+    variants = {"plain": plain, "blocking": blocking, "overlapped": overlapped, "separate_flags": separate,
+                "machinery": machinery, "control": control}
     x = np.ones(1, dtype="float32")
     for _ in range(5):  # warm-up (the overlapped guard switches after its first clean step)
         for fn in variants.values():
@@ -103,6 +111,8 @@ def worker(args: argparse.Namespace) -> None:
             times[name].append(time.perf_counter() - t0)
     comm.barrier(60)
     rows = comm.allgather({"rank": rank, "times": times, "overlapped": overlapped.overlapped,
+                           "verdict_in_gradients": overlapped.verdict_in_gradients,
+                           "separate_overlapped": separate.overlapped,
                            "flag_transport": overlapped.agreement.flags.name}, 120)
     if rank == 0:
         with open(args.worker_out, "w") as f:
@@ -119,8 +129,10 @@ def summarise(rows: List[Dict[str, Any]], args: argparse.Namespace) -> Dict[str,
     out: Dict[str, Any] = {"bench": "guard_cost", "launcher": "mpirun", "ranks": len(rows), "step_ms": args.step_ms,
                            "gradient_floats": args.floats + args.floats // 4, "rounds": args.rounds,
                            "flag_transport": rows[0]["flag_transport"], "overlapped_active": rows[0]["overlapped"],
+                           "verdict_in_gradients": rows[0]["verdict_in_gradients"],
+                           "separate_flags_overlapped": rows[0]["separate_overlapped"],
                            "plain_step_ms_p50": round(plain * 1e3, 3)}
-    for name in ("blocking", "overlapped", "machinery", "control"):
+    for name in ("blocking", "overlapped", "separate_flags", "machinery", "control"):
         d = paired(name, r0)
         out[f"{name}_overhead_us"] = round(d * 1e6, 1)
         out[f"{name}_overhead_pct"] = round(100 * d / plain, 3)

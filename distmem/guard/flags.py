@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 
 from ..comm import Comm, FlagReducer, get_comm
 
-__all__ = ["Status", "Verdict", "encode", "decode", "FlagReducer", "flag_reducer", "WORD_BITS"]
+__all__ = ["Status", "Verdict", "CLEAN", "encode", "decode", "FlagReducer", "flag_reducer", "WORD_BITS"]
 
 WORD_BITS = 52
 
@@ -56,7 +56,9 @@ class Verdict:
         return not (self.oom or self.error or self.stop)
 
 
-_CLEAN = Verdict()
+#: the verdict of a step where every rank was clean
+CLEAN = Verdict()
+_CLEAN = CLEAN
 
 
 def decode(vec: Sequence[float], size: int) -> Verdict:

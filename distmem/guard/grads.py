@@ -1,19 +1,22 @@
-"""The gradient all-reduce after a clean verdict: average a list of gradients over all ranks.
+"""The guarded step's gradient all-reduce: average a list of gradients over all ranks.
 
 Chosen by the gradients' type and what the job runs on: Horovod of the gradients' framework
 (``grouped_allreduce``, op Average), torch.distributed (one flat buffer per dtype and device), mpi4py
-(one host buffer per dtype, ``Allreduce`` in place), or the identity for one process. Only entered
-after every rank reported OK, so these are the frameworks' ordinary blocking collectives.
+(one host buffer per dtype, ``Allreduce`` in place), or the identity for one process. These are the
+frameworks' ordinary blocking collectives. The blocking step enters them only after a clean verdict;
+the overlapped step enters them on every rank (zeros where a rank has no gradients) with the
+verdict riding in the same buffer (:class:`CarryingReducer`), so a clean step costs one element more
+than the unguarded all-reduce and no collective of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..comm import Comm, MPIComm, SingleComm, get_comm
 from ..discover import runtime
 from ..errors import ConfigError
 
-__all__ = ["gradient_reducer", "Reducer", "kind_of", "dense"]
+__all__ = ["gradient_reducer", "Reducer", "CarryingReducer", "kind_of", "dense"]
 
 Reducer = Callable[[List[Any]], List[Any]]
 
@@ -41,31 +44,57 @@ def _dense(g: Any) -> Any:
     return g
 
 
-def _by_present(fn: Reducer) -> Reducer:
-    """Reduce only the non-None entries, put the results back in place."""
+class CarryingReducer:
+    """A gradient all-reduce that can carry the guard's verdict in its own buffer: ``reducer(grads)``
+    averages the gradients; ``reducer.with_flag(grads, flag)`` does the same in the same collective
+    with one more element, ``flag`` (0.0 on a rank whose step was clean, 1.0 otherwise), and
+    returns ``(averaged grads, reduced flag)``. The reduced flag is 0 on every rank exactly when
+    every rank was clean (a sum or an average of zeros and ones), so the overlapped step needs no
+    collective of its own; who failed, and why, is gathered only when it is not 0."""
 
-    def run(grads: List[Any]) -> List[Any]:
+    carries_flag = True
+
+    def __init__(self, flat: Callable[[List[Any], Optional[float]], Tuple[List[Any], float]]):
+        self._flat = flat
+
+    def __call__(self, grads: List[Any]) -> List[Any]:
+        return self.with_flag(grads, None)[0]
+
+    def with_flag(self, grads: List[Any], flag: Optional[float]) -> Tuple[List[Any], float]:
         idx = [i for i, g in enumerate(grads) if g is not None]
-        if not idx:
-            return list(grads)
-        out = fn([_dense(grads[i]) for i in idx])
+        if not idx and flag is None:
+            return list(grads), 0.0
+        out, reduced = self._flat([_dense(grads[i]) for i in idx], flag)
         res = list(grads)
         for i, g in zip(idx, out):
             res[i] = g
-        return res
-
-    return run
+        return res, reduced
 
 
-def _hvd_reducer(hvd: Any) -> Reducer:
-    def run(grads: List[Any]) -> List[Any]:
-        return list(hvd.grouped_allreduce(grads, op=hvd.Average))
+def _hvd_reducer(hvd: Any, kind: str) -> CarryingReducer:
+    def run(grads: List[Any], flag: Optional[float]) -> Tuple[List[Any], float]:
+        if flag is None:
+            return list(hvd.grouped_allreduce(grads, op=hvd.Average)), 0.0
+        # the flag in the gradients' own dtype and device (one group of one kind): any float type
+        # holds 0 exactly and an average of zeros and ones that is not all zeros is not 0
+        if kind == "torch":
+            import torch
 
-    return _by_present(run)
+            like = grads[0] if grads else None
+            extra = torch.full((1,), flag, dtype=like.dtype if like is not None else torch.float32,
+                               device=like.device if like is not None else "cpu")
+        else:
+            import tensorflow as tf
+
+            extra = tf.constant([flag], dtype=grads[0].dtype if grads else tf.float32)
+        out = list(hvd.grouped_allreduce(list(grads) + [extra], op=hvd.Average))
+        return out[:-1], float(out[-1][0])  # an average of zeros and ones: 0 exactly when all are 0
+
+    return CarryingReducer(run)
 
 
-def _torch_dist_reducer(dist: Any) -> Reducer:
-    def run(grads: List[Any]) -> List[Any]:
+def _torch_dist_reducer(dist: Any) -> CarryingReducer:
+    def run(grads: List[Any], flag: Optional[float]) -> Tuple[List[Any], float]:
         import torch
 
         n = dist.get_world_size()
@@ -73,18 +102,31 @@ def _torch_dist_reducer(dist: Any) -> Reducer:
         groups: dict = {}
         for i, g in enumerate(grads):
             groups.setdefault((g.dtype, g.device), []).append(i)
+        reduced = 0.0
+        first = True
         for idx in groups.values():
-            flat = torch.cat([grads[i].detach().reshape(-1) for i in idx])
+            parts = [grads[i].detach().reshape(-1) for i in idx]
+            carry = flag is not None and first
+            if carry:  # the verdict rides in the first buffer (any float dtype holds 0 and n exactly)
+                parts.append(torch.full((1,), flag, dtype=parts[0].dtype, device=parts[0].device))
+            flat = torch.cat(parts)
             dist.all_reduce(flat)
+            if carry:
+                reduced, flat = float(flat[-1]), flat[:-1]
+            first = False
             flat /= n
             pos = 0
             for i in idx:
                 k = grads[i].numel()
                 out[i] = flat[pos:pos + k].view_as(grads[i])
                 pos += k
-        return out
+        if flag is not None and not groups:
+            t = torch.full((1,), flag, dtype=torch.float32)
+            dist.all_reduce(t)
+            reduced = float(t[0])
+        return out, reduced
 
-    return _by_present(run)
+    return CarryingReducer(run)
 
 
 def _to_numpy(g: Any, kind: str) -> Any:
@@ -109,29 +151,40 @@ def _from_numpy(a: Any, like: Any, kind: str) -> Any:
     return a.reshape(like.shape)
 
 
-def _mpi_reducer(comm: MPIComm) -> Reducer:
-    def run(grads: List[Any]) -> List[Any]:
+def _mpi_reducer(comm: MPIComm) -> CarryingReducer:
+    def run(grads: List[Any], flag: Optional[float]) -> Tuple[List[Any], float]:
         import numpy as np
         from mpi4py import MPI
 
-        kind = kind_of(grads[0])
+        kind = kind_of(grads[0]) if grads else "numpy"
         arrays = [_to_numpy(g, kind) for g in grads]
         out: List[Any] = [None] * len(grads)
         groups: dict = {}
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype.str, []).append(i)
-        for idx in groups.values():
-            flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
+        if flag is not None and not groups:
+            groups[np.dtype("float64").str] = []
+        reduced = 0.0
+        first = True
+        for dt, idx in groups.items():
+            parts = [arrays[i].reshape(-1) for i in idx]
+            carry = flag is not None and first
+            if carry:  # the verdict rides in the first buffer
+                parts.append(np.array((flag,), dtype=dt))
+            flat = np.concatenate(parts)
             comm.comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+            if carry:
+                reduced, flat = float(flat[-1]), flat[:-1]
+            first = False
             flat /= comm.size
             pos = 0
             for i in idx:
                 k = arrays[i].size
                 out[i] = _from_numpy(flat[pos:pos + k], grads[i], kind)
                 pos += k
-        return out
+        return out, reduced
 
-    return _by_present(run)
+    return CarryingReducer(run)
 
 
 def gradient_reducer(comm: Optional[Comm] = None, sample: Optional[Sequence[Any]] = None) -> Reducer:
@@ -146,7 +199,7 @@ def gradient_reducer(comm: Optional[Comm] = None, sample: Optional[Sequence[Any]
         return lambda grads: list(grads)
     hvd = runtime.horovod(kind) if kind in ("torch", "tensorflow") else None
     if hvd is not None:
-        return _hvd_reducer(hvd)
+        return _hvd_reducer(hvd, kind)
     dist = runtime.torch_distributed() if kind == "torch" else None
     if dist is not None:
         return _torch_dist_reducer(dist)

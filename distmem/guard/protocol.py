@@ -1,9 +1,10 @@
 """The agreement every guarded step and every batch-size probe ends with.
 
     each rank:  try: work()  except: classify  ->  status OK | OOM | ERROR | STOP
-    all ranks:  verdict = flag all-reduce(status bit)           (tiny, with a timeout; posted before the
-                                                                gradient all-reduce and waited after it
-                                                                in the overlapped step, see step.py)
+    all ranks:  verdict = flag all-reduce(status bit)           (tiny, with a timeout; in the overlapped
+                                                                step one element of the gradient
+                                                                all-reduce, the failing ranks then
+                                                                gathered: see step.py)
     not ok:     descriptions = allgather("Type: message")       (failure path only)
                 ERROR anywhere -> the failing rank re-raises its own exception, the others PeerError
                 STOP anywhere  -> StopIteration on every rank
@@ -29,7 +30,7 @@ from .errors import PeerError
 from .flags import FlagReducer, Status, Verdict, decode, encode, flag_reducer
 from .oom import describe, is_oom
 
-__all__ = ["Agreement", "classify", "forget", "free_memory", "say", "summarise", "attempt"]
+__all__ = ["Agreement", "classify", "forget", "free_memory", "say", "summarise", "attempt", "failure"]
 
 log = logging.getLogger("distmem")
 
@@ -120,6 +121,18 @@ class Agreement:
             raise GatherTimeoutError(f"{where}: {exc}", getattr(exc, "missing", ())) from None
         return decode(vec, self.size)
 
+    def gather_verdict(self, status: Status, mine: Optional[str], where: str) -> Tuple[Verdict, Dict[int, str]]:
+        """The verdict and every failing rank's ``"Type: message"`` from one allgather of each rank's
+        status (the overlapped step, once its gradient all-reduce said some rank was not clean)."""
+        try:
+            rows = self.comm.allgather([int(status), mine], self.timeout)
+        except GatherTimeoutError as exc:
+            raise GatherTimeoutError(f"{where}: gathering the failures: {exc}", exc.missing) from None
+        by = {s: [r for r, row in enumerate(rows) if int(row[0]) == int(s)] for s in (Status.OOM, Status.ERROR,
+                                                                                         Status.STOP)}
+        verdict = Verdict(by[Status.OOM], by[Status.ERROR], by[Status.STOP])
+        return verdict, {r: row[1] for r, row in enumerate(rows) if row[1] is not None}
+
     def descriptions(self, mine: Optional[str], where: str) -> Dict[int, str]:
         """Every rank's ``"Type: message"`` (None where it had none); only on the failure path."""
         try:
@@ -163,10 +176,15 @@ def attempt(work, in_fetch_flag: List[bool]) -> Tuple[Status, Any, Optional[Base
     try:
         return Status.OK, work(), None, None, 0.0
     except Exception as exc:  # noqa: BLE001 - classified, and re-raised on this rank unless it is an OOM
-        t = time.monotonic()
-        status = classify(exc, in_fetch_flag[0])
-        desc = describe(exc)
-        if status == Status.OOM:
-            forget(exc)
-            return status, None, None, desc, t
-        return status, None, exc, desc, t
+        return failure(exc, in_fetch_flag[0])
+
+
+def failure(exc: BaseException, in_fetch: bool) -> Tuple[Status, None, Optional[BaseException], str, float]:
+    """What :func:`attempt` returns for ``exc`` raised by the work (``in_fetch``: while fetching)."""
+    t = time.monotonic()
+    status = classify(exc, in_fetch)
+    desc = describe(exc)
+    if status == Status.OOM:
+        forget(exc)
+        return status, None, None, desc, t
+    return status, None, exc, desc, t

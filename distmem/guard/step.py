@@ -6,7 +6,8 @@
 
 Each call splits this rank's batch into micro-batches, accumulates their gradients (weighted by
 micro-batch size, so the result equals the whole batch's mean gradient), then agrees with the other
-ranks through one tiny flag all-reduce. On a clean verdict it averages the gradients over the ranks
+ranks through one tiny flag all-reduce (from the second clean step on, carried inside the gradient
+all-reduce itself: see ``overlap``). On a clean verdict it averages the gradients over the ranks
 and applies them. If any rank ran out of memory, every rank drops the step, frees what it can, and all
 retry the same batch with a smaller micro-batch and more accumulation steps: the global batch, and with
 it the learning-rate schedule, is unchanged. No rank enters the gradient all-reduce unless all do.
@@ -23,9 +24,9 @@ from ..comm import Comm
 from ..errors import ConfigError
 from ..units import plural
 from .errors import BatchSizeFloorError
-from .flags import FlagReducer, Status
+from .flags import CLEAN, FlagReducer, Status
 from .grads import Reducer, dense, gradient_reducer, kind_of
-from .protocol import Agreement, attempt, free_memory, say, summarise
+from .protocol import Agreement, attempt, failure, free_memory, say, summarise
 
 __all__ = ["StepGuard", "Fallback", "step", "split_sizes", "shrink_micro_batch", "planned_micro_batch"]
 
@@ -200,6 +201,8 @@ class StepGuard:
         self._template: List[Any] = []
         self._pattern: Optional[List[bool]] = None
         self._voted = False
+        #: the overlapped step with the verdict carried in the gradient all-reduce: the clean path
+        self._fast = False
         self.steps = 0        #: guarded steps called so far (successful or not)
         self.fallbacks: List[Fallback] = []
         self._waiting: List[Fallback] = []
@@ -227,8 +230,44 @@ class StepGuard:
 
     def run(self, fetch: Callable[[], Tuple[Any, ...]]) -> Any:
         """The protocol; ``fetch()`` returns the positional arguments of ``fn`` (called at most once)."""
-        where = f"guarded step {self.steps}"
+        if self._fast and not self._waiting:
+            return self._clean_step(fetch)
+        index = self.steps
         self.steps += 1
+        return self._protocol(index, fetch)
+
+    def _clean_step(self, fetch: Callable[[], Tuple[Any, ...]]) -> Any:
+        """The overlapped step with the verdict in the gradient all-reduce, written for the step that
+        is clean on every rank (the guard's whole cost in a healthy job, so it does the least it
+        can); the first sign of anything else hands the step, where it is, to :meth:`_protocol`."""
+        index = self.steps
+        self.steps += 1
+        t0 = time.monotonic()
+        try:
+            batch = fetch()
+        except Exception as exc:  # noqa: BLE001 - classified by the protocol, on every rank alike
+            return self._protocol(index, fetch, first=failure(exc, True) + (t0, None))
+        try:
+            loss, grads = self._compute(batch)
+        except Exception as exc:  # noqa: BLE001
+            return self._protocol(index, lambda: batch, first=failure(exc, False) + (t0, None))
+        reduced, flag = self._reducer.with_flag(grads, 0.0)  # type: ignore[union-attr]
+        if flag != 0.0:  # another rank was not clean: this step's verdict is gathered
+            return self._protocol(index, lambda: batch,
+                                  first=(Status.OK, (loss, grads), None, None, 0.0, t0, (reduced, flag)))
+        self._remember_shapes(grads)
+        if self.params is not None:
+            self._set_grads(reduced)
+        if self.apply is not None:
+            self.apply(reduced)
+        return loss
+
+    def _protocol(self, index: int, fetch: Callable[[], Tuple[Any, ...]], first: Optional[Tuple[Any, ...]] = None) -> Any:
+        """Step ``index`` through the whole protocol: attempt, verdict, and on a failure anywhere the
+        same drop, fall-back and retry on every rank. ``first``: the outcome of an attempt already
+        made by :meth:`_clean_step` (status, result, kept exception, description, time of the
+        fault, its start, and the carried all-reduce's (gradients, flag) where it ran)."""
+        where = f"guarded step {index}"
         box: Dict[str, Any] = {}
         in_fetch = [False]
 
@@ -241,23 +280,41 @@ class StepGuard:
 
         reduced: Optional[List[Any]] = None
         while True:
-            t0 = time.monotonic()
-            status, result, own, desc, t_fault = attempt(work, in_fetch)
+            carried: Optional[Tuple[List[Any], float]] = None
+            if first is not None:
+                status, result, own, desc, t_fault, t0, carried = first
+                first = None
+            else:
+                t0 = time.monotonic()
+                status, result, own, desc, t_fault = attempt(work, in_fetch)
             t1 = time.monotonic()
+            descs: Optional[Dict[int, str]] = None
             if self.overlapped:
-                # Overlapped: the flags travel while every rank all-reduces its gradients (zeros of
-                # the last clean step's shapes where this rank has none); this step's verdict,
-                # waited below, decides whether the reduced gradients are applied or dropped.
-                posted = self.agreement.post(status, where)
-                local = result[1] if status == Status.OK else self._zeros()
-                reduced = self._reduce(local)
-                verdict = self.agreement.wait(posted, where)
+                # Overlapped: every rank all-reduces its gradients (zeros of the last clean step's
+                # shapes where this rank has none) and this step's verdict decides whether the
+                # reduced gradients are applied or dropped. A built-in reducer carries the verdict
+                # in the gradients' own buffer (one element: 0 where clean), so a clean step runs no
+                # collective of its own; who failed is gathered only when it is not 0. A reducer of
+                # the user's: the flags posted before its all-reduce and waited after it.
+                if self._carries:
+                    if carried is None:
+                        local = result[1] if status == Status.OK else self._zeros()
+                        carried = self._reduce_with_flag(local, 0.0 if status == Status.OK else 1.0)
+                    reduced, flag = carried
+                    verdict, descs = ((CLEAN, None) if flag == 0.0
+                                      else self.agreement.gather_verdict(status, desc, where))
+                else:
+                    local = result[1] if status == Status.OK else self._zeros()
+                    posted = self.agreement.post(status, where)
+                    reduced = self._reduce(local)
+                    verdict = self.agreement.wait(posted, where)
             else:
                 verdict = self.agreement.verdict(status, where)
             if verdict.ok:
                 break
             result = reduced = None
-            descs = self.agreement.descriptions(desc, where) if (verdict.oom or verdict.error) else {}
+            if descs is None:
+                descs = self.agreement.descriptions(desc, where) if (verdict.oom or verdict.error) else {}
             self.agreement.raise_if_failed(verdict, status, own, descs, where)
             t2 = time.monotonic()
             self._drop(full=status == Status.OOM)
@@ -271,10 +328,12 @@ class StepGuard:
                 # Once, after the first clean verdict (the same step on every rank): every rank
                 # votes; only a unanimous yes switches, and all switch at the next step.
                 self._voted = True
+                self._reducer_for(grads)
                 self.overlapped = self.agreement.vote(self._may_overlap(), where)
+                self._fast = self.overlapped and self._carries
             grads = self._reduce(grads)
         else:
-            grads = reduced
+            grads = self._set_grads(reduced)
         if self.apply is not None:
             self.apply(grads)
         t_end = time.monotonic()
@@ -303,6 +362,8 @@ class StepGuard:
         if self.params is not None:
             for p in self.params:
                 p.grad = None
+        if n <= self.micro_batch_size and self.no_sync is None:
+            return self._one_micro_batch(batch)
         acc: Optional[List[Any]] = None
         loss_sum: Any = None
         start = 0
@@ -329,12 +390,44 @@ class StepGuard:
             acc = [p.grad for p in self.params]
         return loss_sum, acc or []
 
+    def _one_micro_batch(self, batch: Tuple[Any, ...]) -> Tuple[Any, List[Any]]:
+        """The batch in one forward/backward (weight 1): what the loop does for one micro-batch."""
+        out = self.fn(*batch)
+        if self.params is not None:
+            out.backward()
+            return _scaled(out, 1.0), [p.grad for p in self.params]
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ConfigError("the step function must return (grads, loss) when params= is not "
+                              f"given; it returned {type(out).__name__}")
+        grads, loss = out
+        return _scaled(loss, 1.0), list(grads)
+
+    def _reducer_for(self, grads: List[Any]) -> Reducer:
+        if self._reducer is None:
+            self._reducer = gradient_reducer(self.agreement.comm, grads)
+        return self._reducer
+
+    @property
+    def _carries(self) -> bool:
+        """Whether the gradient all-reduce carries the verdict (a built-in reducer)."""
+        return bool(getattr(self._reducer, "carries_flag", False))
+
+    @property
+    def verdict_in_gradients(self) -> bool:
+        """True when the overlapped step runs and its verdict rides in the gradient all-reduce (no
+        collective of the guard's own on a clean step)."""
+        return self.overlapped and self._carries
+
     def _reduce(self, grads: List[Any]) -> List[Any]:
         if self._reduce_spec is None:
             return grads
-        if self._reducer is None:
-            self._reducer = gradient_reducer(self.agreement.comm, grads)
-        out = self._reducer(grads)
+        return self._set_grads(self._reducer_for(grads)(grads))
+
+    def _reduce_with_flag(self, grads: List[Any], flag: float) -> Tuple[List[Any], float]:
+        out, reduced = self._reducer.with_flag(grads, flag)  # type: ignore[union-attr]
+        return self._set_grads(out), reduced
+
+    def _set_grads(self, out: List[Any]) -> List[Any]:
         if self.params is not None:
             for p, g in zip(self.params, out):
                 if g is not None and g is not p.grad:
@@ -347,9 +440,9 @@ class StepGuard:
         that runs in the background, and - for ``overlap="auto"`` - fail fast running, since the
         gradient all-reduce is then entered before the verdict and only the heartbeat bounds it
         when a rank is gone."""
-        if self.overlap is False or self._reduce_spec is None:
+        if self.overlap is False or self._reduce_spec is None or self.size == 1:
             return False
-        if not getattr(self.agreement.flags, "overlaps", False) or self.size == 1:
+        if not self._carries and not getattr(self.agreement.flags, "overlaps", False):
             return False
         if self.overlap == "auto":
             from ..comm import heartbeat
@@ -478,11 +571,12 @@ def step(fn: Callable[..., Any], *, micro_batch_size: Optional[int] = None, glob
     no_sync: a context manager factory around the micro-batches (``ddp_model.no_sync``): the guard
         all-reduces after the verdict, so DDP must not all-reduce inside backward.
     on_oom: extra clean-up on every rank after a dropped step (before the garbage collection).
-    overlap: ``"auto"`` (default): from the step after the first clean one, the flag all-reduce is
-        posted before the gradient all-reduce and waited after it (its latency hidden), when fail
-        fast runs (``init()``'s default: it bounds the gradient all-reduce a lost rank would
-        otherwise leave waiting) and the transport can post it; ``True`` without fail fast too;
-        ``False``: the blocking protocol (flags, then the gradient all-reduce only on a clean verdict).
+    overlap: ``"auto"`` (default): from the step after the first clean one, every rank enters the
+        gradient all-reduce and the verdict rides in it (one element more in a built-in reducer's
+        buffer; with a reducer of your own, the flag all-reduce is posted before it and waited
+        after it), when fail fast runs (``init()``'s default: it bounds the gradient all-reduce a
+        lost rank would otherwise leave waiting); ``True`` without fail fast too; ``False``: the
+        blocking protocol (flags, then the gradient all-reduce only on a clean verdict).
     """
     return StepGuard(fn, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, apply=apply,
                      params=params, **options)

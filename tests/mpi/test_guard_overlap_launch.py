@@ -1,5 +1,5 @@
 """The overlapped guard step under a real mpirun -np 4 (tests/mpi/progs/guard_overlap.py): with fail
-fast on (init()'s default) the flags ride beside the gradient all-reduce from the second step on; an
+fast on (init()'s default) the verdict rides in the gradient all-reduce from the second step on; an
 OOM on one rank is decided on that same step by every rank, and the run ends with the same
 fallbacks and bit-identical weights as the blocking protocol on every rank."""
 import json
@@ -22,5 +22,6 @@ def test_overlapped_guard_decides_like_the_blocking_one(tmp_path):
     for r in rows:
         assert r["heartbeat"], "fail fast did not start under mpirun"
         assert r["overlapped"]["overlapped"] is True and r["blocking"]["overlapped"] is False
+        assert r["overlapped"]["carried"] is True  # the verdict rode in the gradient Allreduce
         assert r["overlapped"]["fallbacks"] == r["blocking"]["fallbacks"] == [[4, [2], 16, 8]]
         assert r["overlapped"]["checksum"] == r["blocking"]["checksum"] == rows[0]["blocking"]["checksum"]

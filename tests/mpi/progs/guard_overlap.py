@@ -1,5 +1,5 @@
-"""Under mpirun: the overlapped guard step (fail fast on from init(), flags by MPI Iallreduce posted
-before the gradient Allreduce) against the blocking one, in the same job: NumPy least squares, rank
+"""Under mpirun: the overlapped guard step (fail fast on from init(), the verdict carried in the
+gradient Allreduce's buffer) against the blocking one, in the same job: NumPy least squares, rank
 OOM_RANK raises MemoryError in step OOM_STEP's first micro-batch. Rank 0 writes both runs' weights
 checksums, fallbacks and whether the overlapped protocol ran to $OUT/overlap.json."""
 import hashlib
@@ -45,6 +45,7 @@ def train(overlap):
         step_no[0] = i
         s(x[i * LOCAL:(i + 1) * LOCAL], y[i * LOCAL:(i + 1) * LOCAL])
     return {"checksum": hashlib.sha256(w.tobytes()).hexdigest()[:16], "overlapped": s.overlapped,
+            "carried": s.verdict_in_gradients,
             "fallbacks": [[f.step, f.ranks, f.old_micro_batch, f.new_micro_batch] for f in s.fallbacks]}
 
 

@@ -1,5 +1,7 @@
-"""The overlapped guard step on thread ranks: from the step after the first clean one the flag
-all-reduce is posted before the gradient all-reduce and waited after it; every rank enters the
+"""The overlapped guard step on thread ranks: from the step after the first clean one the verdict
+rides in the gradient all-reduce (a reducer that carries it: one element more, the failing ranks
+gathered only when it is not 0), or, with a reducer of the user's, the flag all-reduce is posted
+before the gradient all-reduce and waited after it; every rank enters the
 gradient all-reduce on every step (a rank whose step failed with zeros of the last clean step's
 shapes), and the step's own verdict decides whether the reduced gradients are applied. Same
 fallbacks and bit-identical weights as the blocking protocol, with and without faults."""
@@ -12,6 +14,7 @@ import pytest
 
 import distmem.guard as guard
 from distmem.comm import FlagReducer, PostedFlags
+from distmem.guard.grads import CarryingReducer
 from unit.guard.test_guard import Linear, make_data
 from unit.guard.test_threads import mean_reducer, run_ranks
 
@@ -104,3 +107,96 @@ def test_overlap_option_is_checked():
 
     with pytest.raises(ConfigError, match="overlap='yes'"):
         guard.step(lambda x: ([x], 0.0), micro_batch_size=1, overlap="yes")
+
+
+def _carrying(comm, events: List[str]) -> CarryingReducer:
+    """The thread ranks' mean, carrying the verdict as the built-in reducers do (one more element)."""
+    def flat(grads, flag):
+        events.append("grads" if flag is None else
+                      ("grads+flag" if flag == 0.0 else "grads(zeros)+flag"))
+        rows = comm.allgather([[g.copy() for g in grads], flag], 30.0)
+        out = [sum(r[0][i] for r in rows) / len(rows) for i in range(len(grads))]
+        return out, (sum(r[1] for r in rows) if flag is not None else 0.0)
+
+    return CarryingReducer(flat)
+
+
+def _train_carried(comm, overlap, fault=None, steps=6, local=32, micro=16):
+    events: List[str] = []
+    m = Linear()
+    m.fault = (lambda call, n: fault(comm.rank, call, n)) if fault else None
+    s = guard.step(m.grads_of, apply=m.apply, micro_batch_size=micro, global_batch_size=local * comm.size,
+                   comm=comm, timeout=20.0, reduce_gradients=_carrying(comm, events),
+                   flags=EventFlags(comm, events), overlap=overlap)
+    x, y = make_data(10 + comm.rank, local * steps)
+    for i in range(steps):
+        try:
+            s(x[i * local:(i + 1) * local], y[i * local:(i + 1) * local])
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the test's subject
+            return m.w, s, events, exc
+        events.append("|")
+    return m.w, s, events, None
+
+
+def _steps(events: List[str]) -> List[List[str]]:
+    return [st.split() for st in "".join(e if e == "|" else e + " " for e in events).split("|")]
+
+
+def test_a_carrying_reducer_runs_no_flag_collective_on_a_clean_step():
+    out = run_ranks(4, lambda c: _train_carried(c, True))
+    ref = run_ranks(4, lambda c: _train(c, False))
+    for r in range(4):
+        assert not isinstance(out[r], BaseException), out[r]
+        w, s, events, exc = out[r]
+        assert exc is None and s.overlapped
+        steps = _steps(events)
+        assert steps[0] == ["flags", "grads"]  # the first step: blocking
+        assert all(st == ["grads+flag"] for st in steps[1:6]), steps  # one collective per step
+        assert np.array_equal(w, ref[r][0]), "carrying the verdict trains differently"
+
+
+def test_a_carried_oom_is_decided_on_that_step_and_trains_as_the_blocking_protocol():
+    fault = lambda r, call, n: MemoryError("rank 2 OOM") if (r, call) == (2, 7) else None  # noqa: E731
+    out = run_ranks(4, lambda c: _train_carried(c, True, fault))
+    ref = run_ranks(4, lambda c: _train(c, False, fault))
+    for r in range(4):
+        assert not isinstance(out[r], BaseException), out[r]
+        w, s, events, exc = out[r]
+        assert exc is None
+        assert [(f.step, f.ranks, f.new_micro_batch) for f in s.fallbacks] == [(3, [2], 8)]
+        assert s.fallbacks[0].errors == {2: "MemoryError: rank 2 OOM"}
+        assert np.array_equal(w, ref[r][0]), "the dropped step's reduced gradients were applied"
+        # the failed attempt: every rank in the gradient all-reduce (rank 2 with zeros and flag 1),
+        # then the retry (two micro-batches of 8, one all-reduce)
+        assert _steps(events)[3] == ["grads(zeros)+flag" if r == 2 else "grads+flag", "grads+flag"]
+
+
+@pytest.mark.parametrize("exc_type, expected", [(ValueError, "PeerError"), (StopIteration, "StopIteration")])
+def test_a_carried_error_or_end_of_data_ends_the_step_on_every_rank(exc_type, expected):
+    if exc_type is StopIteration:
+        def run(c):
+            events: List[str] = []
+            m = Linear()
+            s = guard.step(m.grads_of, micro_batch_size=16, apply=m.apply, comm=c, timeout=20.0,
+                           reduce_gradients=_carrying(c, events), flags=EventFlags(c, events), overlap=True)
+            x, y = make_data(c.rank, 64)
+            batches = iter([(x[:16], y[:16]), (x[16:32], y[16:32])] + ([] if c.rank == 1 else [(x[32:48], y[32:48])]))
+            done = 0
+            try:
+                while True:
+                    s.next(batches)
+                    done += 1
+            except StopIteration:
+                return done, s.overlapped
+        out = run_ranks(3, run)
+        assert all(not isinstance(o, BaseException) for o in out), out
+        assert [o[0] for o in out] == [2, 2, 2] and all(o[1] for o in out)  # every rank stops at the third
+        return
+    fault = lambda r, call, n: ValueError("bad shape") if (r, call) == (1, 5) else None  # noqa: E731
+    out = run_ranks(3, lambda c: _train_carried(c, True, fault))
+    for r in range(3):
+        assert not isinstance(out[r], BaseException), out[r]
+        exc = out[r][3]
+        assert type(exc).__name__ == ("ValueError" if r == 1 else expected), exc
+        if r != 1:
+            assert "rank(s) [1]" in str(exc) or "rank [1]" in str(exc) or "[1]" in str(exc), str(exc)
