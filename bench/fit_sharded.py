@@ -79,6 +79,7 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     if limit:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
     peaks: List[int] = []
+    traced: Optional[Dict[str, Any]] = None
     oom, err = False, None
     t0 = time.time()
     try:
@@ -109,9 +110,13 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         else:
             opt = torch.optim.Adam(model.parameters())
         gpt = fitbench.MODELS[name][0] == "gpt"
-        for _ in range(int(spec.get("steps", 3))):
+        steps = int(spec.get("steps", 3))
+        for step in range(steps):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            if spec.get("trace") and step == steps - 1:  # the last step's allocator trace (diagnosis)
+                base = int(torch.cuda.memory_allocated())
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000)
             for _ in range(m):
                 x, y = fitbench.sample_input(name, mb, "cuda")
                 with torch.autocast("cuda", dtype=cdt, enabled=mixed):
@@ -124,6 +129,12 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             peaks.append(int(torch.cuda.max_memory_allocated()))
+        if spec.get("trace"):
+            import wrappers_peak_parts
+
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            traced = dict(wrappers_peak_parts.peak_parts(snap["device_traces"][0], 0), base=base)
     except torch.cuda.OutOfMemoryError as exc:
         oom, err = True, str(exc).split("\n")[0][:300]
         peaks.append(int(torch.cuda.max_memory_allocated()))
@@ -131,11 +142,14 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"oom": oom, "error": err, "peak_allocated": max(peaks) if peaks else None, "steps_allocated": peaks,
-            "limit_bytes": limit, "seconds": round(time.time() - t0, 2), "torch": torch.__version__}
+            "limit_bytes": limit, "seconds": round(time.time() - t0, 2), "torch": torch.__version__,
+            **({"trace": traced} if traced else {})}
 
 
 def run_worker(spec: Dict[str, Any], timeout: int = 300) -> Dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if spec.get("expandable_segments"):  # as fit advised for this pair (FitResult.expandable_segments)
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     try:
         cp = subprocess.run([sys.executable, __file__, "worker", json.dumps(spec)], capture_output=True, text=True,
                             timeout=timeout, env=env)
@@ -147,11 +161,11 @@ def run_worker(spec: Dict[str, Any], timeout: int = 300) -> Dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def spec_of(name: str, cand: Any, limit: int) -> Dict[str, Any]:
+def spec_of(name: str, cand: Any, limit: int, expandable: bool = False) -> Dict[str, Any]:
     lay = cand.layout
     return {"model": name, "micro_batch": lay.micro_batch, "micro_batches": lay.accumulation,
             "precision": lay.precision, "shard": lay.shard, "world": lay.data_parallel,
-            "limit_bytes": int(limit), "steps": 3}
+            "limit_bytes": int(limit), "steps": 3, "expandable_segments": bool(expandable)}
 
 
 def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], parallel: int, dry: bool) -> Dict[str, Any]:
@@ -180,20 +194,21 @@ def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], parallel: int, dry
         tables.append(res.table())
         row: Dict[str, Any] = {"model": name, "global_batch_size": B, "fleet": fleet, "precision": precision,
                                "fit_seconds": round(time.time() - t, 2), "searched": res.searched,
-                               "evaluated": res.evaluated}
+                               "evaluated": res.evaluated, "expandable_segments": res.expandable_segments}
+        xs = res.expandable_segments  # every run of the pair as fit advised (the rejected ones too)
         if res.chosen is not None:
             ch, h = res.chosen, res.chosen.heaviest
             row["chosen"] = {"layout": ch.layout.describe(), "shard": ch.layout.shard or None,
                              "estimated_peak": h.allocator_bytes, "limit": h.planned_bytes, "share": h.share_bytes}
-            jobs.append((idx, "chosen", spec_of(name, ch, h.planned_bytes)))
-            jobs.append((idx, "unlimited", dict(spec_of(name, ch, h.planned_bytes), limit_bytes=0)))
+            jobs.append((idx, "chosen", spec_of(name, ch, h.planned_bytes, xs)))
+            jobs.append((idx, "unlimited", dict(spec_of(name, ch, h.planned_bytes, xs), limit_bytes=0)))
         if res.rejected:
             rj = next((r for r in res.rejected if r.layout.ranks_per_gpu == 1), res.rejected[0])
             b = rj.binding
             row["rejected"] = {"layout": rj.layout.describe(), "shard": rj.layout.shard or None,
                                "estimated_peak": b.allocator_bytes, "needs": b.planned_bytes, "share": b.share_bytes}
             if b.share_bytes > 0:
-                jobs.append((idx, "rejected", spec_of(name, rj, b.share_bytes)))
+                jobs.append((idx, "rejected", spec_of(name, rj, b.share_bytes, xs)))
             # the best rejected sharded layout too: the sharding's rule is tight, not only safe
             rs = next((r for r in res.rejected if r.layout.shard and r.layout.ranks_per_gpu == 1
                        and r.layout != rj.layout), None)
@@ -201,7 +216,7 @@ def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], parallel: int, dry
                 row["rejected_sharded"] = {"layout": rs.layout.describe(), "shard": rs.layout.shard,
                                            "estimated_peak": rs.binding.allocator_bytes,
                                            "needs": rs.binding.planned_bytes, "share": rs.binding.share_bytes}
-                jobs.append((idx, "rejected_sharded", spec_of(name, rs, rs.binding.share_bytes)))
+                jobs.append((idx, "rejected_sharded", spec_of(name, rs, rs.binding.share_bytes, xs)))
         log(f"{name} B={B} {fleet} {precision}: chosen {row.get('chosen', {}).get('layout')}; "
             f"rejected {row.get('rejected', {}).get('layout')} ({row['fit_seconds']} s)")
         rows.append(row)
@@ -232,7 +247,9 @@ def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], parallel: int, dry
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["gpu", "worker"])
+    ap.add_argument("mode", choices=["gpu", "worker", "trace"],
+                    help="gpu: the proof; worker SPEC: one run; trace SPEC...: runs with the last step's "
+                         "allocator trace replayed to its peak (what is alive there, by maker)")
     ap.add_argument("args", nargs="*")
     ap.add_argument("--out", default=None)
     ap.add_argument("--parallel", type=int, default=3, help="workers at once on the one GPU")
@@ -241,6 +258,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.mode == "worker":
         print(json.dumps(worker(json.loads(a.args[0]))))
+        return 0
+    if a.mode == "trace":
+        for text in a.args:
+            line = run_worker(dict(json.loads(text), trace=True))
+            print(json.dumps(dict(spec=json.loads(text), **line)))
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(dict(spec=json.loads(text), **line)) + "\n")
         return 0
     pairs = PAIRS if not a.pairs else [PAIRS[int(i)] for i in a.pairs.split(",")]
     run_gpu(a.out, pairs, a.parallel, a.dry)

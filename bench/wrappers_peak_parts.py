@@ -50,19 +50,23 @@ def peak_parts(trace: List[Dict[str, Any]], start: int) -> Dict[str, Any]:
     live: Dict[int, Dict[str, Any]] = {}
     cur = peak = 0
     at_peak: Dict[int, Dict[str, Any]] = {}
+    last: Dict[str, Any] = {}
     for ev in trace[start:]:
         a = ev.get("action")
         if a == "alloc":
             live[ev["addr"]] = ev
             cur += ev["size"]
             if cur > peak:
-                peak, at_peak = cur, dict(live)
+                peak, at_peak, last = cur, dict(live), ev
         elif a == "free_completed" and ev["addr"] in live:
             cur -= live.pop(ev["addr"])["size"]
     groups: Dict[str, int] = defaultdict(int)
     for ev in at_peak.values():
         groups[who(ev.get("frames", []))] += ev["size"]
-    return {"trace_peak_delta": peak, "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])[:25])}
+    where = [f"{os.path.basename(f.get('filename', ''))}:{f.get('name', '')}:{f.get('line', 0)}"
+             for f in last.get("frames", []) if f.get("filename", "").endswith(".py")][:8]
+    return {"trace_peak_delta": peak, "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])[:25]),
+            "peak_allocation": {"bytes": last.get("size"), "by": who(last.get("frames", [])), "frames": where}}
 
 
 def run(case: str) -> Dict[str, Any]:

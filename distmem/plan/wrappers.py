@@ -58,7 +58,7 @@ from ..errors import ConfigError
 from ..units import MiB, format_bytes
 
 __all__ = ["WRAPPER_CHOICES", "WRAPPERS", "SHARDED_WRAPPERS", "SHARDINGS", "sharding_wrapper", "added_bytes", "grad_fraction", "ModelState", "Wrapper", "WrapperDemand", "wrapper_demand",
-           "rank_peak", "zero_partition", "plan_wrapper", "fixed_bytes", "horovod_from_env", "wrapper_from_env", "check_wrapper",
+           "rank_peak", "running_unit", "keep_backward_buffers", "in_flight_gathers", "zero_partition", "plan_wrapper", "fixed_bytes", "horovod_from_env", "wrapper_from_env", "check_wrapper",
            "DEFAULT_BUCKET_CAP_MB", "HOROVOD_FUSION_DEFAULT", "STATE_PARTS"]
 
 #: Every wrapper a plan knows; None (no wrapper) is also accepted everywhere.
@@ -188,6 +188,9 @@ class WrapperDemand:
     persistent_buffers: int = 0
     #: FSDP2: the buffers held where no unit runs (the loss, the root's own layers); None: as backward
     outside_buffers: Optional[int] = None
+    #: FSDP2 with ``reshard_after_forward=False``: the buffers at the forward's end (every unit
+    #: gathered, and the all-gather outputs still in flight); None: as backward
+    forward_buffers: Optional[int] = None
     parts: Dict[str, int] = field(default_factory=dict)
     rules: List[str] = field(default_factory=list)
 
@@ -280,8 +283,17 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
         outside = root + (0 if w.reshard_after_forward else sum(state.unit_bytes))
         rule += (f"; where no unit runs (the loss, the root's own layers) the root {format_bytes(root)}"
                  + ("" if w.reshard_after_forward else " and every unit") + " alone")
-        return WrapperDemand(w, p, g, o, gathered + rs, 0, share, outside_buffers=outside, parts=parts,
-                             rules=[rule])
+        forward = None
+        if not w.reshard_after_forward:
+            flight = in_flight_gathers(state, w.prefetch)
+            forward = gathered + flight
+            parts["all-gather outputs in flight (forward)"] = flight
+            rule += (f"; at the forward's end every unit gathered and the all-gather outputs of the last "
+                     f"{1 + w.prefetch} not yet freed ({format_bytes(flight)}); in the backward a unit is "
+                     "resharded after its gradients are made, before its reduce-scatter, so only the units "
+                     "not yet reached stay gathered")
+        return WrapperDemand(w, p, g, o, gathered + rs, 0, share, outside_buffers=outside, forward_buffers=forward,
+                             parts=parts, rules=[rule])
     if w.kind == "horovod":
         fusion = w.fusion_threshold * w.fusion_buffers if n > 1 else 0
         copies = G if n > 1 and w.framework == "tensorflow" else 0
@@ -299,8 +311,43 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
                                 "reduced copy" if packs else "tf.distribute on one device: nothing reduced"])
 
 
+def in_flight_gathers(state: ModelState, prefetch: int) -> int:
+    """FSDP2's all-gather outputs alive beside the unsharded parameters in the forward: a unit's
+    output is freed only once a later unit's all-gather is issued (the copy-out overlaps it), so
+    ``1 + prefetch`` of them at once, taken as the largest units (their order is not known here)."""
+    units = sorted(state.unit_bytes, reverse=True)
+    return int(sum(units[:1 + prefetch])) if units else int(state.root)
+
+
+def running_unit(state: ModelState, made: int) -> int:
+    """The FSDP2 unit (index in forward order) whose backward runs when one replica has made
+    ``made`` gradient bytes: the backward takes units last to first and a unit's gradients are all
+    made when it ends. The root's gradients are counted as made first (safe: the unit found is then
+    never past the true one)."""
+    gr = state.grad_ratio
+    left = max(0, int(made) - int(state.root * gr))
+    for i in range(len(state.unit_bytes) - 1, -1, -1):
+        g = int(state.unit_bytes[i] * gr)
+        if left < g or i == 0:
+            return i
+        left -= g
+    return 0
+
+
+def keep_backward_buffers(state: ModelState, unit: int) -> int:
+    """FSDP2 with ``reshard_after_forward=False`` while unit ``unit`` runs its backward: the root
+    and the units not yet reached gathered, and the larger of the unit's two moments: computing
+    its gradients (the unit gathered, its unsharded gradients) and after it (FSDP2 reshards a unit
+    before its reduce-scatter: the unsharded gradients and the reduce-scatter input they are
+    copied into)."""
+    u = int(state.unit_bytes[unit])
+    g = int(u * state.grad_ratio)
+    return int(state.root + sum(state.unit_bytes[:unit]) + max(u + g, 2 * g))
+
+
 def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Optional[Wrapper], *,
               activation_bytes: Optional[int] = None, backward: Optional[Mapping[str, int]] = None,
+              forward: Optional[Mapping[str, int]] = None,
               rank: int = 0) -> Tuple[int, Dict[str, int], WrapperDemand]:
     """One rank's peak (bytes) under ``w``, from the peak of the same step without it.
 
@@ -313,7 +360,10 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
     sharded: ``backward`` (the split of the step's peak within its backward pass) is priced the same
     way, and without it ``activation_bytes`` (what the layers keep for the backward) stands for the
     backward's start: the shards plus the kept activations, the workspaces and inputs, and the
-    backward's buffers. The larger moment is the rank's peak. Returns (peak, its parts, the demand)."""
+    backward's buffers. ``forward`` (the split of the step's peak within its forward) prices the
+    forward's end where the wrapper holds the most there (FSDP2 keeping units gathered), and with it
+    the backward of the largest unit (the forward's activations standing for what is still kept).
+    The larger moment is the rank's peak. Returns (peak, its parts, the demand)."""
     w = w or Wrapper()
     d = wrapper_demand(w, state, rank=rank)
     P, G, O = state.param_bytes, state.grad_bytes, state.optimizer_bytes
@@ -348,11 +398,16 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         if w.kind == "ddp" and w.gradient_as_bucket_view:
             # the buckets hold every gradient byte; the gradients alive at the peak are part of them
             buffers = max(0, buffers - out["gradients"])
-        if d.outside_buffers is not None and at != "update" and made <= int(state.root * state.grad_ratio):
+        keep = d.forward_buffers is not None
+        if keep and at == "forward":
+            buffers = d.forward_buffers
+        elif d.outside_buffers is not None and at != "update" and made <= int(state.root * state.grad_ratio):
             # FSDP2 at the loss and the root's own layers, before any unit's backward has made a
             # gradient: no unit gathered, none reducing (an output layer that is a unit of its own is
             # gathered once its output's gradient is ready: after the loss's backward)
             buffers = d.outside_buffers
+        elif keep and at == "backward" and state.unit_bytes:
+            buffers = keep_backward_buffers(state, running_unit(state, made))
         out["wrapper buffers"] = buffers
         return out
 
@@ -367,9 +422,24 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         moments.append(moment(backward, "backward", max(0, G - made) if accumulated else 0))
     elif start_of_backward:
         steady = sum(int(v) for k, v in breakdown.items() if k in ("workspaces", "inputs"))
+        # under reshard_after_forward=False the backward starts at the last unit, every unit gathered
+        start = (keep_backward_buffers(state, len(state.unit_bytes) - 1)
+                 if d.forward_buffers is not None and state.unit_bytes else d.backward_buffers)
         moments.append({"weights": d.params, "gradients": share(accumulated, G, d.grads), "optimizer state": d.optimizer,
                         "activations, temporaries, inputs": int(activation_bytes) + steady,
-                        "wrapper buffers": d.backward_buffers})
+                        "wrapper buffers": start})
+    if forward is not None and d.forward_buffers is not None:
+        fwd_acc = G if accumulated else 0  # a later micro-step's forward: every earlier gradient alive
+        moments.append(moment(forward, "forward", fwd_acc))
+        if state.unit_bytes:
+            # the largest unit's backward: the units after it have made their gradients, the forward's
+            # activations stand for what is still kept (an upper bound), the unit's buffers
+            big = max(range(len(state.unit_bytes)), key=lambda i: state.unit_bytes[i])
+            after = int(sum(state.unit_bytes[big + 1:]) * state.grad_ratio)
+            split = dict(forward, gradients=after)
+            m = moment(split, "backward", max(0, G - after) if accumulated else 0)
+            m["wrapper buffers"] = keep_backward_buffers(state, big)
+            moments.append(m)
     out = max(moments, key=lambda m: sum(m.values()))
     return sum(out.values()), out, d
 

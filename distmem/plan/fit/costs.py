@@ -122,14 +122,23 @@ class Costs:
         if backward is not None and accumulate:
             backward = dict(backward, **{"accumulation transient": self.largest_gradient})
         peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept,
-                                 backward=backward)
+                                 backward=backward, forward=self.forward_parts(mb))
         return peak, out
 
     def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return None
 
+    def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
+        return None
+
     @property
     def largest_gradient(self) -> int:
+        return 0
+
+    def largest_block(self, mb: int, shard: str = "") -> int:
+        """The largest single allocation one rank makes at micro-batch ``mb`` (bytes; 0 unknown):
+        a layer's weights or gradients, a layer's output, and under FSDP2 a unit's all-gathered
+        parameters (one flat buffer)."""
         return 0
 
 
@@ -231,6 +240,14 @@ class EstimateCosts(Costs):
         """The largest layer's gradient bytes (a module's weight and bias together)."""
         return self._largest_grad
 
+    def largest_block(self, mb: int, shard: str = "") -> int:
+        rows = [r for g in self._rows for r in g]
+        out = max([int(r.param_bytes) for r in rows] + [int(r.grad_bytes) for r in rows]
+                  + [int(r.output_bytes_per_sample) * int(mb) for r in rows] + [0])
+        if str(shard).startswith("fsdp2"):
+            out = max([out] + [b["weights"] for b in self._split])
+        return out
+
     def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
         """:meth:`Costs.model_state`, with each estimator row's parameters as the tensors ZeRO
         partitions (a module's weight and bias as one: rank 0's share is not under-counted)."""
@@ -247,6 +264,11 @@ class EstimateCosts(Costs):
         """The step's peak within its backward pass, split (None where the estimate has no record)."""
         phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
         return phases.get("backward")
+
+    def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
+        """The step's peak within its forward pass, split (None where the estimate has no record)."""
+        phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
+        return phases.get("forward")
 
 
 class LayerListCosts(Costs):

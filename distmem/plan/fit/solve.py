@@ -59,6 +59,9 @@ class FitResult:
     suggestion: Optional[str] = None
     warnings: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: torch: the chosen layout's largest allocation exceeds its limit's headroom, so it should run
+    #: with the allocator's expandable segments (see the warning)
+    expandable_segments: bool = False
     costs: Dict[str, Costs] = field(default_factory=dict, repr=False)
 
     @property
@@ -77,7 +80,8 @@ class FitResult:
                 "headroom": self.headroom, "searched": self.searched, "evaluated": self.evaluated,
                 "proxy": PROXY_TEXT, "chosen": row(self.chosen) if self.chosen else None,
                 "fits": [row(c) for c in self.fits], "rejected": [row(c) for c in self.rejected],
-                "suggestion": self.suggestion, "warnings": list(self.warnings), "blocks": list(self.block_names),
+                "suggestion": self.suggestion, "warnings": list(self.warnings),
+                "expandable_segments": self.expandable_segments, "blocks": list(self.block_names),
                 "seconds": round(self.seconds, 3)}
 
     def table(self) -> str:
@@ -341,6 +345,9 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         for w in cand.outside.get("warnings", []):
             if w not in warnings:
                 warnings.append(w)
+    advice = _allocator_advice(fits[0], costs, fw) if fits else None
+    if advice:
+        warnings.append(advice["warning"])
     suggestion = None
     if not fits:
         suggestion = _smallest_fleet(ev, costs, global_batch_size, g, hosts, precisions)
@@ -349,4 +356,26 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
                     fits=fits, rejected=rej, searched=len(layouts), evaluated=ev.evaluated, headroom=h,
                     block_names=list(first.block_names), suggestion=suggestion, warnings=warnings, costs=costs)
     res.seconds = time.perf_counter() - t0
+    res.expandable_segments = bool(advice)
     return res
+
+
+def _allocator_advice(cand: Candidate, costs: Dict[str, Costs], framework: str) -> Optional[Dict[str, Any]]:
+    """torch's caching allocator under a hard limit can strand a block it split: where one
+    allocation is larger than the limit's headroom, the headroom cannot absorb it (vgg16's 784 MiB
+    activations and its 392 MiB FSDP2 unit ran out of memory on the H200 under limits 10% above their
+    true peaks: bench/results/fit_h200.json, fit_sharded_h200.json); expandable segments map such
+    blocks without splitting. Returns the advice, or None."""
+    b = cand.heaviest
+    if framework != "torch" or b is None or cand.layout.precision not in costs:
+        return None
+    block = costs[cand.layout.precision].largest_block(cand.layout.micro_batch, cand.layout.shard or "")
+    room = b.planned_bytes - b.allocator_bytes
+    if block <= room:
+        return None
+    return {"largest_block": block, "headroom_bytes": room,
+            "warning": (f"the chosen layout's largest single allocation ({format_bytes(block)}) is larger than its "
+                        f"limit's headroom ({format_bytes(room)}): under a hard limit torch's caching allocator can "
+                        "strand a block that size (fragmentation) and run out below the limit; run it with "
+                        "expandable segments: DISTMEM_TORCH_EXPANDABLE_SEGMENTS=1 (distmem sets "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts)")}

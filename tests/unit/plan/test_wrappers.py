@@ -207,3 +207,49 @@ def test_model_parallel_rank_holds_the_fusion_buffer_on_its_first_device():
     assert under.extras["model"]["wrapper_bytes"] == 128 * MiB
     g0, w0 = without.extras["model"]["groups"][0], under.extras["model"]["groups"][0]
     assert w0["planned_bytes"] == g0["planned_bytes"] + 128 * MiB
+
+
+def test_fsdp2_keep_holds_only_the_units_the_backward_has_not_reached():
+    """reshard_after_forward=False: FSDP2 reshards each unit after its backward (before its
+    reduce-scatter), so a backward peak late in the pass (most gradients made) holds the units not
+    yet reached and the running unit's buffers, not every unit and the largest one's twice. Bug
+    guarded: VGG-16's chosen layouts ran at 0.73 / 0.77 of their limits on the H200
+    (bench/results/fit_sharded_h200.json before this rule)."""
+    from distmem.plan.wrappers import keep_backward_buffers, running_unit
+
+    keep = Wrapper("fsdp2", 4, reshard_after_forward=False)
+    # units (forward order) 300, 200, 100; root 400 (its gradients taken as made first)
+    assert running_unit(STATE, 0) == 2  # the backward starts at the last unit
+    assert running_unit(STATE, 400 * MiB + 100 * MiB) == 1  # root and the last unit done
+    assert running_unit(STATE, 400 * MiB + 350 * MiB) == 0
+    # the first unit running: root + (the unit and its gradients, or its gradients and the
+    # reduce-scatter input: the larger)
+    assert keep_backward_buffers(STATE, 0) == (400 + 2 * 300) * MiB
+    assert keep_backward_buffers(STATE, 2) == (400 + 300 + 200 + 2 * 100) * MiB
+    late = dict(PEAK, gradients=400 * MiB + 350 * MiB)
+    peak, parts, d = rank_peak(late, "backward", STATE, keep)
+    assert parts["wrapper buffers"] == keep_backward_buffers(STATE, 0) < d.backward_buffers
+
+
+def test_fsdp2_keep_prices_the_forward_end_with_every_unit_and_the_gathers_in_flight():
+    """At the forward's end every unit is gathered, and the all-gather outputs of the last
+    1 + prefetch units are not yet freed (measured on the H200: VGG-16's peak under
+    reshard_after_forward=False is the last unit's all-gather copy-out, bench/results/
+    fit_sharded_trace_h200.jsonl); with it the largest unit's backward is priced."""
+    from distmem.plan.wrappers import in_flight_gathers
+
+    keep = Wrapper("fsdp2", 4, reshard_after_forward=False)
+    d = wrapper_demand(keep, STATE)
+    assert in_flight_gathers(STATE, 1) == (300 + 200) * MiB and in_flight_gathers(STATE, 0) == 300 * MiB
+    assert d.forward_buffers == (400 + 600 + 500) * MiB
+    assert wrapper_demand(Wrapper("fsdp2", 4), STATE).forward_buffers is None  # resharding: no such moment
+    forward = {"weights": 1000 * MiB, "gradients": 0, "optimizer state": 2000 * MiB, "activations": 3000 * MiB,
+               "workspaces": 8 * MiB}
+    late = dict(PEAK, gradients=750 * MiB)
+    peak, parts, _ = rank_peak(late, "backward", STATE, keep, forward=forward)
+    assert parts["wrapper buffers"] == d.forward_buffers
+    assert peak == (250 + 0 + 500 + 3008) * MiB + d.forward_buffers
+    # with accumulation, a later micro-step's forward holds every earlier gradient's shard
+    acc = dict(late, **{"accumulated gradients": 250 * MiB})
+    peak2, parts2, _ = rank_peak(acc, "backward", STATE, keep, forward=forward)
+    assert parts2["gradients"] == 250 * MiB and peak2 == peak + 250 * MiB
