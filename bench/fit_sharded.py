@@ -261,11 +261,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if a.mode == "trace":
         for text in a.args:
-            line = run_worker(dict(json.loads(text), trace=True))
-            print(json.dumps(dict(spec=json.loads(text), **line)))
+            spec = json.loads(text)
+            line = json.dumps(dict(spec=spec, **run_worker(dict(spec, trace=True))))
+            print(line)
             if a.out:
                 with open(a.out, "a") as f:
-                    f.write(json.dumps(dict(spec=json.loads(text), **line)) + "\n")
+                    f.write(line + "\n")
         return 0
     pairs = PAIRS if not a.pairs else [PAIRS[int(i)] for i in a.pairs.split(",")]
     run_gpu(a.out, pairs, a.parallel, a.dry)

@@ -58,7 +58,6 @@ class Verdict:
 
 #: the verdict of a step where every rank was clean
 CLEAN = Verdict()
-_CLEAN = CLEAN
 
 
 def decode(vec: Sequence[float], size: int) -> Verdict:
@@ -66,7 +65,7 @@ def decode(vec: Sequence[float], size: int) -> Verdict:
     if len(vec) != 3 * w:
         raise ValueError(f"flag vector has {len(vec)} words, {3 * w} expected for {size} ranks")
     if not any(vec):
-        return _CLEAN  # every step of a healthy job: no bit to look for
+        return CLEAN  # every step of a healthy job: no bit to look for
     out: List[List[int]] = []
     for k in range(3):
         ranks = []

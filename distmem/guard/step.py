@@ -101,6 +101,14 @@ def _axpy(acc: Optional[List[Any]], grads: Sequence[Any], w: float) -> List[Any]
     return out
 
 
+def _grads_and_loss(out: Any) -> Tuple[Any, Any]:
+    """``fn``'s ``(grads, loss)`` when ``params=`` is not given; ConfigError naming what it returned."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ConfigError("the step function must return (grads, loss) when params= is not "
+                          f"given; it returned {type(out).__name__}")
+    return out
+
+
 def _scaled(loss: Any, w: float) -> Any:
     if loss is None:
         return None
@@ -378,10 +386,7 @@ class StepGuard:
                     (out * w).backward()
                     loss = out
                 else:
-                    if not (isinstance(out, tuple) and len(out) == 2):
-                        raise ConfigError("the step function must return (grads, loss) when params= is not "
-                                          f"given; it returned {type(out).__name__}")
-                    grads, loss = out
+                    grads, loss = _grads_and_loss(out)
                     acc = _axpy(acc, list(grads), w)
                 part = _scaled(loss, w)
                 loss_sum = part if loss_sum is None else (None if part is None else loss_sum + part)
@@ -396,10 +401,7 @@ class StepGuard:
         if self.params is not None:
             out.backward()
             return _scaled(out, 1.0), [p.grad for p in self.params]
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ConfigError("the step function must return (grads, loss) when params= is not "
-                              f"given; it returned {type(out).__name__}")
-        grads, loss = out
+        grads, loss = _grads_and_loss(out)
         return _scaled(loss, 1.0), list(grads)
 
     def _reducer_for(self, grads: List[Any]) -> Reducer:

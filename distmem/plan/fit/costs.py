@@ -260,15 +260,16 @@ class EstimateCosts(Costs):
         _, parts, phase = self._whole(mb, accumulate)
         return dict(parts), phase, int(self.est.activation_bytes(int(mb)))
 
-    def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
-        """The step's peak within its backward pass, split (None where the estimate has no record)."""
+    def _phase(self, mb: int, phase: str) -> Optional[Dict[str, int]]:
+        """The step's peak within ``phase``, split (None where the estimate has no record)."""
         phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
-        return phases.get("backward")
+        return phases.get(phase)
+
+    def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
+        return self._phase(mb, "backward")
 
     def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
-        """The step's peak within its forward pass, split (None where the estimate has no record)."""
-        phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
-        return phases.get("forward")
+        return self._phase(mb, "forward")
 
 
 class LayerListCosts(Costs):

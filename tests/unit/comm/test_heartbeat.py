@@ -218,15 +218,29 @@ def horovod_store(request):
         store.stop()
 
 
+def _point_at_store(monkeypatch, port: int) -> None:
+    """This rank launched by horovodrun (its rendezvous server on ``port``), not by torchrun."""
+    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HOROVOD_ELASTIC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(port))
+
+
+@pytest.fixture
+def stand_in_store(monkeypatch):
+    """The stand-in rendezvous server, this rank pointed at it."""
+    store = _StandInStore()
+    _point_at_store(monkeypatch, store.port)
+    yield store
+    store.stop()
+
+
 def test_horovodrun_ranks_meet_through_its_rendezvous_server_before_hvd_init(monkeypatch, horovod_store):
     # horovodrun --gloo with distmem.init() before hvd.init(): no transport is up yet, and the
     # launcher's own store carries rank 0's info (a rank that asks first waits for it).
     import threading
 
-    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "HOROVOD_ELASTIC"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
-    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(horovod_store))
+    _point_at_store(monkeypatch, horovod_store)
     info = {"host": "h0", "addrs": ["10.0.0.1"], "port": 4242, "token": "t" * 32}
     got: Dict[int, dict] = {}
     early = threading.Thread(target=lambda: got.__setitem__(1, hbm._exchange(1, 2, None, None, 10.0)))
@@ -237,41 +251,25 @@ def test_horovodrun_ranks_meet_through_its_rendezvous_server_before_hvd_init(mon
     assert got == {1: info}
 
 
-def test_a_heartbeat_started_again_in_the_same_launch_never_reads_the_earlier_hubs_info(monkeypatch):
+def test_a_heartbeat_started_again_in_the_same_launch_never_reads_the_earlier_hubs_info(stand_in_store):
     # distmem.reset() then init() under one horovodrun: the store still holds the first hub's info.
     from distmem.errors import GatherTimeoutError
 
-    store = _StandInStore()
-    try:
-        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
-        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(store.port))
-        for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            monkeypatch.delenv(key, raising=False)
-        first = {"host": "h0", "addrs": ["10.0.0.1"], "port": 4242, "token": "a" * 32}
-        hbm._exchange(0, 2, first, None, 5.0, generation=1)
-        assert hbm._exchange(1, 2, None, None, 5.0, generation=1) == first
-        with pytest.raises(GatherTimeoutError, match="GET answered 404"):
-            hbm._exchange(1, 2, None, None, 0.5, generation=2)
-    finally:
-        store.stop()
+    first = {"host": "h0", "addrs": ["10.0.0.1"], "port": 4242, "token": "a" * 32}
+    hbm._exchange(0, 2, first, None, 5.0, generation=1)
+    assert hbm._exchange(1, 2, None, None, 5.0, generation=1) == first
+    with pytest.raises(GatherTimeoutError, match="GET answered 404"):
+        hbm._exchange(1, 2, None, None, 0.5, generation=2)
 
 
-def test_a_rank_that_never_meets_rank_0_in_horovodruns_store_is_told_within_the_timeout(monkeypatch):
+def test_a_rank_that_never_meets_rank_0_in_horovodruns_store_is_told_within_the_timeout(stand_in_store):
     from distmem.errors import GatherTimeoutError
 
-    store = _StandInStore()
-    try:
-        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
-        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(store.port))
-        for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            monkeypatch.delenv(key, raising=False)
-        t0 = time.monotonic()
-        with pytest.raises(GatherTimeoutError, match=r"horovodrun's rendezvous server at 127\.0\.0\.1:\d+ within "
-                                                     r"1\.0 s \(GET answered 404"):
-            hbm._exchange(2, 4, None, None, 1.0)
-        assert time.monotonic() - t0 < 3
-    finally:
-        store.stop()
+    t0 = time.monotonic()
+    with pytest.raises(GatherTimeoutError, match=r"horovodrun's rendezvous server at 127\.0\.0\.1:\d+ within "
+                                                 r"1\.0 s \(GET answered 404"):
+        hbm._exchange(2, 4, None, None, 1.0)
+    assert time.monotonic() - t0 < 3
 
 
 def test_no_heartbeat_under_elastic_horovod(monkeypatch):
