@@ -17,6 +17,9 @@ class LayerCost:
     multiplied by the micro-batches a pipeline stage keeps in flight.
     ``output_bytes``: bytes of the layer's output for one (micro-)batch: what crosses a device or
     stage boundary if the model is cut after this layer.
+    ``backward_bytes``: what the layer's backward allocates for one (micro-)batch besides the
+    gradients of its output and of its input (a kernel's workspace, a recomputed output); 0 where
+    the backward makes only those.
     """
 
     name: str
@@ -25,6 +28,7 @@ class LayerCost:
     output_bytes: int = 0
     params: int = 0
     kind: str = ""
+    backward_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

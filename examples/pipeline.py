@@ -7,15 +7,15 @@ Per-layer costs are computed from the layer list before TensorFlow starts (param
 shapes, fp32 with Adam), handed to ``distmem.init(strategy="pipeline")``, which cuts the layers
 into stages exactly for the GPipe schedule and gives every rank its stage's limit. Each rank then
 builds only its stage and runs a real GPipe step: micro-batch activations travel forward and
-their gradients backward between neighbouring stages (through ``hvd.allgather``, which every rank
-joins at each tick), every stage keeps all its micro-batches' activations until the backward, and
+their gradients backward between neighbouring stages, every stage keeps all its micro-batches' activations until the backward, and
 applies its own Adam update. Rank 0 prints distmem's report: each rank's stage, planned limit
 and measured peak. Without GPUs the plan is computed (mode "cpu") and the peaks are TensorFlow's
-CPU allocator figures. The example's own exchange (each tick, one vector per rank padded to the largest
-activation, all-gathered) is stated to the plan as ``exchange_bytes``: the all-gather's output of one
-vector per rank and two send buffers, this tick's and the previous one (see ``exchange``)
-(``--exchange-in-plan off`` leaves it out, to see what it adds).
-Everything a stage holds is a TensorFlow tensor (data, the exchange's buffers, received activations),
+CPU allocator figures, under the same limit (``--allocator-region``). The stages talk through one
+``hvd.alltoall`` per tick, each rank sending only to its neighbour: what travels is a stage input or
+the gradient of a stage output, both counted by the plan (the stage inputs, and the backward's
+gradients in flight: the gradient received for the stage's output, and at the layer the backward
+has reached its output's and its input's gradients), so nothing is stated on top.
+Everything a stage holds is a TensorFlow tensor (data, received activations and gradients),
 so the CPU allocator's peak counts what the plan counts; ``--width-scale`` scales every layer's width.
 """
 import argparse
@@ -70,12 +70,20 @@ def layer_costs(micro_batch: int, optimizer_slots: int = 2, layers=LAYERS):
     average (Mean) only its input's shape. So a conv or dense layer with a fused ReLU keeps its output
     and nothing else, and every layer this example can build (ReLU on all but the logits, whose softmax
     gradient keeps a tensor of their size) keeps exactly its output; its input is the previous layer's
-    output, or the stage's boundary input, counted there."""
-    out, channels = [], INPUT[-1]
+    output, or the stage's boundary input, counted there.
+    backward_bytes = what a layer's backward allocates besides its output's and its input's gradients
+    (the plan adds those, and the weight gradient is the state's): nothing for conv and dense; on
+    TensorFlow's CPU kernels (oneDNN) MaxPoolGrad recomputes the forward, an output-sized tensor and a
+    workspace twice that (2 x output besides), and the global average's gradient is broadcast to the
+    input's shape twice (input - output besides). A GPU's kernels need less: the plan is then over."""
+    out, channels, entering = [], INPUT[-1], micro_batch * int(np.prod(INPUT))
     for (name, kind, width), shape in zip(layers, output_shapes(layers)):
         params = {"conv": 3 * 3 * channels * width + width, "dense": channels * width + width}.get(kind, 0)
         channels, values = shape[-1], micro_batch * int(np.prod(shape))
-        out.append(LayerCost(name, (2 + optimizer_slots) * 4 * params, 4 * values, 4 * values, params, kind))
+        extra = {"pool": 2 * values, "gap": entering - values}.get(kind, 0)
+        out.append(LayerCost(name, (2 + optimizer_slots) * 4 * params, 4 * values, 4 * values, params, kind,
+                             backward_bytes=4 * extra))
+        entering = values
     return out
 
 
@@ -106,34 +114,27 @@ def main():
     ap.add_argument("--recompute", action="store_true", help="plan with activation recomputation (the "
                     "example itself keeps activations; the plan shows the smaller demand)")
     ap.add_argument("--report", default=os.environ.get("DISTMEM_REPORT", "runs/pipeline/report.json"))
-    ap.add_argument("--exchange-in-plan", choices=["on", "off"], default="on",
-                    help="state this example's all-gather buffers to the plan (exchange_bytes=; default on)")
     ap.add_argument("--width-scale", type=positive_number, default=1.0,
                     help="every hidden layer's width times this (default 1: the widths in LAYERS)")
     ap.add_argument("--allocator-region", choices=["planned", "grow"], default="planned",
-                    help="without a GPU: give TensorFlow's CPU allocator the planned bytes as one region "
-                         "first, as the plan's limit does on a GPU (planned, default), or let it grow "
-                         "region by region (grow: TensorFlow's CPU default; its whole-chunk counting "
-                         "then adds to the peak)")
+                    help="without a GPU: cap TensorFlow's CPU allocator at the planned bytes and give it them "
+                         "as one region first, as the plan's limit does on a GPU (planned, default), or let it "
+                         "grow region by region, uncapped (grow: TensorFlow's CPU default; its whole-chunk "
+                         "counting then adds to the peak)")
     args = parse_example(ap)
     mb, m = args.micro_batch_size, args.micro_batches
     layers = scaled(args.width_scale)
     costs = layer_costs(mb, layers=layers)
-    # Every tick each rank all-gathers one vector padded to the largest activation any cut can send
-    # (known before the partition): TensorFlow holds the gathered output (one vector per rank), this
-    # tick's send buffer and the previous tick's, which the exchange keeps until this one is gathered
-    # (see exchange() below). That is this example's exchange, stated to the plan.
-    width = max([mb * INPUT[0] * INPUT[1] * INPUT[2]] + [c.output_bytes // 4 for c in costs])
-    size_var = next((v for v in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE") if os.environ.get(v)), None)
-    try:
-        ranks = int(os.environ[size_var]) if size_var else 1
-    except ValueError:
-        raise SystemExit(f"pipeline.py: {size_var}={os.environ[size_var]!r} is not a whole number of ranks; launch "
-                         "with horovodrun -np N (it sets it)") from None
-    plan = distmem.init(strategy="pipeline", layers=costs, schedule="gpipe", num_micro_batches=m,
+    plan = distmem.init(strategy="pipeline", framework="tensorflow", layers=costs, schedule="gpipe", num_micro_batches=m,
                         micro_batch_size=mb, input_bytes=4 * mb * INPUT[0] * INPUT[1] * INPUT[2],
-                        recompute=args.recompute,
-                        exchange_bytes=(2 + ranks) * 4 * width if args.exchange_in_plan == "on" else 0)
+                        recompute=args.recompute)
+    planned = plan.mine.breakdown["planned_bytes"]  # whole MiB
+    if args.allocator_region == "planned" and not plan.mine.devices:
+        # Without a GPU the CPU allocator gets the stage's limit, as a GPU's would (read when
+        # TensorFlow creates its CPU device, so set before TensorFlow starts).
+        # TensorFlow's own first tensors (a few bytes: shapes) open the allocator's first region,
+        # 2 MiB, before the job has any; the cap leaves it that, so the job's region is the limit.
+        os.environ.setdefault("TF_CPU_BFC_MEM_LIMIT_IN_MB", str((planned >> 20) + 2))
 
     import tensorflow as tf
     import horovod.tensorflow as hvd
@@ -147,11 +148,15 @@ def main():
     names = info["partition"]["parts"][stage]["layers"]
     if args.allocator_region == "planned" and not tf.config.list_physical_devices("GPU"):
         # Under the plan's limit a GPU's allocator (TensorFlow's BFC, no memory growth) is one region
-        # from the start. The CPU one grows region by region (2 MiB, doubling) and counts a chunk it
-        # does not split (one under twice the request) whole: a 10 MiB tensor in a fresh 16 MiB region
-        # counts 16 MiB. One region of the planned bytes first, so that the CPU peak counts what the
-        # job holds as a GPU would; the reservation is not the job's, and the peak restarts after it.
-        tf.zeros([plan.mine.breakdown["planned_bytes"] // 4])
+        # of the limit from the start. The CPU one grows region by region (2 MiB, doubling) and no
+        # chunk spans two: the planned bytes are made and freed at once, one region of the limit
+        # beside the first 2 MiB one, and later chunks are split from it as on a GPU. The
+        # reservation is not the job's: the peak restarts after it.
+        try:
+            tf.zeros([planned // 4])
+        except tf.errors.ResourceExhaustedError:  # a TF_CPU_BFC_MEM_LIMIT_IN_MB of the user's, below it
+            echo(f"[rank {rank}] TF_CPU_BFC_MEM_LIMIT_IN_MB={os.environ.get('TF_CPU_BFC_MEM_LIMIT_IN_MB')} is below this "
+                 f"stage's planned {planned >> 20} MiB: the allocator grows region by region instead")
         tf.config.experimental.reset_memory_stats("CPU:0")
     # Shapes at every stage boundary (from the layer list: a throwaway build would leave its weights).
     after = dict(zip([name for name, _, _ in layers], output_shapes(layers)))
@@ -173,34 +178,38 @@ def main():
               if stage == p - 1 else [])
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    sent = [None]  # the previous tick's send buffer
+    sent = [None]  # the previous tick's send, kept until this tick's exchange is done
+    nothing = tf.zeros([0])
 
-    def exchange(vector, tick, source=None, shape=None):
-        """All-gather one vector per rank padded to ``width``; return rank ``source``'s, as ``shape``.
-        Its buffers are TensorFlow's (stated as exchange_bytes). Horovod's background thread lets go
-        of an all-gather's input and output only after the caller has the result, so a rank with
-        nothing to compute (the pipeline's bubble) would make its next send buffer while the last one
-        may or may not be held still; keeping the previous send buffer until this tick's all-gather
-        is done makes the exchange hold the same (2 + ranks) vectors whatever that thread's timing.
-        The piece kept is copied out of the output (a whole row of it would be a view of all of it)."""
-        flat = tf.zeros([0]) if vector is None else tf.reshape(vector, [-1])
-        padded = tf.concat([flat, tf.zeros([width - flat.shape[0]])], 0)[None]  # a new buffer, even at full width
-        got = hvd.allgather(padded, name=f"tick{tick}")
-        sent[0] = padded
-        if source is None:
-            return None
-        n = int(np.prod(shape))
-        piece = tf.raw_ops.DeepCopy(x=got[source]) if n == width else got[source, :n]
-        return tf.reshape(piece, shape)
+    def exchange(vector, tick, dest=None, source=None, shape=None):
+        """Send ``vector`` to rank ``dest`` and receive rank ``source``'s as ``shape``: one
+        ``hvd.alltoall`` that every rank joins at each tick, each sending only to its neighbour.
+        What is sent is a view of an activation (forward) or the input gradient just made
+        (backward); what arrives is the next stage input or the gradient of this stage's output,
+        held until used: all of them the plan's (the stage inputs, and the backward's gradients in
+        flight). Horovod's background thread lets go of a send a moment after the caller has the
+        result; keeping the previous send until this tick's exchange is done makes that moment the
+        same whatever the thread's timing (the next backward's peak is lower by one micro-batch's
+        activations, which makes room for it)."""
+        flat = nothing if vector is None else tf.reshape(vector, [-1])
+        splits = [0] * hvd.size()
+        if dest is not None:
+            splits[dest] = int(flat.shape[0])
+        got, _ = hvd.alltoall(flat, splits=splits, name=f"tick{tick}")
+        sent[0] = flat
+        return None if source is None else tf.reshape(got, shape)
 
     # The steps below keep nothing in local names: what a stage holds is in tapes/inputs/outputs/grads_in
-    # and acc (the gradients, held once like the weights), as the plan counts it.
-    acc = [tf.zeros_like(v) for v in model.trainable_variables]
+    # and grads (the gradients, held once like the weights), as the plan counts it. Over several
+    # micro-batches they accumulate in place; each micro-batch's own gradients, which the tape hands
+    # back together, are alive beside them until added (the plan's accumulation transient).
+    grads = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables] if m > 1 else []
 
     def forward(k, tapes, inputs, outputs, losses):
         x = images[k] if stage == 0 else inputs[k]
         with tf.GradientTape(persistent=False) as tape:
-            tape.watch(x)
+            if stage > 0:  # the data needs no gradient
+                tape.watch(x)
             y = model(x, training=True)
             if stage == p - 1:
                 y = loss_fn(labels[k], y) / m
@@ -210,10 +219,16 @@ def main():
 
     def backward(k, tapes, inputs, outputs, grads_in):
         upstream = None if stage == p - 1 else grads_in.pop(k)
-        dx, *dw = tapes.pop(k).gradient(outputs.pop(k), [inputs.pop(k)] + model.trainable_variables,
-                                        output_gradients=upstream)
-        acc[:] = [a + g for a, g in zip(acc, dw)]
-        return None if stage == 0 else dx
+        x = inputs.pop(k)
+        wrt = model.trainable_variables if stage == 0 else [x] + model.trainable_variables
+        made = tapes.pop(k).gradient(outputs.pop(k), wrt, output_gradients=upstream)
+        dx, dw = (None, made) if stage == 0 else (made[0], made[1:])
+        if m > 1:
+            for a, g in zip(grads, dw):
+                a.assign_add(g)
+        else:
+            grads[:] = dw
+        return dx
 
     for step in range(args.steps):
         tapes, inputs, outputs, grads_in, losses = {}, {}, {}, {}, []
@@ -221,6 +236,7 @@ def main():
         for t in range(m + p - 1):
             k, kk = t - stage, t - (stage - 1)  # kk: the micro-batch the previous stage sends this tick
             got = exchange(forward(k, tapes, inputs, outputs, losses) if 0 <= k < m else None, f"{step}f{t}",
+                           rank + 1 if stage < p - 1 and 0 <= k < m else None,
                            *((rank - 1, shapes[stage]) if stage > 0 and 0 <= kk < m else ()))
             if got is not None:
                 inputs[kk] = got
@@ -229,12 +245,17 @@ def main():
         for t in range(m + p - 1):
             k, k_next = t - (p - 1 - stage), t - (p - 1 - (stage + 1))
             got = exchange(backward(k, tapes, inputs, outputs, grads_in) if 0 <= k < m else None, f"{step}b{t}",
+                           rank - 1 if stage > 0 and 0 <= k < m else None,
                            *((rank + 1, shapes[stage + 1]) if stage < p - 1 and 0 <= k_next < m else ()))
             if got is not None:
                 grads_in[k_next] = got
             del got
-        opt.apply_gradients(zip(acc, model.trainable_variables))
-        acc[:] = [tf.zeros_like(v) for v in model.trainable_variables]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if m > 1:
+            for a in grads:
+                a.assign(tf.zeros_like(a))
+        else:
+            grads.clear()
         if stage == p - 1:
             echo(f"[rank {rank}] step {step}: loss {sum(losses):.4f}")
     rep = distmem.report(path=args.report)

@@ -198,7 +198,8 @@ class Estimate:
         """The table as the partitioners' ``LayerCost`` rows at ``batch_size``."""
         b = self.batch_size if batch_size is None else int(batch_size)
         return [LayerCost(name=r.name, state_bytes=r.state_bytes, activation_bytes=r.activation_bytes(b),
-                          output_bytes=r.output_bytes_per_sample * b, params=r.params, kind=r.kind)
+                          output_bytes=r.output_bytes_per_sample * b, params=r.params, kind=r.kind,
+                          backward_bytes=r.workspace_bytes_per_sample * b)
                 for r in self.layers]
 
     @property

@@ -18,6 +18,12 @@ model parallel                1                  1
 plain per-layer sums          1                  0
 ============================  =================  ===================
 
+A pipeline stage's demand adds, on top of that cost, the gradients its backward has in flight
+(:func:`backward_transient`: the gradient received for its output and, at the layer the backward
+has reached, that layer's output and input gradients) and, over several micro-batches, the
+micro-batch's own gradients before they are added to the accumulated ones
+(:func:`accumulation_transient`), which no cut can avoid.
+
 ``in_flight(s)`` is the number of micro-batches whose activations stage ``s`` holds at its peak:
 all ``m`` under GPipe, ``min(p - s, m)`` under 1F1B (the first stage holds the most).
 
@@ -37,7 +43,7 @@ from ..costs import LayerCost
 from ..errors import ConfigError
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["SCHEDULES", "in_flight", "StageDemand", "Partition", "solve", "stage_demands",
+__all__ = ["SCHEDULES", "in_flight", "StageDemand", "backward_transient", "accumulation_transient", "Partition", "solve", "stage_demands",
            "partition_pipeline", "partition_model", "partition_plain", "lower_bound", "bounds_from_cuts",
            "layers_from_dicts"]
 
@@ -86,6 +92,8 @@ class StageDemand:
     boundary_bytes: int
     in_flight: int = 1
     recompute: bool = False
+    #: The backward's gradients in flight at its peak (:func:`backward_transient`), for pipeline stages.
+    transient_bytes: int = 0
 
     @property
     def activation_total_bytes(self) -> int:
@@ -95,9 +103,15 @@ class StageDemand:
         return self.in_flight * (self.activation_bytes + self.boundary_bytes)
 
     @property
-    def total_bytes(self) -> int:
-        """Peak demand: state + activations at the peak."""
+    def held_bytes(self) -> int:
+        """What the stage holds when its backward starts: state + activations at the peak (what the
+        partition minimises)."""
         return self.state_bytes + self.activation_total_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak demand: what it holds plus the backward's gradients in flight."""
+        return self.held_bytes + self.transient_bytes
 
     @property
     def num_layers(self) -> int:
@@ -108,16 +122,17 @@ class StageDemand:
         return {"state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "boundary_bytes": self.boundary_bytes, "in_flight": self.in_flight,
                 "recompute": int(self.recompute), "activation_total_bytes": self.activation_total_bytes,
-                "demand_bytes": self.total_bytes, "first_layer": self.start, "stop_layer": self.stop}
+                "transient_bytes": self.transient_bytes, "demand_bytes": self.total_bytes, "first_layer": self.start, "stop_layer": self.stop}
 
     def describe(self) -> str:
         """``weights+grads+optimizer 3.1 GiB, activations 4 x 5.1 GiB`` — what the error messages show."""
         state = f"weights+grads+optimizer {format_bytes(self.state_bytes)}"
+        grads = f", backward gradients in flight {format_bytes(self.transient_bytes)}" if self.transient_bytes else ""
         if self.recompute:
             return (f"{state}, stage inputs {self.in_flight} x {format_bytes(self.boundary_bytes)} "
-                    f"+ one recomputed micro-batch {format_bytes(self.activation_bytes)}")
+                    f"+ one recomputed micro-batch {format_bytes(self.activation_bytes)}{grads}")
         act = self.activation_bytes + self.boundary_bytes
-        return f"{state}, activations {self.in_flight} x {format_bytes(act)}"
+        return f"{state}, activations {self.in_flight} x {format_bytes(act)}{grads}"
 
 
 @dataclass
@@ -140,7 +155,8 @@ class Partition:
 
     @property
     def max_bytes(self) -> int:
-        """The largest part's demand: what the partition minimises."""
+        """The largest part's demand (its peak, the backward's gradients in flight included; the
+        partition minimises what the parts hold, :attr:`StageDemand.held_bytes`)."""
         return max(s.total_bytes for s in self.stages)
 
     @property
@@ -190,7 +206,7 @@ def layers_from_dicts(items: Sequence[Any], what: str = "layers") -> List[LayerC
             raise ConfigError(f"{what}: layer {k} ({name}): missing {', '.join(missing)}; each layer needs "
                               "state_bytes (weights+grads+optimizer) and activation_bytes (one micro-batch)")
         known: Dict[str, Any] = {"name": name}
-        for f in ("state_bytes", "activation_bytes", "output_bytes"):
+        for f in ("state_bytes", "activation_bytes", "output_bytes", "backward_bytes"):
             if f in item:
                 try:
                     known[f] = parse_bytes(item[f], what=f"{what}: layer {k} ({name}) {f}")
@@ -214,7 +230,7 @@ def _check_layers(layers: Sequence[LayerCost], parts: int, what: str) -> None:
         raise ConfigError(f"{what}: {len(layers)} layer(s) cannot fill {parts} parts (every part needs at "
                           f"least one layer); use at most {len(layers)} parts or give a finer layer list")
     for layer in layers:
-        for f in ("state_bytes", "activation_bytes", "output_bytes"):
+        for f in ("state_bytes", "activation_bytes", "output_bytes", "backward_bytes"):
             v = getattr(layer, f)
             if not isinstance(v, (int, np.integer)) or v < 0:
                 raise ConfigError(f"layer {layer.name!r}: {f}={v!r} must be a non-negative whole number of bytes")
@@ -374,8 +390,10 @@ def _multipliers(kind: str, num_parts: int, schedule: Optional[str], m: int,
 
 def stage_demands(layers: Sequence[LayerCost], bounds: Bounds, *, kind: str = "pipeline",
                   schedule: Optional[str] = "1f1b", num_micro_batches: int = 1, recompute: bool = False,
-                  input_bytes: int = 0) -> List[StageDemand]:
-    """Each part's demand for given bounds under a setting; evaluates any partition (a peer's too)."""
+                  input_bytes: int = 0, accumulate: Optional[Tuple[str, float]] = None) -> List[StageDemand]:
+    """Each part's demand for given bounds under a setting; evaluates any partition (a peer's too).
+    ``accumulate``: (framework, the gradients' share of a layer's state) where a pipeline's stages
+    add each micro-batch's gradients into accumulated ones (:func:`accumulation_transient`)."""
     p = len(bounds)
     flight, _, b = _multipliers(kind, p, schedule, num_micro_batches, recompute)
     state, act, boundary = _arrays(layers, input_bytes)
@@ -386,12 +404,45 @@ def stage_demands(layers: Sequence[LayerCost], bounds: Bounds, *, kind: str = "p
         out.append(StageDemand(stage=s, start=i, stop=j, state_bytes=int(state[i:j].sum()),
                                activation_bytes=int(act[i:j].sum()),
                                boundary_bytes=int(boundary[i]) if b[s] else 0,
-                               in_flight=flight[s], recompute=recompute and kind == "pipeline"))
+                               in_flight=flight[s], recompute=recompute and kind == "pipeline",
+                               transient_bytes=(backward_transient(layers, i, j)
+                                                + (accumulation_transient(
+                                                    [int(l.state_bytes * accumulate[1]) for l in layers[i:j]],
+                                                    num_micro_batches, accumulate[0]) if accumulate else 0)
+                                                if kind == "pipeline" else 0)))
     return out
 
 
+def backward_transient(layers: Sequence[LayerCost], start: int, stop: int) -> int:
+    """Bytes the backward of layers ``[start, stop)`` (one pipeline stage, ONE micro-batch) holds at
+    once beyond what the layers keep: the gradient the stage received for its output, held until
+    its backward is done (none on the last stage, whose loss makes its own), plus, at the layer the
+    backward has reached, that layer's output gradient, the gradient it makes for its input (the
+    previous layer's output; none for the model's first layer: nobody differentiates the data)
+    and what its kernels allocate besides (``backward_bytes``), the largest such layer. Any
+    framework's backward makes the gradients; a layer's weight gradient is the state's. From
+    ``output_bytes`` (0 where a layer list leaves it out, which leaves the transient out)."""
+    if not 0 <= start < stop <= len(layers):
+        raise ConfigError(f"backward_transient: layers [{start}, {stop}) are empty or outside {len(layers)} layers")
+    held = int(layers[stop - 1].output_bytes) if stop < len(layers) else 0
+    work = max(int(layers[i].output_bytes) + (int(layers[i - 1].output_bytes) if i else 0)
+               + int(layers[i].backward_bytes) for i in range(start, stop))
+    return held + work
+
+
+def accumulation_transient(gradients: Sequence[int], num_micro_batches: int, framework: str) -> int:
+    """A stage that runs several micro-batches adds each one's gradients into accumulated ones (the
+    state's): until added, a micro-batch's own gradients are alive beside them. TensorFlow's tape
+    hands back all of them at once (the sum of the stage's ``gradients``, bytes per layer);
+    torch's autograd adds each into ``.grad`` as it is made (the largest). One micro-batch: none."""
+    if num_micro_batches <= 1 or not gradients:
+        return 0
+    return int(sum(gradients) if framework == "tensorflow" else max(gradients))
+
+
 def _partition(layers: Sequence[LayerCost], num_parts: int, kind: str, schedule: Optional[str], m: int,
-               recompute: bool, input_bytes: int, what: str) -> Partition:
+               recompute: bool, input_bytes: int, what: str,
+               accumulate: Optional[Tuple[str, float]] = None) -> Partition:
     _check_layers(layers, num_parts, what)
     if input_bytes < 0:
         raise ConfigError(f"{what}: input_bytes={input_bytes} cannot be negative")
@@ -400,24 +451,26 @@ def _partition(layers: Sequence[LayerCost], num_parts: int, kind: str, schedule:
     cut_cost = np.asarray(boundary)
     bounds, optimum = solve(state, act, boundary, a, b, cut_cost)
     stages = stage_demands(layers, bounds, kind=kind, schedule=schedule, num_micro_batches=m,
-                           recompute=recompute, input_bytes=input_bytes)
+                           recompute=recompute, input_bytes=input_bytes, accumulate=accumulate)
     part = Partition([l.name for l in layers], stages, kind, schedule if kind == "pipeline" else None, m,
                      recompute and kind == "pipeline", input_bytes,
                      cut_bytes=int(sum(boundary[i] for i, _ in bounds[1:])))
-    if part.max_bytes != optimum:  # the demand formula and the solver's cost must agree
-        raise AssertionError(f"partition: solver optimum {optimum} != evaluated largest part {part.max_bytes}")
+    held = max(s.held_bytes for s in stages)
+    if held != optimum:  # the demand formula and the solver's cost must agree
+        raise AssertionError(f"partition: solver optimum {optimum} != evaluated largest part {held}")
     part.info["lower_bound_bytes"] = _lower_bound(state, act, boundary, a, b)
     return part
 
 
 def partition_pipeline(layers: Sequence[LayerCost], num_stages: int, *, num_micro_batches: int,
-                       schedule: str = "1f1b", recompute: bool = False, input_bytes: int = 0) -> Partition:
+                       schedule: str = "1f1b", recompute: bool = False, input_bytes: int = 0,
+                       accumulate: Optional[Tuple[str, float]] = None) -> Partition:
     """Cut ``layers`` (costs for ONE micro-batch) into ``num_stages`` stages minimising the largest
     stage's peak demand under ``schedule``; exact. ``input_bytes``: the model input per micro-batch,
-    held by stage 0 like any stage's boundary input."""
+    held by stage 0 like any stage's boundary input. ``accumulate``: see :func:`stage_demands`."""
     in_flight(schedule, 0, max(num_stages, 1), num_micro_batches)  # validates the schedule and m
     return _partition(layers, num_stages, "pipeline", schedule, num_micro_batches, recompute, input_bytes,
-                      f"pipeline of {num_stages} stage(s)")
+                      f"pipeline of {num_stages} stage(s)", accumulate)
 
 
 def partition_model(layers: Sequence[LayerCost], num_devices: int, *, input_bytes: int = 0) -> Partition:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...costs import LayerCost
 from ...errors import ConfigError
+from ..partition import backward_transient
 
 __all__ = ["Costs", "EstimateCosts", "LayerListCosts", "group_blocks", "TRANSIENT_OUTPUTS"]
 
@@ -290,6 +291,7 @@ class LayerListCosts(Costs):
         self._state = [int(l.state_bytes) for l in layers]
         self._act_ps = [l.activation_bytes / batch_size for l in layers]
         self._out_ps = [l.output_bytes / batch_size for l in layers]
+        self._bwd_ps = [l.backward_bytes / batch_size for l in layers]
         self._in_ps = input_bytes / batch_size
         self.persistent_bytes = int(persistent_bytes)
         # Without a per-part split, Adam's state (weights + grads + 2 slots) is assumed: grads a quarter.
@@ -297,8 +299,8 @@ class LayerListCosts(Costs):
 
     def block_costs(self, mb: int) -> List[LayerCost]:
         return [LayerCost(name=n, state_bytes=s, activation_bytes=int(math.ceil(a * mb)),
-                          output_bytes=int(math.ceil(o * mb)))
-                for n, s, a, o in zip(self.block_names, self._state, self._act_ps, self._out_ps)]
+                          output_bytes=int(math.ceil(o * mb)), backward_bytes=int(math.ceil(w * mb)))
+                for n, s, a, o, w in zip(self.block_names, self._state, self._act_ps, self._out_ps, self._bwd_ps)]
 
     def block_state_split(self) -> List[Dict[str, int]]:
         out = []
@@ -311,7 +313,8 @@ class LayerListCosts(Costs):
         return int(math.ceil(self._in_ps * mb))
 
     def transient_bytes(self, mb: int, start: int, stop: int) -> int:
-        return int(math.ceil(TRANSIENT_OUTPUTS * max(self._out_ps[start:stop], default=0) * mb))
+        # the rule init(strategy="pipeline", layers=...) plans a stage with: one job, one answer
+        return backward_transient(self.block_costs(mb), start, stop)
 
     def whole_peak(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int]]:
         n = len(self._state)

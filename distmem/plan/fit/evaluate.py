@@ -26,7 +26,7 @@ from ...discover.gpus import Gpu
 from ...units import parse_bytes
 from ..budget import Budget
 from ..outside import outside_allocator_breakdown
-from ..partition import lower_bound, partition_pipeline
+from ..partition import accumulation_transient, lower_bound, partition_pipeline
 from ..wrappers import added_bytes, sharding_wrapper, wrapper_demand
 from .costs import Costs
 from .space import ParallelLayout
@@ -256,9 +256,12 @@ class Evaluator:
                                           recompute=layout.recompute, input_bytes=c.input_bytes(layout.micro_batch))
                 self._parts[key] = part
             for sd in part.stages:
-                trans = c.transient_bytes(layout.micro_batch, sd.start, sd.stop)
-                peak = sd.total_bytes + trans + c.persistent_bytes
                 ss = split[sd.start:sd.stop]
+                # the backward's gradients in flight, and (several micro-batches) the micro-batch's own
+                # gradients before they are added: the rules init(strategy="pipeline") plans with
+                trans = (c.transient_bytes(layout.micro_batch, sd.start, sd.stop)
+                         + accumulation_transient([b["gradients"] for b in ss], layout.accumulation, self.framework))
+                peak = sd.held_bytes + trans + c.persistent_bytes
                 wrapped = 0
                 if layout.shard:
                     # the stage's state sharded over its data-parallel replicas, plus the wrapper's buffers

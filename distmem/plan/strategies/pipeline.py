@@ -176,7 +176,8 @@ def stage_demands_of(ctx: "Context", opts: PipelineOptions,
         layers = ctx.estimate_layers(opts.model, batch_size=opts.micro_batch_size, optimizer=opts.optimizer,
                                    input_shape=opts.input_shape)
     part = partition_pipeline(layers_from_dicts(list(layers or [])), p, num_micro_batches=m, schedule=opts.schedule,
-                              recompute=opts.recompute, input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"))
+                              recompute=opts.recompute, input_bytes=parse_bytes(opts.input_bytes, what="input_bytes"),
+                              accumulate=(ctx.framework, grad_fraction(opts.optimizer)))
     return part.stages, p, m, part
 
 

@@ -35,6 +35,18 @@ def gpus(spec):
     return fleet_inventory(spec).gpus
 
 
+def gpus_inventory(spec):
+    from distmem.discover.gpus import fleet_inventory
+
+    return fleet_inventory(spec)
+
+
+def topo_of(n):
+    from distmem.discover.identity import Topology
+
+    return Topology(rank=0, size=n, local_rank=0, local_size=n, host="n")
+
+
 # ------------------------------------------------------------------ layouts
 
 
@@ -157,6 +169,23 @@ def test_gpipe_first_stage_holds_all_micro_batches_and_1f1b_fewer():
     assert [s.in_flight for s in g.stages] == [8, 8, 8, 8]
     assert [s.in_flight for s in f.stages] == [4, 3, 2, 1]
     assert g.heaviest.planned_bytes > f.heaviest.planned_bytes
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_pipeline_stage_is_priced_as_strategy_pipeline_plans_it(framework):
+    """One job, one answer: fit's pipeline stage from a layer list holds what init(strategy="pipeline")
+    demands for the same cut, the backward's gradients in flight and the accumulation included."""
+    varied = [LayerCost(f"l{i}", (i % 5 + 1) * 64 * MiB, (i % 3 + 1) * 16 * MiB, (i % 4 + 1) * 4 * MiB,
+                        backward_bytes=(i % 2) * 8 * MiB) for i in range(12)]
+    c = {"float32": LayerListCosts(varied, 1)}
+    ev = Evaluator(c, gpus("4x80GiB"), budget=resolve_budget(reserve=0, foreign=0, headroom=0.1), overhead=0,
+                   framework=framework, nccl=False, nccl_buffsize=None)
+    got = ev.evaluate(ParallelLayout(1, 4, 2, 6, "float32", False, 1, "gpipe"), 4)
+    plan = make_plan("pipeline", topo_of(4), gpus_inventory("4x80GiB"), framework=framework,
+                     layers=c["float32"].block_costs(2), num_micro_batches=6, schedule="gpipe", headroom="10%")
+    # the Adam split fit assumes for a layer list (gradients a quarter of the state) is the plan's too
+    assert [s.allocator_bytes for s in got.stages] == [a.demand_bytes for a in plan.allocations]
+    assert all(a.breakdown["transient_bytes"] > 0 for a in plan.allocations)
 
 
 def test_accumulation_keeps_gradients_alive_in_a_whole_model_step():

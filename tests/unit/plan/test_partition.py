@@ -6,7 +6,7 @@ import pytest
 
 from distmem.costs import LayerCost
 from distmem.errors import ConfigError
-from distmem.plan.partition import (bounds_from_cuts, in_flight, layers_from_dicts, lower_bound, partition_model,
+from distmem.plan.partition import (accumulation_transient, backward_transient, bounds_from_cuts, in_flight, layers_from_dicts, lower_bound, partition_model,
     partition_pipeline, partition_plain, solve, stage_demands)
 
 
@@ -40,7 +40,7 @@ def _brute(layers, p, **setting):
     for cuts in itertools.combinations(range(1, n), p - 1):
         bounds = bounds_from_cuts(list(cuts), n)
         parts = stage_demands(layers, bounds, **setting)
-        key = (max(s.total_bytes for s in parts), sum(layers[i - 1].output_bytes for i, _ in bounds[1:]))
+        key = (max(s.held_bytes for s in parts), sum(layers[i - 1].output_bytes for i, _ in bounds[1:]))
         best = key if best is None or key < best else best
     return best
 
@@ -61,7 +61,8 @@ def test_pipeline_partition_is_optimal_by_brute_force(seed):
         part = partition_pipeline(layers, p, num_micro_batches=m, schedule=schedule, recompute=rec, input_bytes=inp)
         want = _brute(layers, p, kind="pipeline", schedule=schedule, num_micro_batches=m, recompute=rec,
                       input_bytes=inp)
-        assert (part.max_bytes, part.cut_bytes) == want, (layers, p, schedule, m, rec, inp, part.bounds)
+        held = max(s.held_bytes for s in part.stages)  # what the cut minimises; the transient is added after
+        assert (held, part.cut_bytes) == want, (layers, p, schedule, m, rec, inp, part.bounds)
         assert all(s.num_layers >= 1 for s in part.stages)
         assert part.bounds[0][0] == 0 and part.bounds[-1][1] == n
 
@@ -105,13 +106,43 @@ def test_demand_formulas():
                           input_bytes=4)
     # stage 0 holds 2 micro-batches (p=2): 10 + 2 * (7 + 4); stage 1 holds 1: 20 + 1 * (5 + 3)
     assert [s.in_flight for s in plain] == [2, 1]
-    assert [s.total_bytes for s in plain] == [10 + 2 * 11, 20 + 8]
+    assert [s.held_bytes for s in plain] == [10 + 2 * 11, 20 + 8]
+    # the backward's gradients in flight: stage 0 holds the gradient of its output (3) and at x its
+    # output's gradient (3), none for the data; stage 1 (last) at y its output's (2) and its input's (3)
+    assert [s.transient_bytes for s in plain] == [3 + 3, 2 + 3]
+    assert [s.total_bytes for s in plain] == [10 + 2 * 11 + 6, 20 + 8 + 5]
     rec = stage_demands(layers, [(0, 1), (1, 2)], kind="pipeline", schedule="gpipe", num_micro_batches=3,
                         recompute=True, input_bytes=4)
     # recompute: 3 stage inputs + one micro-batch's activations
-    assert [s.total_bytes for s in rec] == [10 + 3 * 4 + 7, 20 + 3 * 3 + 5]
+    assert [s.total_bytes for s in rec] == [10 + 3 * 4 + 7 + 6, 20 + 3 * 3 + 5 + 5]
     model = stage_demands(layers, [(0, 2)], kind="model", input_bytes=4)
     assert model[0].total_bytes == 30 + 12 + 4
+
+
+def test_backward_transient_holds_the_received_gradient_and_the_busiest_layers_pair():
+    layers = [LayerCost("a", 0, 0, 4), LayerCost("b", 0, 0, 8), LayerCost("c", 0, 0, 2), LayerCost("d", 0, 0, 1)]
+    # a middle stage [b, c]: it holds c's output gradient (2) throughout; at b the gradients of b's
+    # output (8) and of its input, a's output (4), are alive at once: the busiest pair
+    assert backward_transient(layers, 1, 3) == 2 + 8 + 4
+    # the first stage never differentiates the data (a's output gradient, received and at a: 4 + 4);
+    # the last receives none (d's output gradient and c's: 1 + 2)
+    assert backward_transient(layers, 0, 1) == 4 + 4
+    assert backward_transient(layers, 3, 4) == 1 + 2
+    # a layer list without outputs has nothing to count (and no cut to price either)
+    assert backward_transient([LayerCost("x", 5, 5), LayerCost("y", 5, 5)], 0, 1) == 0
+    with pytest.raises(ConfigError, match=r"\[2, 2\)"):
+        backward_transient(layers, 2, 2)
+
+
+def test_accumulation_transient_is_the_micro_batchs_own_gradients_until_added():
+    # TensorFlow's tape hands back a stage's gradients together; torch adds each into .grad as made
+    assert accumulation_transient([4, 10, 2], 4, "tensorflow") == 16
+    assert accumulation_transient([4, 10, 2], 4, "torch") == 10
+    assert accumulation_transient([4, 10, 2], 1, "tensorflow") == 0  # one micro-batch: the state's own
+    layers = [LayerCost("x", 40, 7, 3), LayerCost("y", 80, 5, 2)]
+    st = stage_demands(layers, [(0, 1), (1, 2)], kind="pipeline", schedule="gpipe", num_micro_batches=2,
+                       accumulate=("tensorflow", 0.25))
+    assert [s.transient_bytes for s in st] == [3 + 3 + 10, 2 + 3 + 20]
 
 
 def test_recompute_lowers_the_largest_stage():

@@ -47,7 +47,9 @@ def test_limits_are_demand_plus_headroom_in_whole_mib():
     costs = layers()
     plan = make_plan("pipeline", topo(4, 4), fleet_inventory("4x80GiB"), layers=costs, num_micro_batches=6,
                      headroom="10%")
-    part = partition_pipeline(costs, 4, num_micro_batches=6, schedule="1f1b")
+    # six micro-batches accumulate: each one's gradients until added (Adam's share of the state; the
+    # largest layer's outside TensorFlow)
+    part = partition_pipeline(costs, 4, num_micro_batches=6, schedule="1f1b", accumulate=("none", 0.25))
     for a in plan.allocations:
         demand = part.stages[a.stage].total_bytes
         assert a.demand_bytes == demand
@@ -107,9 +109,10 @@ def test_stage_does_not_fit_error_carries_breakdown_and_remedies():
         make_plan("pipeline", topo(4, 4), fleet_inventory("4x16GiB"), layers=costs, num_micro_batches=8,
                   schedule="gpipe")
     msg = str(err.value)
-    # every stage: 2 layers -> 2 GiB state, 8 x 4 GiB activations
-    assert "stage 0 needs 34.0 GiB" in msg
-    assert "weights+grads+optimizer 2.0 GiB, activations 8 x 4.0 GiB" in msg
+    # every stage: 2 layers -> 2 GiB state, 8 x 4 GiB activations, and one layer's gradients (a
+    # quarter of its 1 GiB state) made before they are added to the accumulated ones
+    assert "stage 0 needs 34.2 GiB" in msg
+    assert "weights+grads+optimizer 2.0 GiB, activations 8 x 4.0 GiB, backward gradients in flight 256.0 MiB" in msg
     for remedy in ("more stages", "fewer micro-batches in flight", "schedule='1f1b'", "recompute=True"):
         assert remedy in msg
 
