@@ -20,35 +20,16 @@ import tempfile
 from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from faults import _tool  # noqa: E402  the launchers beside this interpreter (scripts/env.sh main)
-from pipeline_example import MiB  # noqa: E402
+from pipeline_example import launch_example, rank_row  # noqa: E402  one launch, one rank's row
 
 
 def launch(folder: str, timeout: float, env_extra: Dict[str, str]) -> List[Dict[str, Any]]:
-    import subprocess
-
-    report = os.path.join(folder, f"report-{len(os.listdir(folder))}.json")
-    cmd = [_tool("horovodrun"), "-np", "4", "-H", "localhost:4", "--gloo", sys.executable,
-           os.path.join(ROOT, "examples", "model_parallel.py"), "--report", report]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", DISTMEM_QUIET="1", **env_extra)
-    cp = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if cp.returncode != 0 or not os.path.exists(report):
+    cmd, cp, rep = launch_example("model_parallel.py", folder, timeout, env_extra=env_extra)
+    if rep is None:
         raise SystemExit(f"bench/model_parallel_example.py: {' '.join(cmd)} exited {cp.returncode}: {cp.stderr[-1500:]}")
-    with open(report) as f:
-        rep = json.load(f)
-    rows = []
-    for r in rep["ranks"]:
-        alloc = r.get("allocation") or {}
-        bd = alloc.get("breakdown") or {}
-        planned = bd.get("planned_bytes") or r.get("limit_bytes")
-        demand, peak = alloc["demand_bytes"], r["peak_bytes"]
-        rows.append({"rank": r["rank"], "demand_mib": round(demand / MiB, 2), "planned_mib": round(planned / MiB, 1),
-                     "peak_mib": round(peak / MiB, 2), "peak_over_planned_pct": round(100.0 * (peak / planned - 1), 1),
-                     "peak_over_demand_pct": round(100.0 * (peak / demand - 1), 1)})
-    return sorted(rows, key=lambda r: r["rank"])
+    return sorted((rank_row(r) for r in rep["ranks"]), key=lambda r: r["rank"])
 
 
 def main() -> int:

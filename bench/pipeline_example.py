@@ -23,7 +23,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -34,31 +34,45 @@ from faults import _tool  # noqa: E402  the launchers beside this interpreter (s
 MiB = 1024 ** 2
 
 
-def launch(folder: str, timeout: float, options: Sequence[str] = ()) -> Dict[str, Any]:
+def launch_example(script: str, folder: str, timeout: float, options: Sequence[str] = (),
+                   env_extra: Optional[Dict[str, str]] = None) -> Tuple[List[str], Any, Optional[Dict[str, Any]]]:
+    """One ``horovodrun -np 4`` launch of ``examples/SCRIPT`` with a hard timeout: the command, its
+    completed process and the job's own distmem report (None where the job wrote none)."""
     report = os.path.join(folder, f"report-{len(os.listdir(folder))}.json")
     cmd = [_tool("horovodrun"), "-np", "4", "-H", "localhost:4", "--gloo", sys.executable,
-           os.path.join(ROOT, "examples", "pipeline.py"), *options, "--report", report]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", DISTMEM_QUIET="1")
+           os.path.join(ROOT, "examples", script), *options, "--report", report]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", DISTMEM_QUIET="1", **(env_extra or {}))
     cp = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if cp.returncode != 0 or not os.path.exists(report):
-        oom = "OOM when allocating" in cp.stdout + cp.stderr
-        if not oom:
+        return cmd, cp, None
+    with open(report) as f:
+        return cmd, cp, json.load(f)
+
+
+def rank_row(r: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank of a report against its plan: demand, planned bytes (its limit) and peak, in MiB and %."""
+    alloc = r.get("allocation") or {}
+    planned = (alloc.get("breakdown") or {}).get("planned_bytes") or r.get("limit_bytes")
+    demand, peak = alloc["demand_bytes"], r["peak_bytes"]
+    return {"rank": r["rank"], "demand_mib": round(demand / MiB, 2), "planned_mib": round(planned / MiB, 1),
+            "peak_mib": round(peak / MiB, 2), "peak_over_demand_pct": round(100.0 * (peak / demand - 1), 1),
+            "peak_over_planned_pct": round(100.0 * (peak / planned - 1), 1)}
+
+
+def launch(folder: str, timeout: float, options: Sequence[str] = ()) -> Dict[str, Any]:
+    cmd, cp, rep = launch_example("pipeline.py", folder, timeout, options)
+    if rep is None:
+        if "OOM when allocating" not in cp.stdout + cp.stderr:
             raise SystemExit(f"bench/pipeline_example.py: {' '.join(cmd)} exited {cp.returncode}: {cp.stderr[-1500:]}")
         return {"ok": False, "failure": "out of memory under the planned limit", "ranks": []}
-    with open(report) as f:
-        rep = json.load(f)
     rows = []
     for r in rep["ranks"]:
-        alloc = r.get("allocation") or {}
-        bd = alloc.get("breakdown") or {}
-        planned, demand, peak = bd.get("planned_bytes") or r.get("limit_bytes"), alloc["demand_bytes"], r["peak_bytes"]
-        previous = demand - int(bd.get("transient_bytes", 0))
-        rows.append({"rank": r["rank"], "stage": r.get("stage"), "demand_mib": round(demand / MiB, 2),
-                     "transient_mib": round(int(bd.get("transient_bytes", 0)) / MiB, 2),
-                     "planned_mib": round(planned / MiB, 1), "peak_mib": round(peak / MiB, 2),
-                     "peak_over_demand_pct": round(100.0 * (peak / demand - 1), 1),
-                     "peak_over_previous_rule_pct": round(100.0 * (peak / previous - 1), 1),
-                     "peak_over_planned_pct": round(100.0 * (peak / planned - 1), 1)})
+        row = rank_row(r)
+        transient = int(((r.get("allocation") or {}).get("breakdown") or {}).get("transient_bytes", 0))
+        previous = r["allocation"]["demand_bytes"] - transient
+        row.update(stage=r.get("stage"), transient_mib=round(transient / MiB, 2),
+                   peak_over_previous_rule_pct=round(100.0 * (r["peak_bytes"] / previous - 1), 1))
+        rows.append(row)
     return {"ok": True, "ranks": sorted(rows, key=lambda r: r["rank"])}
 
 

@@ -7,9 +7,9 @@ Per-layer costs are computed from the layer list before TensorFlow starts (param
 shapes, fp32 with Adam), handed to ``distmem.init(strategy="pipeline")``, which cuts the layers
 into stages exactly for the GPipe schedule and gives every rank its stage's limit. Each rank then
 builds only its stage and runs a real GPipe step: micro-batch activations travel forward and
-their gradients backward between neighbouring stages, every stage keeps all its micro-batches' activations until the backward, and
-applies its own Adam update. Rank 0 prints distmem's report: each rank's stage, planned limit
-and measured peak. Without GPUs the plan is computed (mode "cpu") and the peaks are TensorFlow's
+their gradients backward between neighbouring stages, every stage keeps all its micro-batches'
+activations until the backward, and applies its own Adam update. Rank 0 prints distmem's report:
+each rank's stage, planned limit and measured peak. Without GPUs the plan is computed (mode "cpu") and the peaks are TensorFlow's
 CPU allocator figures, under the same limit (``--allocator-region``). The stages talk through one
 ``hvd.alltoall`` per tick, each rank sending only to its neighbour: what travels is a stage input or
 the gradient of a stage output, both counted by the plan (the stage inputs, and the backward's
@@ -125,9 +125,9 @@ def main():
     mb, m = args.micro_batch_size, args.micro_batches
     layers = scaled(args.width_scale)
     costs = layer_costs(mb, layers=layers)
-    plan = distmem.init(strategy="pipeline", framework="tensorflow", layers=costs, schedule="gpipe", num_micro_batches=m,
-                        micro_batch_size=mb, input_bytes=4 * mb * INPUT[0] * INPUT[1] * INPUT[2],
-                        recompute=args.recompute)
+    plan = distmem.init(strategy="pipeline", framework="tensorflow", layers=costs, schedule="gpipe",
+                        num_micro_batches=m, micro_batch_size=mb,
+                        input_bytes=4 * mb * INPUT[0] * INPUT[1] * INPUT[2], recompute=args.recompute)
     planned = plan.mine.breakdown["planned_bytes"]  # whole MiB
     if args.allocator_region == "planned" and not plan.mine.devices:
         # Without a GPU the CPU allocator gets the stage's limit, as a GPU's would (read when

@@ -43,8 +43,8 @@ from ..costs import LayerCost
 from ..errors import ConfigError
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["SCHEDULES", "in_flight", "StageDemand", "backward_transient", "accumulation_transient", "Partition", "solve", "stage_demands",
-           "partition_pipeline", "partition_model", "partition_plain", "lower_bound", "bounds_from_cuts",
+__all__ = ["SCHEDULES", "in_flight", "StageDemand", "backward_transient", "accumulation_transient", "Partition",
+           "solve", "stage_demands", "partition_pipeline", "partition_model", "partition_plain", "lower_bound", "bounds_from_cuts",
            "layers_from_dicts"]
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -92,7 +92,8 @@ class StageDemand:
     boundary_bytes: int
     in_flight: int = 1
     recompute: bool = False
-    #: The backward's gradients in flight at its peak (:func:`backward_transient`), for pipeline stages.
+    #: What a pipeline stage's backward has in flight at its peak: its gradients
+    #: (:func:`backward_transient`) and a micro-batch's own ones until added (:func:`accumulation_transient`).
     transient_bytes: int = 0
 
     @property
@@ -122,7 +123,8 @@ class StageDemand:
         return {"state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "boundary_bytes": self.boundary_bytes, "in_flight": self.in_flight,
                 "recompute": int(self.recompute), "activation_total_bytes": self.activation_total_bytes,
-                "transient_bytes": self.transient_bytes, "demand_bytes": self.total_bytes, "first_layer": self.start, "stop_layer": self.stop}
+                "transient_bytes": self.transient_bytes, "demand_bytes": self.total_bytes, "first_layer": self.start,
+                "stop_layer": self.stop}
 
     def describe(self) -> str:
         """``weights+grads+optimizer 3.1 GiB, activations 4 x 5.1 GiB`` — what the error messages show."""
@@ -405,11 +407,20 @@ def stage_demands(layers: Sequence[LayerCost], bounds: Bounds, *, kind: str = "p
                                activation_bytes=int(act[i:j].sum()),
                                boundary_bytes=int(boundary[i]) if b[s] else 0,
                                in_flight=flight[s], recompute=recompute and kind == "pipeline",
-                               transient_bytes=(backward_transient(layers, i, j)
-                                                + (accumulation_transient(
-                                                    [int(l.state_bytes * accumulate[1]) for l in layers[i:j]],
-                                                    num_micro_batches, accumulate[0]) if accumulate else 0)
-                                                if kind == "pipeline" else 0)))
+                               transient_bytes=_stage_transient(layers, i, j, num_micro_batches, accumulate)
+                               if kind == "pipeline" else 0))
+    return out
+
+
+def _stage_transient(layers: Sequence[LayerCost], start: int, stop: int, num_micro_batches: int,
+                     accumulate: Optional[Tuple[str, float]]) -> int:
+    """A pipeline stage's backward in flight: its gradients, and (``accumulate`` = framework, the
+    gradients' share of a layer's state) a micro-batch's own ones until added."""
+    out = backward_transient(layers, start, stop)
+    if accumulate is not None:
+        framework, share = accumulate
+        out += accumulation_transient([int(l.state_bytes * share) for l in layers[start:stop]], num_micro_batches,
+                                      framework)
     return out
 
 

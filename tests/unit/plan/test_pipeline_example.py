@@ -24,14 +24,17 @@ pytest.importorskip("tensorflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(ROOT, "examples", "pipeline.py")
 
-CHILD = r'''
+# the example as a module, in a child whose CPU allocator keeps statistics (BFC, set before TensorFlow)
+LOAD = r'''
 import importlib.util, json, os, sys
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 spec = importlib.util.spec_from_file_location("pipeline_example", sys.argv[1])
 ex = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ex)
-import tensorflow as tf
+'''
+
+CHILD = LOAD + r'''import tensorflow as tf
 
 mb, m, scale, start = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
 kw = {} if scale == 1 else {"layers": ex.scaled(scale)}
@@ -57,12 +60,16 @@ print(json.dumps({"each": [b - a for a, b in zip(after, after[1:])],
 '''
 
 
-def _held(micro_batch: int, micro_batches: int, scale: float = 1.0, start: int = 0) -> dict:
-    cp = subprocess.run([sys.executable, "-c", CHILD, EXAMPLE, str(micro_batch), str(micro_batches), str(scale),
-                         str(start)], capture_output=True, text=True, timeout=300,
-                        env=dict(os.environ, PYTHONPATH=ROOT))
+def _child(code: str, *args) -> dict:
+    """Run ``code`` on the example with ``args``; its last line of output, as JSON."""
+    cp = subprocess.run([sys.executable, "-c", code, EXAMPLE, *map(str, args)], capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert cp.returncode == 0, cp.stderr[-3000:]
     return json.loads(cp.stdout.strip().splitlines()[-1])
+
+
+def _held(micro_batch: int, micro_batches: int, scale: float = 1.0, start: int = 0) -> dict:
+    return _child(CHILD, micro_batch, micro_batches, scale, start)
 
 
 @pytest.mark.parametrize("micro_batch, scale, start", [
@@ -78,15 +85,7 @@ def test_each_micro_batch_holds_what_the_layer_costs_say(micro_batch, scale, sta
                                     f"(x{ratio:.3f})")
 
 
-
-STAGE = r'''
-import importlib.util, json, os, sys
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-spec = importlib.util.spec_from_file_location("pipeline_example", sys.argv[1])
-ex = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ex)
-import numpy as np
+STAGE = LOAD + r'''import numpy as np
 import tensorflow as tf
 from distmem.plan.partition import stage_demands
 from distmem.plan.wrappers import grad_fraction
@@ -151,11 +150,7 @@ def test_a_stages_gpipe_peak_is_what_the_plan_demands(micro_batch, micro_batches
     plan's demand for that stage. Cuts, micro-batches and widths other than the benchmark's. A plan
     without the backward's gradients in flight, or without what a micro-batch's own gradients hold
     before they are added, or without a max pool's backward_bytes, is further off than that."""
-    cp = subprocess.run([sys.executable, "-c", STAGE, EXAMPLE, str(micro_batch), str(micro_batches), str(scale),
-                         str(start), str(stop)], capture_output=True, text=True, timeout=300,
-                        env=dict(os.environ, PYTHONPATH=ROOT))
-    assert cp.returncode == 0, cp.stderr[-3000:]
-    got = json.loads(cp.stdout.strip().splitlines()[-1])
+    got = _child(STAGE, micro_batch, micro_batches, scale, start, stop)
     ratio = got["peak"] / got["demand"]
     assert abs(ratio - 1) <= 0.05, (f"stage {', '.join(got['layers'])} (micro-batch {micro_batch} x {micro_batches}, "
                                     f"widths x{scale}): peak {got['peak']} B, the plan demands {got['demand']} B "
