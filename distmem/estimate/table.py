@@ -29,7 +29,7 @@ TORCH_CACHE_HEADROOM = defaults.TORCH_CACHE_HEADROOM
 TF_GPU_ALLOCATOR_HEADROOM = defaults.TF_GPU_ALLOCATOR_HEADROOM
 
 #: What a footprint adds for the estimator's own error, so that ``peak x (1 + margin)`` is at least
-#: the measured peak on every case of the torch benchmark (bench/estimate_zoo.py, 32 cases on an
+#: the measured peak on every case of the torch benchmark (bench/estimate/estimate_zoo.py, 32 cases on an
 #: H200: bench/results/estimate_accuracy_torch_zoo.json; worst -8.5%, T5 under bf16 autocast,
 #: which needs 9.3%), rounded up. Applied to estimates modelled for a GPU allocator (device
 #: "cuda"), before the allocator cache headroom.

@@ -1,4 +1,4 @@
-"""Fail fast under real launchers (bench/fail_fast.py at a few injections): a 4-rank training loop on
+"""Fail fast under real launchers (bench/comm/fail_fast.py at a few injections): a 4-rank training loop on
 the framework's own collective (torch.distributed Gloo under torchrun, mpi4py under mpirun,
 horovod.tensorflow under horovodrun --gloo and --mpi with ``distmem.init()`` before ``hvd.init()``),
 one rank SIGKILLed (or ending on an out-of-memory error outside the guard); every other rank must
@@ -13,16 +13,13 @@ bench/results/fail_fast.json."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import sys
 
 import pytest
 
 from helpers import ROOT, have
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import fail_fast  # noqa: E402
+from bench.comm import fail_fast
 
 NEEDS = {"torchrun": ("torchrun", "torch"), "mpirun": ("mpirun", "mpi4py"),
          "horovodrun": ("horovodrun", "horovod.tensorflow"), "horovodrun-mpi": ("horovodrun", "horovod.tensorflow")}

@@ -2,7 +2,7 @@
 # Issue #6 on the GPU machine (2 GPUs), from anywhere in the tree:
 #     OUT=/path/to/out bash tests/gpu/run_gpu.sh
 # Writes under $OUT: gpu.log (everything below), gpu-evidence.jsonl (the figures each GPU test judged),
-# packing.json (bench/packing.py). Three files, at most two levels deep.
+# packing.json (bench/plan/packing.py). Three files, at most two levels deep.
 # Steps in order of importance, each with its own timeout, all inside DISTMEM_GPU_BUDGET seconds
 # (default 540; expected ~5 min): machine facts; the GPU tests (pinning, equal split, overhead, report
 # vs NVML; they launch mpirun -np 2 / -np 4 themselves) with pytest, or tests/gpu/progs/minitest.py
@@ -73,7 +73,7 @@ fi
 
 # 3. Packing benchmark: distmem vs naive 0.9/k vs no limits, k = 1, 2, 4 ranks per GPU.
 BENCH=$((END - SECONDS - 90)); [ "$BENCH" -gt 150 ] && BENCH=150
-step packing $((BENCH + 25)) $PY bench/packing.py --out "$OUT/packing.json" --budget "$BENCH"
+step packing $((BENCH + 25)) $PY bench/plan/packing.py --out "$OUT/packing.json" --budget "$BENCH"
 
 # 4. The example on the GPUs: two ranks per GPU averaging with mpi4py, one per GPU with DDP/NCCL (tables in the log).
 step example-np4-mpi 60 $MPIRUN -np 4 $PY examples/torch_train.py --steps 20 --comm mpi
