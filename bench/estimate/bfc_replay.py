@@ -10,6 +10,10 @@ busiest moment (no allocator). If the model's peak matches TensorFlow's, the all
 right and any fragmentation the estimate misses comes from the order TensorFlow's executor
 allocates in, not from the allocator's rules.
 
+distmem-bench: internal - it checks the estimator's own BFC allocator model against TensorFlow's
+recorded allocations (a diagnosis of the estimate's parts); no product figure comes from it, the
+estimate's accuracy is estimate_zoo's and estimate_heldout's through distmem.estimate.
+
     python bench/estimate/bfc_replay.py ResNet50V2 64 16 sgd float32 [--out FILE.jsonl]   # appends a line
 """
 from __future__ import annotations

@@ -10,6 +10,9 @@ live set is matched by size; for exact lifetimes and the op that made each buffe
 profiler memory trace (``tf.profiler.experimental.start``: MemoryAllocation events carry the address,
 requested and chunk bytes and ``tf_op``), which is how the update-temporary causes were found.
 
+distmem-bench: internal - it replays the Keras estimate's own step (liveness, the BFC model) buffer
+by buffer beside TensorFlow's log to name what the estimate misses; a diagnosis, no product figure.
+
     python bench/estimate/estimate_keras_trace.py MobileNet 64 16 rmsprop float32 [--steps 3] [--top 25]
 """
 from __future__ import annotations

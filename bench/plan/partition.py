@@ -1,41 +1,57 @@
-"""Partition benchmark: the largest stage of distmem's exact, schedule-aware partition beside peers'.
+"""Partition benchmark: the largest stage of distmem's schedule-aware partition, asked of the door
+(`distmem plan --strategy pipeline --layers FILE`), beside the partitions of DeepSpeed and torchgpipe.
 
-One JSON line per (setting, model, stage count): ``figure`` is distmem's largest stage (bytes),
-``peers`` each peer's largest stage evaluated with the same cost formula, ``ratios`` peer / ours.
+Per-layer costs come from the door a user takes: `distmem estimate --model keras:NAME --per-layer
+--json` for three Keras applications (batch 32, Adam, the modelled method); a GPT-style stack and
+an uneven list are layer lists written as a user writes one (JSON rows: name, state_bytes,
+activation_bytes, output_bytes, params). Every model's list is one file, handed unchanged to the
+door and to the peers.
 
-Settings:
-  plain   per-layer memory = state + activations at the batch, summed per stage (the peers' own
-          cost model: "4 x parameter bytes + activations at batch 32"); ours is the exact optimum.
-  1f1b    true stage demand under 1F1B with m = 2p micro-batches: state + min(p - s, m) x
-          (activations + stage input); "plain-sum cut" is the optimum of the plain setting
-          evaluated here: the gap is what the schedule-aware cut saves.
-  gpipe   likewise with every stage holding all m micro-batches.
+Settings, one row per (setting, model, stage count); ``figure`` is the largest stage the door
+plans (its ``demand_bytes``), ``peers`` each peer's largest stage for the same list, ``ratios``
+peer / ours (``peer``, ``ratio``: the strongest peer's):
+  plain   the peers' own cost model: per-layer state + activations summed per stage (the list
+          without output_bytes, one micro-batch: the door then plans exactly those sums)
+  1f1b    the door's stage demand under 1F1B with m = 2p micro-batches: state + min(p - s, m) x
+          (activations + stage input) + the backward's gradients in flight; "distmem-plain-cut" is
+          the door's plain partition priced here: the gap is what the schedule-aware cut saves
+  gpipe   likewise with every stage holding all m micro-batches
+
+The door prices only its own cut; a peer's cut is priced by this bench's statement of the door's
+stage demand (``price``), which must reproduce the door's figures on the door's own cut in every
+row (``formula_check``) or the bench stops: the peers are priced by the rule the door plans by.
+The plain optimum is checked against an independent DP over layers x stages (``optimum_check``).
 
 Peers, imported from their packages when importable (``--peers /tmp/peers`` adds that venv's
 site-packages), else a faithful re-implementation labelled ``reimplementation``:
-  deepspeed.parameters   deepspeed.runtime.utils.partition_balanced over per-layer parameter counts
+  deepspeed-parameters   deepspeed.runtime.utils.partition_balanced over per-layer parameter counts
                          (PipelineModule's default partition_method="parameters")
-  deepspeed.uniform      deepspeed.runtime.utils.partition_uniform (partition_method="uniform")
-  deepspeed.balanced     partition_balanced over the true per-layer costs (the best DeepSpeed can do)
+  deepspeed-uniform      deepspeed.runtime.utils.partition_uniform (partition_method="uniform")
+  deepspeed-balanced     partition_balanced over the true per-layer costs (the best DeepSpeed can do)
   torchgpipe             torchgpipe.balance.blockpartition.solve over the per-layer costs
 
-Per-layer costs: ``distmem.estimate`` when it imports; else Keras models measured directly (params
-and output shapes; needs TensorFlow); else analytic layer lists. The ``source`` field says which.
+Speed, through the same door in this process (``distmem.cli.main``, what ``distmem`` runs; median
+of 3 after a warm-up) and as a user waits for it (a fresh ``distmem`` process): 2,000 layers into
+64 stages, a data plan and a pipeline plan for 10,000 ranks.
 
-Speed: one partition of 2,000 layers into 64 stages and one pipeline plan for 10,000 ranks.
-
-Run (main environment for TensorFlow, peers from a throwaway venv):
-    python3 -m venv /tmp/peers && DS_BUILD_OPS=0 /tmp/peers/bin/pip install torch==2.13.0 torchgpipe deepspeed==0.19.8
+Run (main environment; peers from a throwaway folder):
+    pip install --target /tmp/peers/lib/python3.11/site-packages --no-deps deepspeed==0.19.8 torchgpipe==0.0.7 \
+        einops hjson msgpack py-cpuinfo pydantic pydantic-core annotated-types typing-inspection tqdm
     $(scripts/env.sh main | tail -1)/python bench/plan/partition.py --peers /tmp/peers --out bench/results/partition.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import io
 import json
 import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -44,14 +60,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench import runner  # noqa: E402  the tree on sys.path, launchers, results, the JSON line
 
-from distmem.costs import LayerCost  # noqa: E402
-from distmem.discover.gpus import fleet_inventory  # noqa: E402
-from distmem.plan import make_plan  # noqa: E402
-from distmem.plan.partition import bounds_from_cuts, lower_bound, partition_pipeline, partition_plain, stage_demands
-from distmem.discover.identity import Topology  # noqa: E402
-
 BATCH = 32
 FP32 = 4
+MODELS = ("MobileNetV2", "ResNet50", "DenseNet121")
+Row = Dict[str, Any]  # one layer as the door reads it: name, state_bytes, activation_bytes, output_bytes, params
 Bounds = List[Tuple[int, int]]
 
 
@@ -163,54 +175,86 @@ def load_peers() -> Dict[str, Tuple[Callable[..., Any], str]]:
     return peers
 
 
-# --------------------------------------------------------------------------------------------- costs
+# --------------------------------------------------------------------------------------------- the door
 
-def keras_direct(name: str, size: int) -> List[LayerCost]:
-    """Per-layer costs measured from a Keras application: state = 4 x parameter bytes (fp32 weights,
-    gradients, two Adam slots), activations = output bytes at batch 32 (fp32)."""
-    import tensorflow as tf
+def distmem(*args: str, timeout: float = 900) -> str:
+    """What ``distmem ARGS`` prints (this tree's, as a user runs it); its error is this bench's."""
+    env = dict(os.environ, PYTHONPATH=runner.ROOT, DISTMEM_QUIET="1", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("DISTMEM_FLEET", None)
+    p = subprocess.run([sys.executable, "-m", "distmem", *args], capture_output=True, text=True, env=env,
+                       cwd=runner.ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise SystemExit(f"distmem {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
+    return p.stdout
 
-    tf.keras.backend.clear_session()
-    model = getattr(tf.keras.applications, name)(weights=None, input_shape=(size, size, 3))
+
+def estimated(name: str, size: int) -> List[Row]:
+    """A Keras application's per-layer costs, as `distmem estimate --per-layer --json` writes them."""
+    out = json.loads(distmem("estimate", "--model", f"keras:{name}", "--input-shape", f"{size},{size},3",
+                             "--batch-size", str(BATCH), "--optimizer", "adam", "--method", "model",
+                             "--per-layer", "--json"))
+    return out["per_layer"]
+
+
+def door_plan(path: str, stages: int, micro_batches: int, schedule: str, framework: str) -> Dict[str, Any]:
+    """The door's pipeline plan for the layer list at ``path`` (no headroom: demands as planned;
+    GPUs large enough that every partition fits)."""
+    plan = json.loads(distmem("plan", "--strategy", "pipeline", "--layers", path, "--gpus", f"{stages}x4096GiB",
+                              "--ranks", str(stages), "--num-micro-batches", str(micro_batches),
+                              "--schedule", schedule, "--headroom", "0", "--framework", framework,
+                              "--optimizer", "adam", "--json"))
+    return plan["extras"]["pipeline"]
+
+
+def price(rows: Sequence[Row], bounds: Bounds, schedule: str, micro_batches: int, framework: str,
+          grad_share: float = 0.25) -> List[int]:
+    """Each stage's demand for ``bounds``, as the door states it (docs/pipeline_model.md): state +
+    in flight x (activations + the stage's input) + the backward's gradients in flight (the received
+    output gradient, the busiest layer's output and input gradients and backward bytes, and over
+    several micro-batches one micro-batch's gradients until added: all of the stage's under
+    TensorFlow, the largest layer's under torch; Adam's gradients are a quarter of the state)."""
+    def g(r: Row, k: str) -> int:
+        return int(r.get(k) or 0)
+    p, n = len(bounds), len(rows)
     out = []
-    for layer in model.layers:
-        if isinstance(layer, tf.keras.layers.InputLayer):
-            continue
-        shapes = layer.output_shape if isinstance(layer.output_shape, list) else [layer.output_shape]
-        elems = sum(int(np.prod([d for d in s[1:]])) for s in shapes)
-        params = int(layer.count_params())
-        out.append(LayerCost(layer.name, 4 * FP32 * params, BATCH * elems * FP32, BATCH * elems * FP32, params,
-                             type(layer).__name__))
+    for s, (i, j) in enumerate(bounds):
+        flight = micro_batches if schedule == "gpipe" else min(p - s, micro_batches)
+        stage = rows[i:j]
+        held = sum(g(r, "state_bytes") for r in stage) + flight * (
+            sum(g(r, "activation_bytes") for r in stage) + (g(rows[i - 1], "output_bytes") if i else 0))
+        received = g(rows[j - 1], "output_bytes") if j < n else 0
+        busiest = max(g(rows[t], "output_bytes") + (g(rows[t - 1], "output_bytes") if t else 0)
+                      + g(rows[t], "backward_bytes") for t in range(i, j))
+        grads = [int(g(r, "state_bytes") * grad_share) for r in stage]
+        accumulating = (sum(grads) if framework == "tensorflow" else max(grads)) if micro_batches > 1 else 0
+        out.append(held + received + busiest + accumulating)
     return out
 
 
-def estimator_costs(name: str, size: int) -> Optional[List[LayerCost]]:
-    try:
-        from distmem.plan.layers import layers_from_model
-        import distmem.estimate  # noqa: F401
-    except ImportError:
-        return None
-    return layers_from_model(f"keras:{name}", batch_size=BATCH, optimizer="adam", input_shape=(size, size, 3))
+def plain_rows(rows: Sequence[Row]) -> List[Row]:
+    """The list as the peers cost it: state + activations, nothing crossing a cut."""
+    return [dict(r, output_bytes=0, backward_bytes=0) for r in rows]
 
 
-def gpt_stack(layers: int = 24, d: int = 1024, vocab: int = 50257, seq: int = 1024) -> List[LayerCost]:
-    """Analytic GPT-style stack, fp32 + Adam, batch 32 (per-micro-batch activations use batch 32 too):
-    a token + position embedding (vocab x d, the heaviest state), blocks of 12 d^2 parameters whose
-    saved activations are 34 x seq x d bytes per sample in 16-bit (Korthikanti et al., attention
-    scores not stored, as with flash attention), doubled for fp32; a final norm and an untied LM head."""
+# --------------------------------------------------------------------------------------------- models
+
+def gpt_stack(layers: int = 24, d: int = 1024, vocab: int = 50257, seq: int = 1024) -> List[Row]:
+    """Analytic GPT-style stack, fp32 + Adam, batch 32: a token + position embedding (vocab x d, the
+    heaviest state), blocks of 12 d^2 parameters whose saved activations are 34 x seq x d bytes per
+    sample in 16-bit (Korthikanti et al., attention scores not stored, as with flash attention),
+    doubled for fp32; a final norm and an untied LM head."""
     tok = BATCH * seq * d * FP32
-    out = [LayerCost("embedding", 4 * FP32 * (vocab + seq) * d, tok, tok, (vocab + seq) * d, "Embedding")]
-    for k in range(layers):
-        params = 12 * d * d + 13 * d
-        out.append(LayerCost(f"block{k}", 4 * FP32 * params, 2 * 34 * BATCH * seq * d, tok,
-                             params, "TransformerBlock"))
-    out.append(LayerCost("final_norm", 4 * FP32 * 2 * d, tok, tok, 2 * d, "LayerNorm"))
+
+    def row(name: str, params: int, act: int, out: int) -> Row:
+        return {"name": name, "state_bytes": 4 * FP32 * params, "activation_bytes": act, "output_bytes": out,
+                "params": params}
+    out = [row("embedding", (vocab + seq) * d, tok, tok)]
+    out += [row(f"block{k}", 12 * d * d + 13 * d, 2 * 34 * BATCH * seq * d, tok) for k in range(layers)]
     logits = BATCH * seq * vocab * FP32
-    out.append(LayerCost("lm_head", 4 * FP32 * vocab * d, logits, logits, vocab * d, "Dense"))
-    return out
+    return out + [row("final_norm", 2 * d, tok, tok), row("lm_head", vocab * d, logits, logits)]
 
 
-def uneven_list(n: int = 40, seed: int = 11) -> List[LayerCost]:
+def uneven_list(n: int = 40, seed: int = 11) -> List[Row]:
     """A hand-made uneven list: activation-heavy stem, a few parameter-heavy layers, a long tail."""
     rng = random.Random(seed)
     mib = 1024**2
@@ -222,203 +266,199 @@ def uneven_list(n: int = 40, seed: int = 11) -> List[LayerCost]:
             state, act = rng.randint(3000, 6000) * mib, rng.randint(10, 40) * mib
         else:
             state, act = rng.randint(20, 300) * mib, rng.randint(20, 300) * mib
-        out.append(LayerCost(f"u{k}", state, act, act // 4, state // 16, "hand-made"))
+        out.append({"name": f"u{k}", "state_bytes": state, "activation_bytes": act, "output_bytes": act // 4,
+                    "params": state // 16})
     return out
 
 
-def analytic_cnn(name: str) -> List[LayerCost]:
-    """Analytic stand-in for a CNN when TensorFlow is missing: ResNet-50-like conv stages at 224 px."""
-    out, hw, ch = [], 112, 64
-    out.append(LayerCost("stem", 4 * FP32 * 9408, BATCH * hw * hw * ch * FP32, BATCH * hw * hw * ch * FP32, 9408))
-    hw = 56
-    for stage, (blocks, width) in enumerate(((3, 256), (4, 512), (6, 1024), (3, 2048))):
-        for b in range(blocks):
-            params = width * width // 2 + 9 * (width // 4) ** 2
-            act = BATCH * hw * hw * width * FP32 * 3
-            out.append(LayerCost(f"s{stage}b{b}", 4 * FP32 * params, act, BATCH * hw * hw * width * FP32, params))
-        hw = max(hw // 2, 7)
-    out.append(LayerCost("fc", 4 * FP32 * 2048 * 1000, BATCH * 1000 * FP32, BATCH * 1000 * FP32, 2048 * 1000))
-    return out
-
-
-def models(source: str, size: int) -> List[Tuple[str, str, List[LayerCost]]]:
-    out = []
-    for name in ("MobileNetV2", "ResNet50", "DenseNet121"):
-        costs, src = None, source
-        if source in ("auto", "estimator"):
-            try:
-                costs, src = estimator_costs(name, size), "estimator"
-            except Exception as exc:  # noqa: BLE001 - the estimator is optional here
-                print(f"# estimator unavailable for {name}: {exc}", file=sys.stderr)
-                costs = None
-        if costs is None and source in ("auto", "keras"):
-            try:
-                costs, src = keras_direct(name, size), f"keras-direct {size}px: 4 x param bytes + outputs at batch 32"
-            except ImportError:
-                costs = None
-        if costs is None:
-            costs, src = analytic_cnn(name), "analytic (ResNet-50-like; TensorFlow missing)"
-            name = f"analytic-{name}"
-        out.append((name, src, costs))
-    out.append(("GPT-24x1024", "analytic: embedding + 24 blocks (12 d^2 params, 34 s d activations) + LM head",
-                gpt_stack()))
-    out.append(("uneven-40", "hand-made uneven list", uneven_list()))
+def models(size: int, only: Optional[Sequence[str]]) -> List[Tuple[str, str, str, List[Row]]]:
+    """(name, where its costs come from, its framework, its layer list)."""
+    out = [(name, f"distmem estimate --model keras:{name} --input-shape {size},{size},3 --batch-size {BATCH} "
+                  "--optimizer adam --method model --per-layer --json", "tensorflow", estimated(name, size))
+           for name in MODELS if not only or name in only]
+    out.append(("GPT-24x1024", "a layer list: embedding + 24 blocks (12 d^2 params, 34 s d activations) + LM head",
+                "torch", gpt_stack()))
+    out.append(("uneven-40", "a hand-made uneven layer list", "torch", uneven_list()))
     return out
 
 
 # --------------------------------------------------------------------------------------------- run
 
-def _reference_optimum(costs: List[LayerCost], p: int, a: Sequence[int], b: Sequence[int]) -> int:
-    """An independent O(p n^2) DP over layers x stages (numpy per stop), to check the solver."""
-    n = len(costs)
-    s = np.concatenate(([0], np.cumsum([c.state_bytes for c in costs]))).astype(np.float64)
-    act = np.concatenate(([0], np.cumsum([c.activation_bytes for c in costs]))).astype(np.float64)
-    bnd = np.array([0] + [c.output_bytes for c in costs[:-1]], dtype=np.float64)
+def _reference_optimum(rows: Sequence[Row], p: int) -> int:
+    """An independent O(p n^2) DP over layers x stages of plain sums, to check the door's optimum."""
+    n = len(rows)
+    c = np.concatenate(([0], np.cumsum([int(r["state_bytes"]) + int(r["activation_bytes"]) for r in rows])))
     dp = np.full(n + 1, np.inf)
     dp[0] = 0
-    for k in range(p):
+    for _ in range(p):
         new = np.full(n + 1, np.inf)
         for j in range(1, n + 1):
-            i = np.arange(j)
-            cost = s[j] - s[i] + a[k] * (act[j] - act[i]) + b[k] * bnd[i]
-            new[j] = np.min(np.maximum(dp[:j], cost))
+            new[j] = np.min(np.maximum(dp[:j], c[j] - c[:j]))
         dp = new
     return int(dp[n])
 
 
-def _peer_bounds(peers: Dict[str, Tuple[Callable[..., Any], str]], costs: List[LayerCost], p: int) -> Dict[str, Bounds]:
-    n = len(costs)
-    plain = [c.state_bytes + c.activation_bytes for c in costs]
+def _bounds(edges: Sequence[int], n: int) -> Bounds:
+    """DeepSpeed's ``parts`` (``[0, c1, ..., n]``) -> [start, stop) pairs; empty stages dropped."""
+    e = list(edges)
+    e = ([0] if not e or e[0] != 0 else []) + e + ([n] if e[-1:] != [n] else [])
+    return [(i, j) for i, j in zip(e[:-1], e[1:]) if j > i]
+
+
+def _peer_bounds(peers: Dict[str, Tuple[Callable[..., Any], str]], rows: List[Row], p: int) -> Dict[str, Bounds]:
+    n = len(rows)
+    plain = [int(r["state_bytes"]) + int(r["activation_bytes"]) for r in rows]
     uniform, balanced = peers["uniform"][0], peers["balanced"][0]
     out = {
-        "deepspeed.parameters": bounds_from_cuts(list(balanced([c.params for c in costs], p)), n),
-        "deepspeed.uniform": bounds_from_cuts(list(uniform(n, p)), n),
-        "deepspeed.balanced(true costs)": bounds_from_cuts(list(balanced(plain, p)), n),
+        "deepspeed-parameters": _bounds(list(balanced([int(r.get("params") or 0) for r in rows], p)), n),
+        "deepspeed-uniform": _bounds(list(uniform(n, p)), n),
+        "deepspeed-balanced": _bounds(list(balanced(plain, p)), n),
     }
-    blocks = peers["blockpartition"][0](plain, p)
     edges, at = [0], 0
-    for blk in blocks:
+    for blk in peers["blockpartition"][0](plain, p):
         at += len(blk)
         edges.append(at)
-    out["torchgpipe.blockpartition"] = bounds_from_cuts(edges, n)
+    out["torchgpipe"] = _bounds(edges, n)
     return out
 
 
-def _largest(costs: List[LayerCost], bounds: Bounds, **setting: Any) -> int:
-    bounds = [(i, j) for i, j in bounds if j > i]  # a peer may leave a stage empty
-    return max(s.total_bytes for s in stage_demands(costs, bounds, **setting))
+def _door_bounds(pipe: Dict[str, Any]) -> Bounds:
+    return [(int(i), int(j)) for i, j in pipe["partition"]["bounds"]]
 
 
-def run_partitions(peers: Dict[str, Tuple[Callable[..., Any], str]], source: str, size: int,
-                   stage_counts: Sequence[int], emit: Callable[[Dict[str, Any]], None]) -> List[Dict[str, Any]]:
-    rows = []
-    impl = {"deepspeed.parameters": peers["balanced"][1], "deepspeed.uniform": peers["uniform"][1],
-            "deepspeed.balanced(true costs)": peers["balanced"][1],
-            "torchgpipe.blockpartition": peers["blockpartition"][1]}
-    for name, src, costs in models(source, size):
+def run_partitions(peers: Dict[str, Tuple[Callable[..., Any], str]], size: int, stage_counts: Sequence[int],
+                   only: Optional[Sequence[str]], folder: str) -> List[Dict[str, Any]]:
+    rows_out = []
+    impl = {"deepspeed-parameters": peers["balanced"][1], "deepspeed-uniform": peers["uniform"][1],
+            "deepspeed-balanced": peers["balanced"][1],
+            "torchgpipe": peers["blockpartition"][1]}
+    for name, src, framework, rows in models(size, only):
+        full, plain = os.path.join(folder, f"{name}.json"), os.path.join(folder, f"{name}-plain.json")
+        for path, content in ((full, rows), (plain, plain_rows(rows))):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(content, f)
         for p in stage_counts:
-            if len(costs) < p:
+            if len(rows) < p:
                 continue
-            t0 = time.perf_counter()
-            peer_bounds = _peer_bounds(peers, costs, p)
-            peer_s = time.perf_counter() - t0
-            plain = partition_plain(costs, p)
-            ref = _reference_optimum(costs, p, [1] * p, [0] * p)
-            settings = [("plain", dict(kind="plain"), plain)]
+            peer_bounds = _peer_bounds(peers, rows, p)
             m = 2 * p
-            for sched in ("1f1b", "gpipe"):
-                t1 = time.perf_counter()
-                ours = partition_pipeline(costs, p, num_micro_batches=m, schedule=sched)
-                settings.append((sched, dict(kind="pipeline", schedule=sched, num_micro_batches=m), ours))
-            for setting, kw, ours in settings:
-                figure = ours.max_bytes
-                peers_bytes = {k: _largest(costs, b, **kw) for k, b in peer_bounds.items()}
+            door_plain = door_plan(plain, p, 1, "gpipe", framework)
+            settings = [("plain", plain_rows(rows), "gpipe", 1, door_plain)]
+            settings += [(s, rows, s, m, door_plan(full, p, m, s, framework)) for s in ("1f1b", "gpipe")]
+            for setting, priced_rows, schedule, mb, pipe in settings:
+                ours = _door_bounds(pipe)
+                demands = [int(s["demand_bytes"]) for s in pipe["stages"]]
+                figure = max(demands)
+                check = price(priced_rows, ours, schedule, mb, framework)
+                if check != demands:
+                    raise SystemExit(f"{name}, {setting}, {p} stages: this bench prices the door's own cut {ours} "
+                                     f"at {check} but the door plans {demands}; update price() to the door's "
+                                     "stage demand (distmem/plan/partition.py) before comparing peers")
+                cuts = dict(peer_bounds)
                 if setting != "plain":
-                    peers_bytes["plain-sum cut (distmem, schedule-blind)"] = _largest(costs, plain.bounds, **kw)
-                row = {"bench": "partition", "setting": setting, "model": name, "source": src, "layers": len(costs),
-                       "stages": p, "micro_batches": None if setting == "plain" else m, "figure": figure,
-                       "figure_gib": round(figure / 1024**3, 3),
-                       "lower_bound": lower_bound(costs, p, **kw),
-                       "peers": peers_bytes, "ratios": {k: round(v / figure, 3) for k, v in peers_bytes.items()},
-                       "impl": impl, "peer_seconds": round(peer_s, 3)}
+                    cuts["distmem-plain-cut"] = _door_bounds(door_plain)
+                peers_bytes = {k: max(price(priced_rows, b, schedule, mb, framework)) for k, b in cuts.items()}
+                strongest = min(peers_bytes.values())
+                row = runner.line("partition", figure, peer=strongest, ratio=round(strongest / figure, 3),
+                                  setting=setting, model=name, source=src, framework=framework, layers=len(rows),
+                                  stages=p, micro_batches=None if setting == "plain" else m,
+                                  figure_gib=round(figure / 1024**3, 3),
+                                  lower_bound=pipe["partition"].get("lower_bound_bytes"), bounds=ours,
+                                  peers=peers_bytes, ratios={k: round(v / figure, 3) for k, v in peers_bytes.items()},
+                                  impl=impl, formula_check=True)
                 if setting == "plain":
+                    ref = _reference_optimum(rows, p)
                     row["optimum_check"] = {"reference_dp": ref, "equal": ref == figure}
-                rows.append(row)
-                emit(row)
-    return rows
+                rows_out.append(runner.emit(row))
+    return rows_out
 
 
-def run_speed(emit: Callable[[Dict[str, Any]], None]) -> None:
+def _in_process(args: Sequence[str]) -> float:
+    """Seconds one ``distmem ARGS`` takes in this process (the CLI's own main; output discarded)."""
+    from distmem.cli import main
+    sink = io.StringIO()
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(sink):
+        rc = main(list(args))
+    dt = time.perf_counter() - t
+    if rc:
+        raise SystemExit(f"distmem {' '.join(args)} failed ({rc})")
+    return dt
+
+
+def run_speed(folder: str) -> List[Dict[str, Any]]:
     rng = random.Random(5)
-    costs = [LayerCost(f"l{k}", rng.randint(1, 2**27), rng.randint(1, 2**27), rng.randint(1, 2**24))
-             for k in range(2000)]
-    def timed(fn: Callable[[], Any]) -> Tuple[Any, List[float]]:
-        times, out = [], None
-        for _ in range(3):
-            t = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t)
-        return out, times
-
-    part, times = timed(lambda: partition_pipeline(costs, 64, num_micro_batches=128, schedule="1f1b"))
-    emit({"bench": "partition.speed", "what": "partition 2000 layers into 64 stages (1f1b, m=128)",
-          "figure": round(sorted(times)[1], 4), "unit": "s (median of 3 runs)", "runs": [round(x, 4) for x in times],
-          "peer_name": "target (issue #4)", "peer": 1.0, "ratio": round(sorted(times)[1] / 1.0, 4),
-          "largest_stage": part.max_bytes})
-    topo = Topology(rank=0, size=10000, local_size=8, local_rank=0, host="n0", source="bench")
-    inv = fleet_inventory("8x80GiB")
-    for strategy, kw in (("data", {}), ("pipeline", dict(layers=[LayerCost(c.name, c.state_bytes // 64,
-                                                                            c.activation_bytes // 256,
-                                                                            c.output_bytes // 256) for c in costs],
-                                                         num_micro_batches=16))):
-        plan, times = timed(lambda: make_plan(strategy, topo, inv, **kw))  # noqa: B023
-        dt = sorted(times)[1]
-        emit({"bench": "partition.speed", "what": f"{strategy} plan for 10000 ranks (8 per node, 8x80GiB)"
-              + (", 2000 layers into 8 stages" if strategy == "pipeline" else ""),
-              "figure": round(dt, 4), "unit": "s (median of 3 runs)", "runs": [round(x, 4) for x in times],
-              "peer_name": "target (issue #4)", "peer": 1.0,
-              "ratio": round(dt / 1.0, 4),
-              "allocations": len(plan.allocations)})
+    big = [{"name": f"l{k}", "state_bytes": rng.randint(1, 2**27), "activation_bytes": rng.randint(1, 2**27),
+            "output_bytes": rng.randint(1, 2**24)} for k in range(2000)]
+    small = [dict(r, state_bytes=r["state_bytes"] // 64, activation_bytes=r["activation_bytes"] // 256,
+                  output_bytes=r["output_bytes"] // 256) for r in big]
+    paths = {}
+    for key, rows in (("big", big), ("small", small)):
+        paths[key] = os.path.join(folder, f"speed-{key}.json")
+        with open(paths[key], "w", encoding="utf-8") as f:
+            json.dump(rows, f)
+    cases = [
+        ("partition_2000_layers_64_stages", "partition 2000 layers into 64 stages (1f1b, m=128)",
+         ["plan", "--strategy", "pipeline", "--layers", paths["big"], "--gpus", "8x4096GiB", "--ranks", "64",
+          "--ranks-per-host", "8", "--num-micro-batches", "128", "--headroom", "0", "--framework", "none", "--json"]),
+        ("data_plan_10000_ranks", "data plan for 10000 ranks (8 per node, 8x80GiB)",
+         ["plan", "--gpus", "8x80GiB", "--ranks", "10000", "--ranks-per-host", "8", "--framework", "none", "--json"]),
+        ("pipeline_plan_10000_ranks", "pipeline plan for 10000 ranks (8 per node, 8x80GiB), 2000 layers into 8 stages",
+         ["plan", "--strategy", "pipeline", "--layers", paths["small"], "--gpus", "8x80GiB", "--ranks", "10000",
+          "--ranks-per-host", "8", "--num-stages", "8", "--num-micro-batches", "16", "--framework", "none",
+          "--json"]),
+    ]
+    out = []
+    for key, what, args in cases:
+        _in_process(args)  # warm-up: imports and caches are not the plan's time
+        runs = [_in_process(args) for _ in range(3)]
+        t = time.perf_counter()
+        distmem(*args)
+        wall = time.perf_counter() - t
+        fig = statistics.median(runs)
+        out.append(runner.emit(runner.line(
+            "partition.speed", round(fig, 4), peer=1.0, ratio=round(fig, 4), key=key, what=what, door="distmem " + " ".join(
+                os.path.basename(a) if a.startswith(folder) else a for a in args),
+            unit="s (median of 3 runs in one process)", runs=[round(x, 4) for x in runs],
+            peer_name="target (issue #4)", fresh_process_seconds=round(wall, 2))))
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default=os.environ.get("DISTMEM_PEERS_VENV"),
                     help="a venv holding deepspeed and torchgpipe (its site-packages are appended to sys.path)")
-    ap.add_argument("--source", choices=["auto", "estimator", "keras", "analytic"], default="auto")
-    ap.add_argument("--size", type=int, default=224, help="input size of the Keras CNNs (pixels)")
+    ap.add_argument("--size", type=int, default=224, help="input size of the Keras applications (pixels)")
     ap.add_argument("--stages", default="2,4,8")
-    ap.add_argument("--out", default=None, help="also write the JSON lines here")
+    ap.add_argument("--models", default=None, help=f"only these Keras applications (default: {','.join(MODELS)})")
+    runner.add_out(ap, help="write the rows, the summary and the speed lines here (one JSON object)")
     ap.add_argument("--no-speed", action="store_true")
     args = ap.parse_args(argv)
     _add_peers(args.peers)
     peers = load_peers()
-    lines: List[str] = []
-
-    def emit(row: Dict[str, Any]) -> None:
-        line = json.dumps(row, default=str)
-        lines.append(line)
-        print(line, flush=True)
-
-    rows = run_partitions(peers, args.source, args.size, [int(x) for x in args.stages.split(",")], emit)
-    summary: Dict[str, Any] = {"bench": "partition.summary"}
-    for setting in ("plain", "1f1b", "gpipe"):
-        worst: Dict[str, Any] = {}
-        for r in rows:
-            if r["setting"] != setting:
-                continue
-            for k, v in r["ratios"].items():
-                if k not in worst or v > worst[k]["ratio"]:
-                    worst[k] = {"ratio": v, "model": r["model"], "stages": r["stages"]}
-        summary[setting] = worst
-    summary["optimum_checks_equal"] = all(r["optimum_check"]["equal"] for r in rows if "optimum_check" in r)
-    emit(summary)
-    if not args.no_speed:
-        run_speed(emit)
+    with tempfile.TemporaryDirectory(prefix="distmem-partition-") as folder:
+        rows = run_partitions(peers, args.size, [int(x) for x in args.stages.split(",")],
+                              args.models.split(",") if args.models else None, folder)
+        summary: Dict[str, Any] = {"bench": "partition.summary"}
+        for setting in ("plain", "1f1b", "gpipe"):
+            worst: Dict[str, Any] = {}
+            for r in rows:
+                if r["setting"] != setting:
+                    continue
+                for k, v in r["ratios"].items():
+                    if k not in worst or v > worst[k]["ratio"]:
+                        worst[k] = {"ratio": v, "model": r["model"], "stages": r["stages"]}
+            summary[setting] = worst
+        summary["optimum_checks_equal"] = all(r["optimum_check"]["equal"] for r in rows if "optimum_check" in r)
+        summary["formula_checks"] = len(rows)
+        runner.emit(summary)
+        speed = [] if args.no_speed else run_speed(folder)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0
+        runner.write_json(args.out, {"bench": "partition", "command": " ".join(["python bench/plan/partition.py"]
+                                                                            + list(argv or sys.argv[1:])),
+                                     "summary": summary, "speed": {s["key"]: s for s in speed},
+                                     "rows": rows})
+    return 0 if summary["optimum_checks_equal"] else 1
 
 
 if __name__ == "__main__":
