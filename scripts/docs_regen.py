@@ -457,6 +457,14 @@ class Runner:
         self.ran: Dict[Tuple[str, str], Tuple[Optional[int], str, str, float]] = {}  # a command shown twice runs once
         self.log = log
 
+    def quoted(self) -> Dict[str, str]:
+        """Commands whose output a block quotes from a results file (checked by a fresh run in
+        tests/unit/test_docs_true.py): command -> where."""
+        if not hasattr(self, "_quoted"):
+            self._quoted = {b.options["cmd"]: b.where for b in all_fences(self.root)
+                            if b.kind == "output" and "results" in b.options}
+        return self._quoted
+
     def close(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
 
@@ -573,6 +581,12 @@ class Runner:
                 result.skipped.append(f"`{c.text}` needs {', '.join(lacking)}, which this environment lacks")
                 continue
             key = (re.sub(r"\s+#.*$", "", c.text).strip(), o.get("setup", ""))
+            if not python and key[0] in self.quoted():
+                # the same command behind a quoted output's results file: tests/unit/test_docs_true.py runs it
+                # and compares what it prints, so it is not launched twice
+                result.skipped.append(f"`{c.text}`: run and compared by the quoted output of "
+                                      f"{self.quoted()[key[0]]} (test_docs_true)")
+                continue
             if python or key not in self.ran:
                 if self.log:
                     self.log(f"[docs] {block.path}:{c.line}: {c.text}")
