@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from . import session, settings
 from .apply import adapter, detect_framework
 from .comm import get_comm, resolve_timeout, set_comm
-from .console import say
+from .console import say, say_back
 from .discover import gpus as discover_gpus
 from .discover import identity, runtime
 from .errors import ConfigError, DistmemError, DoesNotFitError
@@ -247,6 +247,7 @@ def _say_applied(plan: Plan, applied: Dict[str, Any], fw: str, real: bool, from_
     where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not real
                                                       else f"{fw}: nothing to apply")
     say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
+    say_back(f"[distmem rank {mine.rank}]")  # sizes given in decimal units, said back once
     if from_report:
         from .plan.from_report import describe_changes
 

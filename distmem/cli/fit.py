@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from .. import defaults, settings
+from ..console import say_back
 from ..discover.runtime import FRAMEWORK_ALIASES, FRAMEWORKS
 from ..errors import ConfigError
 from .checks import at_least, did_you_mean
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the estimator's own warnings are summarised in the result
         result = fit(**_options(args))
+    say_back()  # the sizes read in decimal units, before the layouts they sized
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=str))
     else:

@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Optional, Sequence
 
+from ..console import say_back
 from ..units import format_bytes, plural
 from .request_args import add_request_arguments, request_from_args
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_k8s_arguments(args)  # before the plan: a name Kubernetes refuses is no reason to plan
     plan = request_from_args(args).plan()
+    say_back()  # the sizes read in decimal units, before the plan they sized
     if args.emit == "k8s":
         from .k8s import emit_k8s
 

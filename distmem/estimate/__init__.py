@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from ..console import progress
 from ..errors import ConfigError
 
 from .keras import estimate_keras
@@ -44,6 +45,10 @@ def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input
     from .measure.measured import METHODS, measured_estimate
     if method not in METHODS:
         raise ConfigError(f"method={method!r}: use one of {', '.join(METHODS)} ('auto' measures where it can)")
+    progress(f"estimating {options.get('name') or (model if isinstance(model, str) else type(model).__name__)} at "
+             f"batch {batch_size}" + (f", {options['precision']}" if options.get("precision") else "")
+             + {"auto": " (a few training steps measured where the hardware allows, else the model)",
+                "measure": " (a few training steps measured)", "model": " (the model alone)"}[method])
     shape = parse_shape(input_shape)
     spec = model if isinstance(model, str) else None
     built: Dict[str, Any] = {}

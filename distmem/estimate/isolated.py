@@ -21,6 +21,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Optional
 
+from ..console import progress
 from ..errors import ConfigError, DistmemError
 
 __all__ = ["needs_child", "call", "start_child", "tf_context_started", "IN_PROCESS_VAR", "CHILD_TIMEOUT_S"]
@@ -65,6 +66,9 @@ def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None
     else:  # a child that sees the GPUs takes what it uses, never the whole device
         env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
     limit = CHILD_TIMEOUT_S if timeout is None else timeout
+    progress(f"estimating {kwargs.get('model')} in a child process"
+             + (f" at batch {kwargs['batch_size']}" if kwargs.get("batch_size") else "")
+             + (f" (method {kwargs['method']})" if kwargs.get("method") else ""))
     try:
         done = start_child(target, kwargs, env, limit)
     except subprocess.TimeoutExpired:

@@ -7,6 +7,7 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ...console import progress
 from ...errors import ConfigError
 from ..table import Estimate, LayerEstimate
 from . import cache
@@ -73,6 +74,8 @@ def measure(framework: str, model: Any, spec: Optional[str], batches: Sequence[i
     process's framework touches a GPU), a live model where it lives (``keras_steps``,
     ``torch_steps``). ``{"device", "points": [[batch, peak], ...], "how", "seconds", ...}``."""
     t0 = time.time()
+    progress(f"measuring {MEASURE_STEPS} training steps at batch {' and '.join(map(str, batches))}"
+             + (" in a child process" if spec is not None else ""))
     if spec is not None:
         from .. import isolated
         got = isolated.call("distmem.estimate.measure.child:measure_spec",

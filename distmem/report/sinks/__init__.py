@@ -84,6 +84,12 @@ class PngSink(Sink):
     name = "png"
 
     def __init__(self, path: str):
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is not None:  # without it, flush says so (never stops training)
+            from .png import plot_format
+
+            plot_format(path, "plot=")  # a name whose format is unknown is refused now, not after training
         self.path = path
 
     def flush(self, report: Optional[Report] = None) -> None:
