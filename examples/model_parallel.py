@@ -31,7 +31,7 @@ LAYERS = [("embed", 512), ("hidden1", 1024), ("hidden2", 1024), ("hidden3", 1024
 
 
 #: Weight-sized temporaries Keras's Adam holds while it updates one variable (``m * alpha`` and
-#: ``sqrt(v) + epsilon`` before the division; bench/keras_update_temporaries.py measures 2 on TF 2.15
+#: ``sqrt(v) + epsilon`` before the division; bench/estimate/keras_update_temporaries.py measures 2 on TF 2.15
 #: and 2.21). TensorFlow runs a variable's update as soon as its gradient exists, beside the rest
 #: of the backward, so they are part of what the layer's backward step allocates.
 ADAM_UPDATE_TEMPORARIES = 2
