@@ -19,53 +19,67 @@ from ..discover import layout
 from ..errors import ConfigError, DistmemError
 from ..plan import get, names
 from ..plan.request import REQUEST_ARGUMENTS
-from .request_args import flag_of, strategy_options
+from .request_args import add_request_arguments, flag_of, strategy_options
 
 __all__ = ["main", "plan_for_exec", "exec_options"]
 
 
-#: ``-o`` keys that are the request's own arguments (``init()``'s keywords beside the strategy's options),
-#: each read as its ``distmem plan`` flag reads it: text, but ``from_margin`` a number.
+#: ``-o`` keys that are the request's own arguments (``init()``'s keywords beside the strategy's options).
 _REQUEST_KEYS = tuple(k for k in REQUEST_ARGUMENTS if k != "strategy")
+#: Where an init() keyword's flag is not --KEY.
+_FLAGS = {"from_report": "--from", "fleet": "--fleet"}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
+class _Refused(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # noqa: D401 - argparse's hook: a ConfigError, not an exit
+        raise _Refused(message)
+
+
 def exec_options(strategy: str, items: Sequence[str]) -> Dict[str, Any]:
-    """``-o KEY=VALUE`` items as ``init()``'s keyword arguments for ``strategy``. Each VALUE means what
-    the flag of that name means to ``distmem plan``: a strategy option is read by its own reader (the
-    one :func:`~distmem.cli.request_args.strategy_options` applies to the flags), so ``-o
-    stages=9GiB,7GiB`` is ``--stages 9GiB,7GiB`` and ``-o num_stages=4`` is ``--num-stages 4``; a
-    switch (``--recompute``) takes true or false. ConfigError naming the item and the remedy else."""
+    """``-o KEY=VALUE`` items as ``init()``'s keyword arguments for ``strategy``, read by the parser of
+    ``distmem plan``'s flags (:func:`~distmem.cli.request_args.add_request_arguments`, then each strategy
+    option's own reader, :func:`~distmem.cli.request_args.strategy_options`): ``-o stages=9GiB,7GiB`` is
+    ``--stages 9GiB,7GiB``, ``-o num_stages=4`` is ``--num-stages 4``, ``-o from_report=R`` is ``--from R``;
+    a switch (``--recompute``) takes true or false. ConfigError naming the item and the remedy else."""
     chosen = get(strategy)
     mine = {f.name: f for f in chosen.fields()}
     every = {f.name: f for n in names() for f in _fields(n)}
-    request: Dict[str, Any] = {}
-    given: Dict[str, Any] = {}
+    argv, request = ["--strategy", strategy], []
     for item in items:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
             raise ConfigError(f"-o {item!r} is not KEY=VALUE; e.g. -o reserve=1GiB or -o num_stages=4")
-        if key in _REQUEST_KEYS and key not in mine:
-            request[key] = _number(key, value) if key == "from_margin" else value
-            continue
         f = mine.get(key) or every.get(key)
-        if f is None:
+        if key in _REQUEST_KEYS and key not in mine:
+            request.append(key)
+            f = None
+        elif f is None:
             known = [n for n, g in mine.items() if g.metadata.get("cli", True)]
             raise ConfigError(f"-o {item}: {key} is not an option of --strategy {strategy} (its options: "
-                              f"{', '.join(known) or 'none'}) nor of every strategy ({', '.join(_REQUEST_KEYS)})")
-        if not f.metadata.get("cli", True):
+                              f"{', '.join(known) or 'none'}) nor an argument of init() ({', '.join(_REQUEST_KEYS)})")
+        elif not f.metadata.get("cli", True):
             raise ConfigError(f"-o {item}: {key} is given in Python only (init({key}=...)), not on a command line")
-        if f.metadata.get("flag"):
+        flag = _FLAGS.get(key, flag_of(key))
+        if f is not None and f.metadata.get("flag"):
             if value.lower() not in _TRUE + _FALSE:
-                raise ConfigError(f"-o {item}: {key} is a switch ({flag_of(key)}); give {key}=true or {key}=false")
-            given[key] = value.lower() in _TRUE
-            continue
-        choices = f.metadata.get("choices")
-        if choices and key in mine and value not in choices:
-            raise ConfigError(f"-o {item}: {key} is one of {', '.join(choices)} ({flag_of(key)} {'|'.join(choices)})")
-        given[key] = value
-    return {**request, **strategy_options(chosen, argparse.Namespace(**given))}
+                raise ConfigError(f"-o {item}: {key} is a switch ({flag}); give {key}=true or {key}=false")
+            argv += [flag] if value.lower() in _TRUE else []
+        else:
+            argv.append(f"{flag}={value}")
+    parser = _Parser(prog="distmem-exec -o", add_help=False)
+    add_request_arguments(parser, argv, job=False)
+    try:
+        args = parser.parse_args(argv)
+    except _Refused as exc:
+        raise ConfigError(f"-o: {exc} (-o KEY=VALUE reads VALUE as distmem plan reads --KEY)") from None
+    given = {k: getattr(args, "gpus" if k == "fleet" else k) for k in request}
+    return {**given, **strategy_options(chosen, args)}
 
 
 def _fields(name: str) -> List[Any]:
@@ -73,13 +87,6 @@ def _fields(name: str) -> List[Any]:
         return get(name).fields()
     except ConfigError:  # a strategy this build cannot load takes no options here
         return []
-
-
-def _number(key: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"-o {key}={text}: give a number, as {flag_of(key)} takes it (e.g. {key}=0.1)") from None
 
 
 def plan_for_exec(options: Dict[str, Any]) -> Any:

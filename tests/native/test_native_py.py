@@ -195,14 +195,14 @@ def test_exec_usage_errors(planned, capsys):
 
 # ---- -o KEY=VALUE means what distmem plan's flag of that name means ---------------------------------
 
-def _flag_reading(strategy, key, text):
-    """What ``distmem plan --strategy STRATEGY --KEY TEXT`` hands init() for KEY."""
+def _flag_reading(strategy, key, flag, text):
+    """What ``distmem plan --strategy STRATEGY FLAG TEXT`` hands init() for KEY."""
     import argparse
 
-    from distmem.cli.request_args import add_request_arguments, flag_of, strategy_options
+    from distmem.cli.request_args import add_request_arguments, strategy_options
     from distmem.plan import get
 
-    argv = ["--strategy", strategy, flag_of(key)] + ([] if text is None else [text])
+    argv = ["--strategy", strategy, flag] + ([] if text is None else [text])
     p = argparse.ArgumentParser()
     add_request_arguments(p, argv, job=False)
     args = p.parse_args(argv)
@@ -210,22 +210,23 @@ def _flag_reading(strategy, key, text):
     return opts[key] if key in opts else getattr(args, key)
 
 
-@pytest.mark.parametrize("strategy,key,text", [
-    ("pipeline", "stages", "9GiB,7GiB"),  # docs/native.md's form, refused before (read as one string)
-    ("pipeline", "num_stages", "4"),  # what -o stages=4 meant ('int' object is not iterable before)
-    ("pipeline", "input_shape", "96,96,3"),
-    ("pipeline", "schedule", "gpipe"),
-    ("pipeline", "recompute", None),
-    ("auto", "pipelines", "1,2"),
-    ("tenants", "tenants", "bert=6GiB,resnet=8GiB"),
-    ("data", "limit", "45%"),
-    ("data", "reserve", "1GiB"),
-    ("data", "from_margin", "0.2"),
+@pytest.mark.parametrize("strategy,key,flag,text", [
+    ("pipeline", "stages", "--stages", "9GiB,7GiB"),  # docs/native.md's form, refused before (one string)
+    ("pipeline", "num_stages", "--num-stages", "4"),  # what -o stages=4 meant ('int' object is not iterable)
+    ("pipeline", "input_shape", "--input-shape", "96,96,3"),
+    ("pipeline", "schedule", "--schedule", "gpipe"),
+    ("pipeline", "recompute", "--recompute", None),
+    ("auto", "pipelines", "--pipelines", "1,2"),
+    ("tenants", "tenants", "--tenants", "bert=6GiB,resnet=8GiB"),
+    ("data", "limit", "--limit", "45%"),
+    ("data", "reserve", "--reserve", "1GiB"),
+    ("data", "from_margin", "--from-margin", "0.2"),
+    ("data", "from_report", "--from", "runs/last/report.json"),
 ])
-def test_exec_option_means_what_the_flag_means(strategy, key, text):
+def test_exec_option_means_what_the_flag_means(strategy, key, flag, text):
     item = f"{key}={'true' if text is None else text}"
     got = exec_cli.exec_options(strategy, [item])
-    assert got == {key: _flag_reading(strategy, key, text)}, f"-o {item} read as {got}"
+    assert got == {key: _flag_reading(strategy, key, flag, text)}, f"-o {item} read as {got}"
 
 
 @pytest.mark.parametrize("item,words", [
@@ -233,9 +234,10 @@ def test_exec_option_means_what_the_flag_means(strategy, key, text):
     ("num_stage=4", ["num_stage is not an option of --strategy pipeline", "num_stages"]),
     ("num_stages=four", ["num_stages='four'", "whole number"]),
     ("recompute=maybe", ["switch", "recompute=true"]),
-    ("schedule=zb", ["one of 1f1b, gpipe"]),
+    ("schedule=zb", ["--schedule", "invalid choice: 'zb'", "1f1b"]),
     ("tenants=a=1GiB", ["--tenants applies to --strategy tenants"]),
-    ("from_margin=ten", ["give a number"]),
+    ("from_margin=ten", ["--from-margin", "'ten'"]),
+    ("memory=lots", ["--memory", "'lots'", "growth"]),
 ])
 def test_exec_option_errors_name_the_item(item, words):
     with pytest.raises(DistmemError) as info:
