@@ -123,6 +123,18 @@ def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, me
                              from_report, from_margin))
 
 
+def plan_for_exec(wrapper: str, strategy: str = "data", **kwargs: Any) -> Plan:
+    """The plan :func:`init` will make in the command that the launcher wrapper ``wrapper``
+    (``"distmem-exec"``) is about to exec, made in the wrapper: :func:`plan_from_env`'s arguments and
+    answer. The wrapper is the rank's own process until the exec (the pid the launcher watches), so
+    from now on this process starts no transport - an ``MPI_Init`` here would be the rank's, and the
+    command's own would then fail - and meets the other wrappers of its host in a layout exchange of
+    their own (:func:`distmem.discover.layout.leave` ends it before the exec): the command's
+    ``init()`` meets its peers afresh, never a wrapper's record under its own pid."""
+    session.wrapper = wrapper
+    return plan_from_env(strategy, **kwargs)
+
+
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
          reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
          fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, estimate: Optional[str] = None,

@@ -96,6 +96,12 @@ class TorchCuda:
     def set_memory_fraction(self, fraction: float, index: int) -> None:
         self.cuda.set_per_process_memory_fraction(float(fraction), index)
 
+    def device_total(self, index: int) -> int:
+        """The device's own total (``cudaGetDeviceProperties``' ``totalGlobalMem``, ``cuDeviceTotalMem``):
+        equal to ``mem_get_info``'s total (150109880320 bytes on an H200), except under distmem's
+        native cap, which rewrites ``cuMemGetInfo`` alone."""
+        return int(self.cuda.get_device_properties(index).total_memory)
+
     def memory_stats(self, index: int) -> Dict[str, Any]:
         return dict(self.cuda.memory_stats(index))
 
@@ -296,10 +302,15 @@ def _limit_device(plan: Any, idx: int, group: list, b: Any, initialised: bool, a
             raise _too_late(f"limit cuda:{idx} to {format_bytes(planned)}",
                             f"the caching allocator already holds {format_bytes(reserved)}",
                             f"{format_bytes(planned)}")
+    # torch takes its fraction of what cuMemGetInfo reports (the cap, under distmem's native cap);
+    # whether the GPU holds k ranks is a question about the device itself.
     fraction = to_fraction(planned, total)
     b.set_memory_fraction(fraction, idx)
     limit = int(fraction * total)
+    device, capped = _device_total(b, idx, total)
     info.update(enforced=True, total_bytes=total, free_bytes=free, fraction=fraction, limit_bytes=limit)
+    if capped:
+        info["device_total_bytes"] = device
     _applied[idx] = {"limit_bytes": limit, "fraction": fraction, "total_bytes": total}
     line = f"cuda:{idx}: hard limit {format_bytes(planned)} = {fraction:.6f} of {format_bytes(total)}"
     if len(group) > 1:
@@ -307,18 +318,34 @@ def _limit_device(plan: Any, idx: int, group: list, b: Any, initialised: bool, a
                  f"{[s.label or s.planned_bytes for s in group]} share this one limit)")
     actions.append(line)
     if planned > total:
-        plan.warnings.append(f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA "
-                             "reports, so the limit is the whole device; lower limit= or reserve=")
+        plan.warnings.append(
+            f"GPU {idx}: planned {format_bytes(planned)} exceeds the native cap of {format_bytes(total)} "
+            "(DISTMEM_CAP_BYTES), so the limit is the cap; launch with distmem-exec's cap from the same plan "
+            "(no --cap) or lower limit=" if capped else
+            f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA reports, so the "
+            "limit is the whole device; lower limit= or reserve=")
     k = max(s.shared_by for s in group)
     need = k * (planned + plan.overhead_bytes)
-    if k > 1 and need > total:
+    if k > 1 and need > device:
         plan.warnings.append(
             f"GPU {idx}: {k} ranks x (limit {format_bytes(planned)} + per-process overhead "
             f"{format_bytes(plan.overhead_bytes)}) = {format_bytes(need)}, but CUDA reports a total of "
-            f"{format_bytes(total)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
-            f"run out {format_bytes(need - total)} below its share; pass reserve= at least "
-            f"{format_bytes(plan.reserve_bytes + need - total)}")
+            f"{format_bytes(device)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
+            f"run out {format_bytes(need - device)} below its share; pass reserve= at least "
+            f"{format_bytes(plan.reserve_bytes + need - device)}")
     return info
+
+
+def _device_total(b: Any, idx: int, reported: int) -> Tuple[int, bool]:
+    """(CUDA's total of device ``idx``, whether distmem's native cap is what ``mem_get_info`` reported):
+    under the cap ``cuMemGetInfo`` says min(device, cap), so the device's own total is asked for."""
+    from . import native
+
+    st = native.status(idx)
+    if not st["active"] or st["cap_bytes"] is None or reported > st["cap_bytes"]:
+        return reported, False
+    device = max(int(b.device_total(idx)), reported)
+    return device, device > reported
 
 
 def started(*, backend: Any = None) -> Optional[List[int]]:

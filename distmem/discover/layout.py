@@ -37,13 +37,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .. import settings
+from .. import session, settings
 from ..errors import ConfigError, GatherTimeoutError
 from . import private
 from .gpus import MAX_FLEET_GPUS, Gpu, Inventory
 from .identity import Topology, job_key, launch_nonce
 
-__all__ = ["RankView", "Layout", "exchange", "assumed", "single", "live_layouts", "LayoutTimeoutError",
+__all__ = ["RankView", "Layout", "exchange", "assumed", "single", "live_layouts", "leave", "LayoutTimeoutError",
            "RECORD_FORMAT"]
 
 #: The records' format: a record of another format (another distmem version) is never read as one.
@@ -348,6 +348,9 @@ def _leave() -> None:
 
 
 atexit.register(_leave)
+#: The same, for a launcher wrapper (distmem-exec) about to exec its command: no exit handler runs at
+#: exec, and the wrapper's records would otherwise outlive it under the command's pid.
+leave = _leave
 
 
 # --- the exchange ----------------------------------------------------------------------------------
@@ -374,6 +377,10 @@ def exchange(topo: Topology, inv: Inventory, *, timeout: Optional[float] = None,
     wait = settings.layout_timeout(env) if timeout is None else settings.positive_seconds(timeout, "timeout")
     deadline = time.monotonic() + wait
     key = job_key(env, launch_nonce(env, wait)) or ""
+    if session.wrapper:
+        # A launcher wrapper (distmem-exec) and the command it execs are one rank under one pid: the
+        # wrappers of a launch meet apart, so no command ever reads a wrapper's record as its peer's.
+        key = f"{key}.{_folder_name(session.wrapper)}"
     base = directory or settings.layout_dir(env)
     host = _folder_name(topo.host)
     rnd = _rounds[(base, key, host)] = _rounds.get((base, key, host), 0) + 1

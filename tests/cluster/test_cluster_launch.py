@@ -132,6 +132,30 @@ def test_srun_two_nodes(slurm, distribution, per_task):
 
 
 @pytest.mark.slurm
+def test_srun_distmem_exec(slurm):
+    """`srun -N2 -n4 --ntasks-per-node=2 distmem-exec -- python probe.py` (issue 35): distmem-exec is the
+    task srun starts and watches until it execs the probe; every task runs under the cap from the same
+    plan (init(enforce="native") refuses any other) and lands where srun's block mapping puts it."""
+    exe = need_tool(slurm, "distmem-exec")
+    lib = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "distmem",
+                       "_native", "libdistmem_cap.so")
+    if not os.path.exists(lib):
+        pytest.fail(f"{lib} is not built: make test builds it (scripts/build_native.sh)", pytrace=False)
+    env = {"DISTMEM_FLEET": FLEET, "DISTMEM_CAP_LIB": lib}
+    job = job_dir(slurm, "srun-distmem-exec")
+    nodes = ["hosta", "hostb"]
+    argv = [exe, "-o", "framework=none", "--"] + probe_argv(slurm, "torch-slurm", job) + ["--enforce", "native"]
+    r = slurm.srun(["-N2", "-n4", "--ntasks-per-node=2", "--distribution=block", "-w", ",".join(nodes)], argv,
+                   env=env, timeout=150)
+    want = expected(slurm_block(nodes, 2), parse_fleet_spec(FLEET, slurm.names))
+    _check(slurm, r, want, job, env)
+    rows = probe_rows(r, job)
+    wrong = [row for row in rows if not row.get("cap") or row.get("cap") != row.get("limit")]
+    if wrong or len(rows) != 4:
+        pytest.fail(f"every task must run under its plan's cap: {rows}\n{r.describe(6000)}", pytrace=False)
+
+
+@pytest.mark.slurm
 def test_torchrun_inside_sbatch(slurm):
     """`torchrun --standalone --nproc-per-node=4` in an sbatch script on hostc: the batch step's SLURM_*
     variables are inherited, torchrun's RANK/LOCAL_RANK must win (4 ranks, 2 per GPU)."""
