@@ -48,6 +48,8 @@ KEEPER = os.path.join(PROGS, "keeper.py")
 LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "horovodrun-mpi")
 TRANSPORT = {"torchrun": "torch", "mpirun": "mpi", "horovodrun": "horovod", "horovodrun-mpi": "horovod"}
 WITHIN = 10.0
+#: A rank that ends on an exception sends its death notice itself: the others are out within this.
+WITHIN_EXCEPTION = 5.0
 LINE_MARK = "; stopping this rank"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +65,7 @@ def command(launcher: str, np_: int) -> List[str]:
         cmd = [_tool("mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none",
                "--mca", "orte_abort_on_non_zero_status", "0"]
         for key in ("PYTHONPATH", "DISTMEM_TIMEOUT", "DISTMEM_FAIL_FAST", "FF_DIR", "FAULT_DIR", "FF_VICTIM", "FF_AT",
-                    "FF_HOW", "FF_MODE", "FF_TRANSPORT", "FF_LIMIT"):
+                    "FF_HOW", "FF_MODE", "FF_TRANSPORT", "FF_LIMIT", "FF_REPLACE_EXCEPTHOOK"):
             cmd += ["-x", key]
         return cmd + [py, PROG]
     if launcher == "horovodrun":

@@ -34,7 +34,7 @@ def plot(page: Dict[str, Any], path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError(f"--plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot") from None
-    from ..report.sinks.files import atomic_path
+    from ..report.sinks.files import atomic_file
 
     entries = page["entries"]
     top = max([1] + [max((e.get("reserved_bytes") or 0), (e.get("needed_bytes") or 0), e.get("limit_bytes") or 0)
@@ -68,8 +68,8 @@ def plot(page: Dict[str, Any], path: str) -> str:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=5,
               frameon=False)
     fig.tight_layout()
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    with atomic_file(path, ".png") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path
 

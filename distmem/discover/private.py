@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..errors import ConfigError
 
-__all__ = ["open_user_folder", "open_folder", "write_record", "read_record", "record_name", "list_records",
+__all__ = ["ForeignFolder", "fallback_base", "open_user_folder", "open_folder", "write_record", "read_record", "record_name", "list_records",
            "sweep", "remove_empty", "unlink", "FOLDER_MODE", "RECORD_MODE", "MAX_RECORD_BYTES", "user_folder_name",
            "KINDS", "lock_held", "parse_name"]
 
@@ -62,8 +62,22 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+class ForeignFolder(ConfigError):
+    """A layout folder that is not this user's own (another user's, a link, not a folder): refused;
+    the exchange then meets in this user's own folder elsewhere (:func:`fallback_base`)."""
+
+
+def fallback_base() -> str:
+    """Where this user's layout folder goes when the usual one is taken by another user:
+    ``~/.cache/distmem/layout`` (:func:`distmem.untrusted.home_folder`; every rank of a host has
+    the same home, and its host folder keeps hosts apart where the home is shared)."""
+    from ..untrusted import home_folder
+
+    return home_folder("layout")
+
+
 def _refuse(path: str, why: str) -> ConfigError:
-    return ConfigError(
+    return ForeignFolder(
         f"distmem will not use the layout folder {path}: {why}; the ranks of a job exchange their layout only "
         f"through a folder this user ({_owner(os.geteuid())}) owns and nobody else can write. Remove it (as its "
         "owner or root), or set DISTMEM_LAYOUT_DIR to a folder of your own (e.g. $XDG_RUNTIME_DIR or a folder "

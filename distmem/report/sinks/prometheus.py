@@ -47,9 +47,9 @@ _LABEL_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345
 
 def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, step: Optional[int] = None) -> str:
     """The report in Prometheus' text exposition format: one gauge per rank and figure, job gauges,
-    and one ``distmem_warnings`` gauge per warning kind. ``labels`` (e.g. ``{"run": "resnet-7"}``) go on
-    every series, so several jobs on one node can share the textfile folder. No timestamps: the
-    textfile collector does not accept them."""
+    and one ``distmem_warnings`` gauge per warning kind. ``labels`` (e.g. ``{"run": "resnet-7"}``) and
+    the report's ``job_id`` go on every series, so several jobs on one node can share the textfile
+    folder. No timestamps: the textfile collector does not accept them."""
     base = dict(labels or {})
     for k in base:
         if not k or not set(k) <= _LABEL_NAME_OK or k[0].isdigit() or k.startswith("__"):
@@ -58,6 +58,9 @@ def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, ste
         if k in ("job", "instance"):
             raise ConfigError(f"Prometheus label {k!r} is set by the scraper (node_exporter would rename it "
                               "exported_" + k + "); call it e.g. 'run' instead")
+    job = report.aggregates.get("job_id")
+    if job and "job_id" not in base:  # `distmem top` merges textfiles by job and rank, never by rank alone
+        base["job_id"] = job
     lines: List[str] = []
 
     def gauge(name: str, helptext: str, series: Sequence[Tuple[Dict[str, Any], Optional[float]]]) -> None:
