@@ -13,13 +13,14 @@ pass a fake with the same methods), so every part of a record is built and check
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import linecache
 import os
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import session, settings, untrusted
 from ..console import say
@@ -316,21 +317,27 @@ def record_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, OOM_FOLDER, f"rank-{int(rank)}.json")
 
 
-def _records_folder(run_dir: str):
+@contextlib.contextmanager
+def _records_folder(run_dir: str) -> Iterator[untrusted.Folder]:
     """``RUN_DIR/oom`` as this user's own 0700 folder (:func:`distmem.untrusted.private_folder`); where
     that is another user's (or a link), this user's own folder for the run's records instead
     (:func:`distmem.plan.from_report.fallback_records_folder`, which every reader of the records
     also reads), said once."""
     own = os.path.join(run_dir, OOM_FOLDER)
     try:
-        return untrusted.private_folder(own)
+        with untrusted.private_folder(own) as folder:
+            yield folder
+            return
     except untrusted.Unsafe as exc:
+        if exc.path != own:
+            raise
         other = fallback_records_folder(run_dir)
         if not _state.get("said_fallback"):
             _state["said_fallback"] = True
             say(f"[distmem] out-of-memory records: refused {untrusted.printable(exc, 300)}; this rank's record goes "
                 f"to {other} instead (distmem postmortem {run_dir} reads it there)")
-        return untrusted.private_folder(other)
+    with untrusted.private_folder(other) as folder:
+        yield folder
 
 
 def write_record(record: Dict[str, Any], run_dir: Optional[str] = None, count: bool = True) -> str:
