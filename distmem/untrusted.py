@@ -18,9 +18,9 @@ outside its own private folders goes through here:
 * a folder of the user's own in such a place is made 0700 and judged on its descriptor
   (:func:`private_folder`).
 
-Each of these announces itself to audit hooks (``sys.audit("distmem.untrusted", op, path)``): the
-contract test (``tests/contract``) runs the multi-rank suites under a hook that fails any file
-distmem touches in a folder another user can write without that announcement.
+The contract test (``tests/contract``) runs the multi-rank suites under an audit hook that fails
+any file distmem touches in a folder another user can write by any other code than this module's
+(and the layout's :mod:`distmem.discover.private`).
 
 A leaf: the standard library and :mod:`distmem.errors` only.
 """
@@ -32,16 +32,12 @@ import json
 import os
 import secrets
 import stat
-import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
 
 __all__ = ["Unsafe", "Folder", "shared", "owner_name", "read_bytes", "read_json", "folder", "atomic_file",
-           "write_atomic", "private_folder", "home_folder", "creation_mode", "printable", "AUDIT_EVENT"]
-
-#: The audit event every checked operation raises before it touches the path (the contract test's mark).
-AUDIT_EVENT = "distmem.untrusted"
+           "write_atomic", "private_folder", "home_folder", "creation_mode", "printable"]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -96,10 +92,6 @@ def printable(text: Any, limit: int = 400) -> str:
         else:
             out.append(ch)
     return "".join(out)
-
-
-def _announce(op: str, path: str) -> None:
-    sys.audit(AUDIT_EVENT, op, path)
 
 
 @contextlib.contextmanager
@@ -178,7 +170,6 @@ def read_bytes(path: str, *, max_bytes: int, what: str = "the file") -> bytes:
     non-regular file, a file over ``max_bytes``, or another user's in a folder others can write.
     ``FileNotFoundError`` where it does not exist."""
     path = os.fspath(path)
-    _announce("read", path)
     folder, name = os.path.split(os.path.abspath(path))
     with _pinned(folder) as (dfd, why):
         return _read_checked(dfd, name, path, why, max_bytes, what)
@@ -237,7 +228,6 @@ def folder(path: str, *, what: str = "the folder", follow: bool = False) -> Iter
     nothing in another user's folder there is taken as this user's). ``FileNotFoundError`` where
     it does not exist."""
     path = os.fspath(path)
-    _announce("list", path)
     if follow:
         fd = os.open(path, _DIR)
     else:
@@ -319,7 +309,6 @@ def atomic_file(path: str, suffix: str = "", mode: Optional[int] = None) -> Iter
     starts with a dot and ends in ``suffix + ".tmp"``, so collectors that glob (``*.prom``) skip it.
     Raises :class:`Unsafe` when the temporary file was replaced by someone else before the rename."""
     path = os.fspath(path)
-    _announce("write", path)
     folder_path, name = os.path.split(os.path.abspath(path))
     os.makedirs(folder_path, exist_ok=True)
     with _pinned(folder_path) as (dfd, _):
@@ -341,7 +330,6 @@ def private_folder(path: str, create: bool = True) -> Iterator["Folder"]:
     folder tightened. :class:`Unsafe` for a link, a non-folder or someone else's folder;
     FileNotFoundError when absent and not ``create``."""
     path = os.fspath(path)
-    _announce("folder", path)
     parent, name = os.path.split(os.path.abspath(path))
     if create:
         os.makedirs(parent, exist_ok=True)

@@ -343,10 +343,7 @@ def _leave() -> None:
                 private.remove_empty(parent, name)
         if user is not None:
             os.close(user)
-            try:
-                os.rmdir(os.path.join(base, private.user_folder_name()))
-            except OSError:
-                pass
+            private.remove_user_folder(base)
 
 
 atexit.register(_leave)

@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 from ..errors import ConfigError
 
 __all__ = ["ForeignFolder", "fallback_base", "open_user_folder", "open_folder", "write_record", "read_record", "record_name", "list_records",
-           "sweep", "remove_empty", "unlink", "FOLDER_MODE", "RECORD_MODE", "MAX_RECORD_BYTES", "user_folder_name",
+           "sweep", "remove_empty", "remove_user_folder", "unlink", "FOLDER_MODE", "RECORD_MODE", "MAX_RECORD_BYTES", "user_folder_name",
            "KINDS", "lock_held", "parse_name"]
 
 FOLDER_MODE = 0o700
@@ -298,6 +298,25 @@ def sweep(folder: int, depth: int = 2, path: str = "") -> None:
             remove_empty(folder, name)
         elif not stat.S_ISDIR(st.st_mode) and _is_stale(folder, name):
             unlink(folder, name)
+
+
+def remove_user_folder(base: str) -> bool:
+    """Remove this user's folder in ``base`` when it is empty and still this user's own (never a
+    folder someone put at its name); True when it was removed."""
+    try:
+        base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fd = open_folder(base_fd, user_folder_name(), os.path.join(base, user_folder_name()), create=False)
+        if fd is None:
+            return False
+        os.close(fd)
+        return remove_empty(base_fd, user_folder_name())
+    except (ConfigError, OSError):
+        return False
+    finally:
+        os.close(base_fd)
 
 
 def remove_empty(parent: int, name: str) -> bool:
