@@ -1,4 +1,4 @@
-"""Fail fast under real launchers (bench/fail_fast.py at a few injections): a 4-rank training loop on
+"""Fail fast under real launchers (bench/comm/fail_fast.py at a few injections): a 4-rank training loop on
 the framework's own collective (torch.distributed Gloo under torchrun, mpi4py under mpirun,
 horovod.tensorflow under horovodrun --gloo and --mpi with ``distmem.init()`` before ``hvd.init()``),
 one rank SIGKILLed (every other rank must exit within 10 s, non-zero, with one line naming the dead
@@ -22,7 +22,7 @@ import pytest
 
 from helpers import ROOT, have
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "comm"))
 import fail_fast  # noqa: E402
 
 NEEDS = {"torchrun": ("torchrun", "torch"), "mpirun": ("mpirun", "mpi4py"),

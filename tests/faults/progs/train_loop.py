@@ -1,4 +1,4 @@
-"""One rank of a fail-fast launch (tests/faults/test_fail_fast.py, bench/fail_fast.py): a tiny data
+"""One rank of a fail-fast launch (tests/faults/test_fail_fast.py, bench/comm/fail_fast.py): a tiny data
 parallel training loop whose gradient all-reduce is the framework's own (torch.distributed Gloo
 under torchrun, mpi4py's Allreduce under mpirun, horovod.tensorflow's allreduce under horovodrun
 --gloo or --mpi, ``hvd.init()`` after ``distmem.init()`` as users write it); one rank (FF_VICTIM)
