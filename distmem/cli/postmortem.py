@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any, Dict
 
 from ..errors import ConfigError
-from ..observe.oom_record import OOM_FOLDER, read_records
+from ..observe.oom_record import OOM_FOLDER
+from ..plan.from_report import read_oom_records_noted, read_report_file
 from ..report.postmortem import postmortem, render_text
 from ..units import GiB, MiB
 
@@ -83,14 +85,15 @@ def run(args: argparse.Namespace) -> int:
         from .checks import output_file
 
         output_file(args.plot, "--plot")  # before the work it follows
-    records = read_records(run_dir)
+    records, ignored = read_oom_records_noted(run_dir)
+    for line in ignored[:8]:  # what was not taken as this user's records, and why
+        print(f"distmem postmortem: left out {line}", file=sys.stderr)
     size = None
     report = os.path.join(run_dir, "report.json")
-    if os.path.isfile(report):
-        try:
-            with open(report, encoding="utf-8") as f:
-                size = int(json.load(f).get("world_size") or 0) or None
-        except (OSError, ValueError, TypeError, AttributeError):
+    if os.path.lexists(report):
+        try:  # checked: no link, no FIFO, bounded, this user's own in a folder others can write
+            size = int(read_report_file(report).get("world_size") or 0) or None
+        except (ConfigError, OSError, ValueError, TypeError, AttributeError):
             size = None
     page = postmortem(records, run_dir=run_dir, world_size=size)
     if args.plot and records:  # nothing to draw without a record: the page says so

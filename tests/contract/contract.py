@@ -80,3 +80,43 @@ def violations(rows: Iterable[Dict]) -> List[str]:
             seen.add(line)
             out.append(f"pid {r.get('pid')}: {line}")
     return out
+
+
+# ---------------------------------------------------------------------- the native side (strace)
+
+#: System calls that name a path, as ``strace -e trace=`` spells them.
+TRACED = ("open", "openat", "creat", "mkdir", "mkdirat", "rename", "renameat", "renameat2", "link", "linkat",
+          "symlink", "symlinkat", "unlink", "unlinkat", "chmod", "fchmodat", "chown", "fchownat", "mknod",
+          "mknodat", "bind")
+
+
+def strace_violations(text: str, shared: str) -> List[str]:
+    """The contract on what ``strace -f -e trace=<TRACED>`` saw a native program do, where
+    ``shared`` is a folder another user can write: inside it, nothing is done by path (only relative
+    to a folder's descriptor, ``*at(fd, name)``), every open relative to a descriptor refuses links
+    (``O_NOFOLLOW``), every create is ``O_EXCL``; nothing is bound. The one path-based call allowed is
+    opening ``shared`` itself as a folder (the place the user chose)."""
+    import re
+
+    out: List[str] = []
+    shared = shared.rstrip("/")
+    for line in text.splitlines():
+        m = re.match(r"^(?:\d+\s+)?(\w+)\((.*)\)\s+=\s+(-?\d+|\?)", line)
+        if not m:
+            continue
+        call, args = m.group(1), m.group(2)
+        if call == "bind":
+            out.append(f"bind: {line.strip()}")
+            continue
+        paths = re.findall(r'"([^"]*)"', args)
+        at_fd = not args.startswith(("AT_FDCWD", '"')) and call.endswith("at") or call == "renameat2"
+        by_path = [p for p in paths if p.startswith(shared + "/") or p == shared]
+        if by_path and not (call in ("open", "openat") and paths[-1] == shared and "O_DIRECTORY" in args):
+            out.append(f"by path in the shared folder: {line.strip()}")
+            continue
+        if call == "openat" and at_fd:
+            if "O_NOFOLLOW" not in args:
+                out.append(f"an open that follows links: {line.strip()}")
+            elif "O_CREAT" in args and "O_EXCL" not in args:
+                out.append(f"a create that may reuse a name: {line.strip()}")
+    return out

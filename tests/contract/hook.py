@@ -2,8 +2,10 @@
 installed at start-up in every Python process the test suite starts (through a ``sitecustomize``
 on ``PYTHONPATH``, see :func:`site_folder`), recording what distmem's own code does to the world.
 
-For every audited event raised while a frame of the distmem package is on the stack (distmem's
-own call, or code it called), it writes one JSON line to ``<records>/<pid>-<token>.jsonl``:
+For every audited event raised by distmem's own code (the innermost frame outside Python's standard
+library is in the distmem package: ``open()`` in distmem, or ``tempfile`` on its behalf - not a
+library distmem called, such as TensorFlow's autograph), it writes one JSON line to
+``<records>/<pid>-<token>.jsonl``:
 
 * files opened or created (``open``), and made, renamed, removed, re-moded, linked by name
   (``os.mkdir``, ``os.rename``, ``os.remove``, ``os.chmod``, ``os.symlink``, ...): the path, the
@@ -70,6 +72,10 @@ class _Recorder:
         self.package = os.path.join(self.project, "distmem") + os.sep
         self.prefixes = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
                               | {p + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+        import sysconfig
+
+        self.stdlib = tuple({sysconfig.get_paths()["stdlib"] + os.sep, os.path.dirname(os.__file__) + os.sep})
+        self.site = tuple({sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_paths()["platlib"] + os.sep})
         self.records = records
         self.local = threading.local()
         self.lock = threading.Lock()
@@ -97,17 +103,20 @@ class _Recorder:
     # ---------------------------------------------------------------- attribution
 
     def distmem_frame(self):
-        """The innermost frame of the distmem package on this thread's stack (None: not distmem's),
-        and whether one of the checked modules (:data:`CHECKED`) is on it."""
+        """The frame that did the work, when it is distmem's (None otherwise), and whether it is one
+        of the checked modules (:data:`CHECKED`). The work is the innermost frame outside Python's
+        standard library (``open()`` called by distmem, or ``tempfile``/``shutil`` on its behalf, is
+        distmem's; a temporary file TensorFlow's autograph writes while distmem calls it is
+        TensorFlow's own)."""
         f = sys._getframe(3)
-        found, checked = None, False
         while f is not None:
             name = f.f_code.co_filename
-            if name.startswith(self.package):
-                found = found or f
-                checked = checked or name[len(self.project) + 1:] in CHECKED
+            if not (name.startswith("<") or (name.startswith(self.stdlib) and not name.startswith(self.site))):
+                break
             f = f.f_back
-        return found, checked
+        if f is None or not f.f_code.co_filename.startswith(self.package):
+            return None, False
+        return f, f.f_code.co_filename[len(self.project) + 1:] in CHECKED
 
     def shared(self, folder: str):
         try:

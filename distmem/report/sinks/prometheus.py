@@ -58,9 +58,8 @@ def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, ste
         if k in ("job", "instance"):
             raise ConfigError(f"Prometheus label {k!r} is set by the scraper (node_exporter would rename it "
                               "exported_" + k + "); call it e.g. 'run' instead")
-    job = report.aggregates.get("job_id")
-    if job and "job_id" not in base:  # `distmem top` merges textfiles by job and rank, never by rank alone
-        base["job_id"] = job
+    # The report's job id closes every series' labels: `distmem top` merges textfiles by job and rank.
+    job = {"job_id": report.aggregates["job_id"]} if report.aggregates.get("job_id") and "job_id" not in base else {}
     lines: List[str] = []
 
     def gauge(name: str, helptext: str, series: Sequence[Tuple[Dict[str, Any], Optional[float]]]) -> None:
@@ -70,7 +69,7 @@ def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, ste
         lines.append(f"# HELP {name} {helptext}")
         lines.append(f"# TYPE {name} gauge")
         for lab, v in series:
-            lines.append(f"{name}{_labels({**base, **lab})} {_num(v)}")
+            lines.append(f"{name}{_labels({**base, **lab, **job})} {_num(v)}")
 
     def rank_labels(s: Any) -> Dict[str, Any]:
         out = {"rank": s.rank, "host": s.host, "local_rank": s.local_rank,
