@@ -9,6 +9,7 @@ from typing import Dict, List
 import pytest
 
 from distmem.comm import heartbeat as hbm
+from distmem.comm import heartbeat_meet as meet
 
 
 KEY = bytes(range(32))
@@ -16,7 +17,7 @@ KEY = bytes(range(32))
 
 def hub(size: int, key: bytes = KEY, **kw):
     """Rank 0's heartbeat on loopback (as on one host), and the info the other ranks get."""
-    servers = hbm.listen(["127.0.0.1"])
+    servers = meet.listen(["127.0.0.1"])
     info = {"host": "h0", "addrs": ["127.0.0.1"], "port": servers[0].getsockname()[1]}
     return hbm.Heartbeat(0, size, "h0", info, key, servers=servers, **kw), info
 
@@ -354,10 +355,10 @@ def test_horovodrun_ranks_meet_through_its_rendezvous_server_before_hvd_init(mon
     _point_at_store(monkeypatch, horovod_store)
     info = _signed()
     got: Dict[int, dict] = {}
-    early = threading.Thread(target=lambda: got.__setitem__(1, hbm._exchange(1, 2, None, None, 10.0, secret=SECRET)))
+    early = threading.Thread(target=lambda: got.__setitem__(1, meet.exchange(1, 2, None, None, 10.0, secret=SECRET)))
     early.start()
     time.sleep(0.3)
-    assert hbm._exchange(0, 2, info, None, 10.0, secret=SECRET) == info
+    assert meet.exchange(0, 2, info, None, 10.0, secret=SECRET) == info
     early.join(10)
     assert got == {1: info}
     assert not any(len(str(v)) >= 64 and all(c in "0123456789abcdef" for c in str(v)) and k != "mac"
@@ -376,15 +377,15 @@ def test_an_entry_not_signed_with_the_secret_is_never_believed(stand_in_store):
     forged = dict(_signed(port=1), mac="0" * 64)
     conn = http.client.HTTPConnection("127.0.0.1", stand_in_store.port, timeout=5)
     body = _json.dumps(forged).encode()
-    conn.request("PUT", f"/{hbm.HOROVOD_SCOPE}/hub-1", body=body, headers={"Content-Length": str(len(body))})
+    conn.request("PUT", f"/{meet.HOROVOD_SCOPE}/hub-1", body=body, headers={"Content-Length": str(len(body))})
     conn.getresponse().read()
     with pytest.raises(GatherTimeoutError, match="not rank 0's signed info"):
-        hbm._exchange(1, 2, None, None, 0.6, secret=SECRET)
+        meet.exchange(1, 2, None, None, 0.6, secret=SECRET)
     got: Dict[int, dict] = {}
-    waiting = threading.Thread(target=lambda: got.__setitem__(1, hbm._exchange(1, 2, None, None, 10.0, secret=SECRET)))
+    waiting = threading.Thread(target=lambda: got.__setitem__(1, meet.exchange(1, 2, None, None, 10.0, secret=SECRET)))
     waiting.start()
     time.sleep(0.3)
-    hbm._exchange(0, 2, _signed(), None, 5.0, secret=SECRET)
+    meet.exchange(0, 2, _signed(), None, 5.0, secret=SECRET)
     waiting.join(10)
     assert got == {1: _signed()}
 
@@ -394,10 +395,10 @@ def test_a_heartbeat_started_again_in_the_same_launch_never_reads_the_earlier_hu
     from distmem.errors import GatherTimeoutError
 
     first = _signed()
-    hbm._exchange(0, 2, first, None, 5.0, generation=1, secret=SECRET)
-    assert hbm._exchange(1, 2, None, None, 5.0, generation=1, secret=SECRET) == first
+    meet.exchange(0, 2, first, None, 5.0, generation=1, secret=SECRET)
+    assert meet.exchange(1, 2, None, None, 5.0, generation=1, secret=SECRET) == first
     with pytest.raises(GatherTimeoutError, match="GET answered 404"):
-        hbm._exchange(1, 2, None, None, 0.5, generation=2, secret=SECRET)
+        meet.exchange(1, 2, None, None, 0.5, generation=2, secret=SECRET)
 
 
 def test_a_rank_that_never_meets_rank_0_in_horovodruns_store_is_told_within_the_timeout(stand_in_store):
@@ -406,7 +407,7 @@ def test_a_rank_that_never_meets_rank_0_in_horovodruns_store_is_told_within_the_
     t0 = time.monotonic()
     with pytest.raises(GatherTimeoutError, match=r"horovodrun's rendezvous server at 127\.0\.0\.1:\d+ within "
                                                  r"1\.0 s \(GET answered 404"):
-        hbm._exchange(2, 4, None, None, 1.0, secret=SECRET)
+        meet.exchange(2, 4, None, None, 1.0, secret=SECRET)
     assert time.monotonic() - t0 < 3
 
 
