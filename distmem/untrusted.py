@@ -289,16 +289,29 @@ def _atomic_in(dfd: int, folder_path: str, name: str, suffix: str, mode: Optiona
         if keep:
             return
         mine = os.fstat(fd)
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        now = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
-            raise Unsafe(path, f"the file written was replaced before it took its name ({folder_path} can be written "
-                               "by another user)", "write to a folder of your own")
+        for stage in ("before", "as"):  # checked before the rename (nothing of someone else's is moved) and after
+            if stage == "as":
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            now = os.stat(tmp if stage == "before" else name, dir_fd=dfd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                raise Unsafe(path, f"the file written was replaced before it took its name ({folder_path} can be "
+                                   "written by another user)", "write to a folder of your own")
     except BaseException:
         _remove_if_mine(dfd, tmp, fd)
         raise
     finally:
         f.close()
+
+
+def _remove_if_mine(dfd: int, name: str, fd: int) -> None:
+    """Remove ``name`` only while it is still the file ``fd`` holds (never someone else's)."""
+    try:
+        mine = os.fstat(fd)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            os.unlink(name, dir_fd=dfd)
+    except (OSError, ValueError):
+        pass
 
 
 @contextlib.contextmanager
