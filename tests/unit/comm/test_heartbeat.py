@@ -240,6 +240,28 @@ def test_the_setting():
     assert settings.fail_fast({"DISTMEM_FAIL_FAST": "0"}) is False
     with pytest.raises(ConfigError, match="DISTMEM_FAIL_FAST='maybe'"):
         settings.validate({"DISTMEM_FAIL_FAST": "maybe"})
+    with pytest.raises(ConfigError, match="DISTMEM_HEARTBEAT_SECRET has 6 characters; give at least 16"):
+        settings.validate({"DISTMEM_HEARTBEAT_SECRET": "secret"})
+    assert settings.heartbeat_secret({"DISTMEM_HEARTBEAT_SECRET": " " + "s" * 16 + " "}) == "s" * 16
+
+
+def test_without_a_usable_secret_fail_fast_is_off_for_the_job_and_says_how_to_turn_it_on(tmp_path, monkeypatch, caplog):
+    import os
+
+    for key in ("DISTMEM_HEARTBEAT_SECRET", "_HOROVOD_SECRET_KEY", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_ELASTIC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+    blocked = tmp_path / "config"
+    blocked.write_text("a file where the key's folder would go")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(blocked))
+    said = []
+    monkeypatch.setattr(hbm, "say", lambda msg, **kw: said.append(msg))
+    assert hbm.start(0, 2, "h", verbose=True, local_size=2) is None and hbm.current() is None
+    assert len(said) == 1 and "fail fast is off for this job" in said[0] and "heartbeat.key" in said[0]
+    assert "torchrun's store is readable by anyone" in said[0] and "DISTMEM_HEARTBEAT_SECRET" in said[0]
+    assert os.path.isfile(blocked)
 
 
 def test_a_rank_that_never_connects_is_named_after_the_join_timeout():
