@@ -55,10 +55,12 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "contract"))
 import contract as _contract  # noqa: E402
 import hook as _contract_hook  # noqa: E402
 
+_contract_made = []
 if os.environ.get("DISTMEM_CONTRACT", "1") != "0" and not os.environ.get("DISTMEM_CONTRACT_RECORDS"):
     import tempfile as _tempfile
 
     _base = _tempfile.mkdtemp(prefix="distmem-contract-")
+    _contract_made.append(_base)
     os.environ["DISTMEM_CONTRACT_RECORDS"] = os.path.join(_base, "records")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [_contract_hook.site_folder(os.path.join(_base, "site"), os.environ["DISTMEM_CONTRACT_RECORDS"])]
@@ -77,3 +79,11 @@ def nobody_elses_job():
     if bad:
         pytest.fail("the 'nobody else's job' contract (docs/security.md, tests/contract) was broken:\n  "
                     + "\n  ".join(bad[:20]), pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's records go with it (each test's were checked when it ended)."""
+    import shutil
+
+    for base in _contract_made:
+        shutil.rmtree(base, ignore_errors=True)
