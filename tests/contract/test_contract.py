@@ -77,5 +77,5 @@ def test_a_socket_on_every_interface_is_found(recorded):
     shared, records, env = recorded
     mpirun(2, [PROG, "bind", shared], timeout=300, env=env)
     found = _violations(records)
-    assert any("socket bound on every interface (['0.0.0.0', 0])" in v and "distmem/comm/heartbeat.py" in v
+    assert any("socket bound on every interface (['0.0.0.0', 0])" in v and "distmem/comm/heartbeat_meet.py" in v
                for v in found), found
