@@ -284,7 +284,7 @@ def _start_heartbeat(verbose: bool = True) -> None:
         comm = None  # no transport yet: torchrun's store, or off (the heartbeat says so)
     if comm is not None and comm.size <= 1:
         comm = None
-    heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose)
+    heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose, local_size=topo.local_size)
 
 
 def current_plan() -> Optional[Plan]:

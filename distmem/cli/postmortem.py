@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any, Dict
 
 from ..errors import ConfigError
-from ..observe.oom_record import OOM_FOLDER, read_records
+from ..observe.oom_record import OOM_FOLDER
+from ..plan.from_report import read_oom_records_noted, read_report_file
 from ..report.postmortem import postmortem, render_text
 from ..units import GiB, MiB
 
@@ -34,7 +36,7 @@ def plot(page: Dict[str, Any], path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError(f"--plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot") from None
-    from ..report.sinks.files import atomic_path
+    from ..report.sinks.files import atomic_file
 
     entries = page["entries"]
     top = max([1] + [max((e.get("reserved_bytes") or 0), (e.get("needed_bytes") or 0), e.get("limit_bytes") or 0)
@@ -68,8 +70,8 @@ def plot(page: Dict[str, Any], path: str) -> str:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=5,
               frameon=False)
     fig.tight_layout()
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    with atomic_file(path, ".png") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path
 
@@ -83,14 +85,15 @@ def run(args: argparse.Namespace) -> int:
         from .checks import output_file
 
         output_file(args.plot, "--plot")  # before the work it follows
-    records = read_records(run_dir)
+    records, ignored = read_oom_records_noted(run_dir)
+    for line in ignored[:8]:  # what was not taken as this user's records, and why
+        print(f"distmem postmortem: left out {line}", file=sys.stderr)
     size = None
     report = os.path.join(run_dir, "report.json")
-    if os.path.isfile(report):
-        try:
-            with open(report, encoding="utf-8") as f:
-                size = int(json.load(f).get("world_size") or 0) or None
-        except (OSError, ValueError, TypeError, AttributeError):
+    if os.path.lexists(report):
+        try:  # checked: no link, no FIFO, bounded, this user's own in a folder others can write
+            size = int(read_report_file(report).get("world_size") or 0) or None
+        except (ConfigError, OSError, ValueError, TypeError, AttributeError):
             size = None
     page = postmortem(records, run_dir=run_dir, world_size=size)
     if args.plot and records:  # nothing to draw without a record: the page says so

@@ -16,7 +16,9 @@ from typing import Any, Dict
 
 from ..errors import ConfigError
 from ..units import plural
-from ..report.sinks import plot, print_report, prometheus, read_json
+from ..report.aggregate import Report
+from ..report.sinks import plot, print_report, prometheus
+from ..report.sinks.files import read_report_dict
 from ..report.sinks.png import plot_format
 from .checks import input_file, output_file
 
@@ -75,16 +77,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus:
         output_file(args.prometheus, "--prometheus")
     labels = _labels(args.label)
+    raw = read_report_dict(args.file)  # checked: no link, no FIFO, bounded, this user's in a shared folder
+    _check_ranks(args.file, raw)
     try:
-        with open(args.file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except ValueError:
-        raw = None  # read_json says why
-    if isinstance(raw, dict) and "world_size" in raw:
-        _check_ranks(args.file, raw)
-    try:
-        rep = read_json(args.file)
-    except (TypeError, KeyError, AttributeError) as exc:
+        rep = Report.from_dict(raw)
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
         raise ConfigError(f"report file {args.file!r} is not a report distmem can read ({type(exc).__name__}: "
                           f"{exc}); write it again with distmem.report(path=...)") from None
     if args.json:

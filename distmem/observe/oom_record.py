@@ -1,7 +1,8 @@
 """One rank's out-of-memory record: what it held, what it asked for, and who else was on its GPU.
 
 On an out-of-memory error each rank writes ``RUN_DIR/oom/rank-N.json`` (atomically, 0600 in a 0700
-folder, no link followed): the step, the plan's limit, the allocator's allocated / reserved bytes
+folder of this user's, no link followed, nothing done by name; where ``RUN_DIR/oom`` is another
+user's, in this user's own folder for the run instead): the step, the plan's limit, the allocator's allocated / reserved bytes
 and its largest free block (fragmentation), the live tensors grouped by the layer that made them,
 and every process NVML lists on the rank's GPU. ``distmem postmortem RUN_DIR`` merges the records
 (:mod:`distmem.report.postmortem`). The hooks that call :func:`write_record` (torch's
@@ -12,18 +13,18 @@ pass a fake with the same methods), so every part of a record is built and check
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import linecache
 import os
 import re
-import stat
-import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .. import session, settings
-from ..plan.from_report import OOM_FOLDER, read_oom_records
+from .. import session, settings, untrusted
+from ..console import say
+from ..plan.from_report import MAX_RECORD_BYTES, OOM_FOLDER, fallback_records_folder, read_oom_records
 
 __all__ = ["RECORD_VERSION", "OOM_FOLDER", "TorchAllocator", "note_step", "note_layers", "request_from_text",
            "largest_free_block", "layer_groups", "build_record", "write_record", "record_path", "read_records",
@@ -316,51 +317,51 @@ def record_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, OOM_FOLDER, f"rank-{int(rank)}.json")
 
 
-def _private_folder(path: str) -> None:
-    """Create ``path`` (and parents) as this user's 0700 folder; refuse a link or another user's folder."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} is not a plain folder (a link?); refusing to write out-of-memory records there")
-    if st.st_uid != os.geteuid():
-        raise OSError(f"{path} belongs to uid {st.st_uid}, not this user; refusing to write there")
+@contextlib.contextmanager
+def _records_folder(run_dir: str) -> Iterator[untrusted.Folder]:
+    """``RUN_DIR/oom`` as this user's own 0700 folder (:func:`distmem.untrusted.private_folder`); where
+    that is another user's (or a link), this user's own folder for the run's records instead
+    (:func:`distmem.plan.from_report.fallback_records_folder`, which every reader of the records
+    also reads), said once."""
+    own = os.path.join(run_dir, OOM_FOLDER)
+    try:
+        with untrusted.private_folder(own) as folder:
+            yield folder
+            return
+    except untrusted.Unsafe as exc:
+        if exc.path != own:
+            raise
+        other = fallback_records_folder(run_dir)
+        if not _state.get("said_fallback"):
+            _state["said_fallback"] = True
+            say(f"[distmem] out-of-memory records: refused {untrusted.printable(exc, 300)}; this rank's record goes "
+                f"to {other} instead (distmem postmortem {run_dir} reads it there)")
+    with untrusted.private_folder(other) as folder:
+        yield folder
 
 
 def write_record(record: Dict[str, Any], run_dir: Optional[str] = None, count: bool = True) -> str:
-    """Write ``record`` to ``RUN_DIR/oom/rank-N.json`` atomically (0600; readers never see half a
-    file); a later record of the same process replaces it, keeps the first one's figures under
-    ``first`` and counts them (``count``; False: a rewrite of the same record). Returns the path."""
-    folder = os.path.join(run_dir or settings.run_dir(), OOM_FOLDER)
-    with _lock:
-        _private_folder(folder)
-        path = record_path(os.path.dirname(folder), record["rank"])
+    """Write ``record`` to ``RUN_DIR/oom/rank-N.json`` atomically (0600 in a 0700 folder of this user's;
+    readers never see half a file; nothing followed or done by name); a later record of the same
+    process replaces it, keeps the first one's figures under ``first`` and counts them (``count``;
+    False: a rewrite of the same record). Returns the path."""
+    run = os.path.abspath(run_dir or settings.run_dir())
+    name = f"rank-{int(record['rank'])}.json"
+    with _lock, _records_folder(run) as folder:
         earlier = 0
-        try:
-            if not count:
-                raise OSError("a rewrite keeps its own count")
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, encoding="utf-8") as f:
-                old = json.load(f)
-            if old.get("pid") == record.get("pid"):
-                earlier = int(old.get("count", 1))
-                record.setdefault("first", {k: old.get(k) for k in ("time", "step", "source", "request_bytes")}
-                                  if "first" not in old else old["first"])
-        except (OSError, ValueError):
-            pass
+        if count:
+            try:
+                old = folder.read_json(name, max_bytes=MAX_RECORD_BYTES, what="the earlier record")
+                if isinstance(old, dict) and old.get("pid") == record.get("pid"):
+                    earlier = int(old.get("count", 1))
+                    record.setdefault("first", {k: old.get(k) for k in ("time", "step", "source", "request_bytes")}
+                                      if "first" not in old else old["first"])
+            except (OSError, ValueError, TypeError):
+                pass
         if count or "count" not in record:
             record["count"] = earlier + 1
-        fd, tmp = tempfile.mkstemp(prefix=".distmem-oom-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(record, f, indent=1, sort_keys=True, default=str)
-                f.write("\n")
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-    return path
+        body = (json.dumps(record, indent=1, sort_keys=True, default=str) + "\n").encode("utf-8")
+        return folder.write(name, body, mode=0o600, suffix=".oom")
 
 
 def read_records(run_dir: str) -> List[Dict[str, Any]]:

@@ -12,16 +12,19 @@ is named. The plan's ``extras["from_report"]`` lists every rank that changed and
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from .. import defaults
+from .. import defaults, untrusted
 from ..errors import ConfigError
 from ..units import MiB, format_bytes
+from ..untrusted import printable
 
-__all__ = ["OOM_FOLDER", "Observed", "read_observed", "read_oom_records", "observed_from_dicts", "apply_observed", "describe_changes"]
+__all__ = ["OOM_FOLDER", "Observed", "read_observed", "read_oom_records", "read_oom_records_noted", "read_report_file",
+           "record_folders", "fallback_records_folder", "checked_figures", "observed_from_dicts", "apply_observed",
+           "describe_changes"]
 
 OOM_FOLDER = "oom"  #: under the run folder: one record per rank that ran out of memory
 
@@ -39,10 +42,14 @@ class Observed:
     stages: Dict[int, int] = field(default_factory=dict)
     sources: Dict[int, str] = field(default_factory=dict)
     stage_of: Dict[int, Optional[int]] = field(default_factory=dict)
+    ignored: List[str] = field(default_factory=list)  #: files left out and why (another user's, a link...)
 
 
 def observed_from_dicts(report: Optional[Dict[str, Any]], records: List[Dict[str, Any]], path: str = "") -> Observed:
-    """:class:`Observed` from a report's plain data and the out-of-memory records beside it."""
+    """:class:`Observed` from a report's plain data and the out-of-memory records beside it. Every
+    figure is checked first (:func:`checked_figures`): ConfigError for one that is not a number of
+    bytes a rank could have used."""
+    checked_figures(report, records, path)
     ranks: Dict[int, int] = {}
     sources: Dict[int, str] = {}
     stage_of: Dict[int, Optional[int]] = {}
@@ -74,54 +81,199 @@ def observed_from_dicts(report: Optional[Dict[str, Any]], records: List[Dict[str
     return Observed(path, size, strategy, ranks, stages, sources, stage_of)
 
 
+# ---------------------------------------------------------------------- reading (checked)
+
+#: The largest figure a file may give: the largest size distmem takes anywhere.
+MAX_BYTES = 2**63 - 1
+#: A figure whose limit (with the margin) would be under this is refused: no plan gets a limit under 1 MiB.
+MIN_LIMIT_BYTES = MiB
+#: The largest out-of-memory record read (one is a few kB: layer groups, processes on the GPU).
+MAX_RECORD_BYTES = 4 * 1024**2
+#: The largest report read (thousands of ranks with a long timeline fit).
+MAX_REPORT_BYTES = 256 * 1024**2
+#: A rank number or job size past this is not one.
+MAX_RANKS = 2**31 - 1
+#: The figures of a record that are bytes (each checked like a report's peak).
+RECORD_BYTE_FIELDS = ("allocated_bytes", "request_bytes", "reserved_bytes", "peak_bytes", "limit_bytes",
+                      "demand_bytes", "largest_free_bytes", "device_total_bytes", "device_free_bytes", "cap_bytes",
+                      "overhead_bytes", "driver_reserved_bytes", "foreign_planned_bytes")
+
+
+def _bad_bytes(value: Any) -> Optional[str]:
+    """Why ``value`` is not a number of bytes (None when it is one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{printable(repr(value), 60)} is not a number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value!r} is not a finite number"
+    if value < 0:
+        return f"{value!r} is negative"
+    if value > MAX_BYTES:
+        return f"{value!r} is above {MAX_BYTES} bytes (8 EiB), the largest size distmem takes"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value!r} is not a whole number of bytes"
+    return None
+
+
+def _bad_whole(value: Any, low: int, high: int) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        return f"{printable(repr(value), 60)} is not a whole number from {low} to {high}"
+    return None
+
+
+def checked_figures(report: Optional[Dict[str, Any]], records: List[Dict[str, Any]], path: str = "") -> None:
+    """ConfigError naming the file, the rank and the value for a figure the next plan cannot come
+    from: not a number (a string, ``NaN``, infinity), negative, above 2**63 - 1 bytes, a rank or a
+    job size that is not a whole number in range - or a figure so small that its limit would be
+    under 1 MiB (a peak of 0 B: the rank used nothing this plan could size)."""
+    where = path or "the report"
+    if report is not None:
+        for key, low in (("world_size", 1),):
+            if report.get(key) is not None and _bad_whole(report.get(key), low, MAX_RANKS):
+                raise ConfigError(f"--from {where}: its {key} {_bad_whole(report.get(key), low, MAX_RANKS)}; the file "
+                                  "was changed or damaged: write it again with distmem.report(path=...)")
+        rows = report.get("ranks") or []
+        if not isinstance(rows, list):
+            raise ConfigError(f"--from {where}: its 'ranks' is not a list of rows; the file was changed or damaged")
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ConfigError(f"--from {where}: row {i} of 'ranks' is not an object; the file was changed or damaged")
+            _check_row(row, ("peak_bytes", "current_bytes"), where, f"row {i}")
+    for rec in records:
+        _check_row(rec, ("allocated_bytes", "request_bytes"), where, "out-of-memory record")
+
+
+def _check_row(row: Dict[str, Any], fields: tuple, where: str, what: str) -> None:
+    rank = row.get("rank")
+    if rank is not None and _bad_whole(rank, 0, MAX_RANKS):
+        raise ConfigError(f"--from {where}: {what}'s rank {_bad_whole(rank, 0, MAX_RANKS)}; the file was changed "
+                          "or damaged: write it again with distmem.report(path=...)")
+    stage = row.get("stage")
+    if stage is not None and _bad_whole(stage, 0, MAX_RANKS):
+        raise ConfigError(f"--from {where}: rank {rank}'s stage {_bad_whole(stage, 0, MAX_RANKS)}; the file was "
+                          "changed or damaged")
+    for key in fields:
+        value = row.get(key)
+        if value is None:
+            continue
+        bad = _bad_bytes(value)
+        if bad is None and key != "request_bytes" and value * (1 + defaults.FROM_REPORT_MARGIN) < MIN_LIMIT_BYTES:
+            bad = (f"{format_bytes(int(value))}, so small that a limit from it would be under 1 MiB (the rank "
+                   "used nothing this plan could size)")
+        if bad is not None:
+            raise ConfigError(f"--from {where}: rank {rank}'s {key} {bad}; plan from the estimate (leave out "
+                              "--from / from_report=) or give the report of a run that trained")
+
+
+def record_folders(run_dir: str) -> List[str]:
+    """Where the out-of-memory records of ``run_dir`` are: its ``oom/``, and the folder of this
+    user's own they go to when that one belongs to someone else (:func:`fallback_records_folder`)."""
+    return [os.path.join(run_dir, OOM_FOLDER), fallback_records_folder(run_dir)]
+
+
+def fallback_records_folder(run_dir: str) -> str:
+    """This user's own folder for the records of ``run_dir`` when ``RUN_DIR/oom`` is another user's:
+    under ``~/.cache/distmem/runs/`` (:func:`distmem.untrusted.home_folder`), named by the run folder."""
+    import hashlib
+
+    key = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    return untrusted.home_folder("runs", key, OOM_FOLDER)
+
+
+def read_report_file(path: str) -> Dict[str, Any]:
+    """A report JSON read with the checks of :mod:`distmem.untrusted` (no link, no FIFO, bounded,
+    this user's own in a folder others can write); ConfigError saying what is wrong with it."""
+    try:
+        report = untrusted.read_json(path, max_bytes=MAX_REPORT_BYTES, what="the report")
+    except untrusted.Unsafe as exc:
+        raise ConfigError(f"--from {printable(exc, 600)}; give the report distmem.report(path=...) wrote, from a "
+                          "folder of your own") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--from {printable(exc, 600)}; give the report distmem.report(path=...) or "
+                          "ReportEvery(path=...) wrote") from None
+    except OSError as exc:
+        raise ConfigError(f"--from {path!r} cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(report, dict) or "world_size" not in report:
+        raise ConfigError(f"--from {path!r} is not a distmem report (no 'world_size'); give the report "
+                          "distmem.report(path=...) or ReportEvery(path=...) wrote")
+    return report
+
+
 def read_observed(path: str) -> Observed:
     """The figures of a report JSON (``runs/last/report.json``) or of a run folder (its
-    ``report.json`` and ``oom/``); the records of ``oom/`` beside a report are read too."""
+    ``report.json`` and ``oom/``); the records of ``oom/`` beside a report are read too. Every
+    file is read with the checks of :mod:`distmem.untrusted`; records that are not this user's are
+    left out (``Observed.ignored`` says which and why)."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     report_file = os.path.join(path, "report.json") if os.path.isdir(path) else path
     report = None
-    if os.path.isfile(report_file):
-        try:
-            with open(report_file, encoding="utf-8") as f:
-                report = json.load(f)
-        except ValueError as exc:
-            raise ConfigError(f"--from {path!r}: {report_file} is not JSON ({exc}); give the report "
-                              "distmem.report(path=...) or ReportEvery(path=...) wrote") from None
-        if not isinstance(report, dict) or "world_size" not in report:
-            raise ConfigError(f"--from {path!r}: {report_file} is not a distmem report (no 'world_size'); give the "
-                              "report distmem.report(path=...) or ReportEvery(path=...) wrote")
+    if os.path.lexists(report_file):
+        report = read_report_file(report_file)
     elif not os.path.isdir(path):
         raise ConfigError(f"--from {path!r} does not exist; give the last run's report (runs/last/report.json) or "
                           "its run folder")
-    records = read_oom_records(folder)
+    records, ignored = read_oom_records_noted(folder)
     if report is None and not records:
-        raise ConfigError(f"--from {path!r}: the folder holds neither report.json nor oom/ records; give the last "
-                          "run's report file")
-    return observed_from_dicts(report, records, path)
+        raise ConfigError(f"--from {path!r}: the folder holds neither report.json nor oom/ records of this user"
+                          + (f" ({len(ignored)} ignored: {'; '.join(ignored[:3])})" if ignored else "")
+                          + "; give the last run's report file")
+    observed = observed_from_dicts(report, records, path)
+    observed.ignored.extend(ignored)
+    return observed
 
 
 def read_oom_records(run_dir: str) -> List[Dict[str, Any]]:
-    """Every rank's out-of-memory record under ``RUN_DIR/oom/`` (links and files that are not records
-    skipped), by rank: the one reader of what :mod:`distmem.observe.oom_record` writes (here, the
-    earlier stage, so that the plan and the post-mortem both read it)."""
-    folder = os.path.join(run_dir, OOM_FOLDER)
-    out: List[Dict[str, Any]] = []
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return out
-    for name in names:
-        if not (name.startswith("rank-") and name.endswith(".json")):
-            continue
+    """Every rank's out-of-memory record of ``run_dir`` (:func:`read_oom_records_noted`), by rank."""
+    return read_oom_records_noted(run_dir)[0]
+
+
+def read_oom_records_noted(run_dir: str) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Every rank's out-of-memory record in ``run_dir``'s record folders (:func:`record_folders`), by
+    rank, and a line for each file left out and why: the one reader of what
+    :mod:`distmem.observe.oom_record` writes (here, the earlier stage, so that the plan and the
+    post-mortem both read it). Each file is read with the checks of :mod:`distmem.untrusted` (a
+    link, a FIFO, a file over 4 MiB, another user's file - or another user's ``oom/`` - in a folder
+    others can write: left out, never followed, never blocking); a record must be a JSON object of a
+    rank (``distmem_oom``, a whole ``rank``) whose byte figures are numbers of bytes."""
+    out: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
+    ignored: List[str] = []
+    for where in record_folders(run_dir):
         try:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+            with untrusted.folder(where, what="the out-of-memory records' folder") as f:
+                for name in f.names():
+                    if not (name.startswith("rank-") and name.endswith(".json")):
+                        continue
+                    try:
+                        data = f.read_json(name, max_bytes=MAX_RECORD_BYTES, what="the record")
+                    except (ConfigError, OSError) as exc:
+                        ignored.append(printable(str(exc), 300))
+                        continue
+                    why = _bad_record(data)
+                    if why is not None:
+                        ignored.append(f"{printable(os.path.join(where, name), 200)}: {why}")
+                        continue
+                    out.setdefault((data.get("rank"), data.get("pid")), data)
+        except FileNotFoundError:
             continue
-        if isinstance(data, dict) and data.get("distmem_oom"):
-            out.append(data)
-    return sorted(out, key=lambda r: (r.get("rank") is None, r.get("rank")))
+        except (untrusted.Unsafe, OSError) as exc:
+            ignored.append(printable(str(exc), 300))
+    records = sorted(out.values(), key=lambda r: (r.get("rank") is None, r.get("rank")))
+    return records, ignored
+
+
+def _bad_record(data: Any) -> Optional[str]:
+    """Why ``data`` is not an out-of-memory record distmem can use (None when it is one)."""
+    if not isinstance(data, dict) or not data.get("distmem_oom"):
+        return "not an out-of-memory record (no 'distmem_oom')"
+    bad = _bad_whole(data.get("rank"), 0, MAX_RANKS)
+    if bad is not None:
+        return f"its rank {bad}"
+    for key in ("world_size", "stage", "pid"):
+        if data.get(key) is not None and _bad_whole(data.get(key), 0, MAX_RANKS):
+            return f"its {key} {_bad_whole(data.get(key), 0, MAX_RANKS)}"
+    for key in RECORD_BYTE_FIELDS:
+        if data.get(key) is not None and _bad_bytes(data[key]) is not None:
+            return f"its {key} {_bad_bytes(data[key])}"
+    return None
 
 
 def _ceil_mib(n: float) -> int:

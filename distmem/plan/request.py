@@ -442,6 +442,7 @@ class PlanRequest:
             from .from_report import read_observed
 
             ctx.observed, ctx.observed_margin = read_observed(str(self.from_report)), margin
+            ctx.warnings.extend(f"--from: left out {line}" for line in ctx.observed.ignored[:8])
         return ctx, strategy, opts
 
     def plan(self) -> Plan:

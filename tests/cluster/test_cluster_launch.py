@@ -209,3 +209,29 @@ def test_mpirun_inside_sbatch(slurm):
     r = slurm.sbatch(script, ["-N2", "--ntasks-per-node=2", "-w", "hosta,hostb"], env=env, timeout=150)
     want = expected(map_node("hosta:2,hostb:2"), parse_fleet_spec(FLEET, slurm.names))
     _check(slurm, r, want, job, env)
+
+
+@pytest.mark.slurm
+def test_srun_an_exception_on_one_task_stops_the_others_within_5s(slurm):
+    """Issue 35: fail fast on an uncaught exception under srun, across two hosts: task 2 (on hostb)
+    raises MemoryError; every other task - on both hosts - is out within 5 s with one line naming
+    rank 2 and its exception. ``--kill-on-bad-exit=0``: srun must not end the step itself (as a
+    task lost with its node would not)."""
+    import time
+
+    job = job_dir(slurm, "srun-fail-fast")
+    prog = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progs", "fail_fast.py")
+    env = {"FF_DIR": job, "FF_VICTIM": "2", "FF_AT": "1.0", "DISTMEM_TIMEOUT": "30"}
+    r = slurm.srun(["-N2", "-n4", "--ntasks-per-node=2", "-w", "hosta,hostb", "--kill-on-bad-exit=0"],
+                   [os.path.join(slurm.bin, "python"), prog], env=env, timeout=90)
+    assert not r.timed_out, r.describe()
+    with open(os.path.join(job, "fault")) as f:
+        fault = float(f.read())
+    problems = []
+    for rank in (0, 1, 3):
+        ended = os.path.getmtime(os.path.join(job, f"alive-{rank}"))
+        with open(os.path.join(job, f"stderr-{rank}.txt")) as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith("distmem: rank 2 ")]
+        if ended - fault > 5.0 or not any("failed (MemoryError: out of memory at step" in ln for ln in lines):
+            problems.append(f"rank {rank}: out {ended - fault:.1f} s after the fault, lines {lines}")
+    assert not problems, "\n".join(problems) + "\n" + r.describe()

@@ -18,7 +18,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..aggregate import Report
-from .files import atomic_path, atomic_write, read_json, write_json
+from .files import atomic_file, atomic_write, read_json, write_json
 from .png import plot
 from .prometheus import prometheus, prometheus_text
 from .table import print_report, rich_table, table
@@ -26,7 +26,7 @@ from .tensorboard import TensorBoard
 
 __all__ = ["Sink", "TableSink", "JsonSink", "PngSink", "TensorBoardSink", "PrometheusSink", "write_all", "flush_all", "close_all",
            "table", "rich_table", "print_report", "write_json", "read_json", "plot", "prometheus",
-           "prometheus_text", "TensorBoard", "atomic_path", "atomic_write"]
+           "prometheus_text", "TensorBoard", "atomic_file", "atomic_write"]
 
 log = logging.getLogger("distmem")
 

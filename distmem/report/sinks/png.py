@@ -13,7 +13,7 @@ from ...errors import ConfigError
 from ...observe.snapshot import plan_usage
 from ...units import GiB, MiB, format_bytes, plural
 from ..aggregate import WARN_NEAR_LIMIT, Report
-from .files import atomic_path
+from .files import atomic_file
 from .table import source_note
 
 __all__ = ["plot", "plot_format"]
@@ -337,6 +337,6 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
                  linespacing=1.35)
     else:
         fig.text(left, foot_top, "\u2713 no warnings", ha="left", va="top", fontsize=9, color="#2E7D32")
-    with atomic_path(path, "." + fmt) as tmp:
-        fig.savefig(tmp, format=fmt)
+    with atomic_file(path, "." + fmt) as f:
+        fig.savefig(f, format=fmt)
     return path

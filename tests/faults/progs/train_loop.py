@@ -45,6 +45,8 @@ if mode == "distmem":
     import distmem
 
     distmem.init(fleet="4x16GiB", framework="none", verbose=False)
+    if os.environ.get("FF_REPLACE_EXCEPTHOOK") == "1":  # a library that installs its own hook after init()
+        sys.excepthook = lambda tp, value, tb: sys.__excepthook__(tp, value, tb)
 
 import numpy as np  # noqa: E402
 
