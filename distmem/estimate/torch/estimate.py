@@ -27,7 +27,7 @@ from .kernels import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
 from .simulate import Simulation, inference_peak
 
 __all__ = ["REPLAY_LATER_STEPS", "MEMO_META_OPS", "CUDNN_WORKSPACES", "DEFAULT_TORCH_INPUT_SHAPE",
-           "estimate_torch"]
+           "estimate_torch", "state_estimate"]
 
 #: Steps after the first are replayed from its allocation trace (False: each is simulated again,
 #: slower; the tests compare the two).
@@ -126,6 +126,9 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in _TABLE_KEYS}
     if compiled:
         est.warnings.append(COMPILED_NOTE)
+    # the step's own forward or backward read a value the meta device does not have: what it
+    # allocates may follow the data (a measurement carries such a model by its own points)
+    est.data_dependent = any(phase != "update" for _, phase in first["read_values"])  # type: ignore[attr-defined]
     for where, phase in first["read_values"]:
         who = f"the optimizer's step ({info.name})" if phase == "update" else f"module '{where}' ({phase} pass)"
         est.warnings.append(f"{who} read a tensor's value (.item(), bool() or a data-dependent branch), which a "
@@ -134,6 +137,40 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
                             f"one step instead")
     for w in est.warnings:
         warnings.warn(f"distmem.estimate: {w}", stacklevel=2)
+    return est
+
+
+def state_estimate(model: Any, *, batch_size: int, optimizer: Any, precision: Any = None, device: str = "cuda",
+                   name: Optional[str] = None, why: str = "") -> Estimate:
+    """The model's state alone (weights, gradients, optimizer slots per module; no step): what a
+    measurement of a model the meta device cannot run is carried with. ``model_ran`` is False and
+    ``why_not_modelled`` says why."""
+    model, _ = eager_of(model)
+    info = torch_optimizer(optimizer)
+    prec = resolve_precision(precision)
+    rows: List[LayerEstimate] = []
+    counted: set = set()
+    for mname, m in model.named_modules():
+        r = LayerEstimate(name=mname or "(model)", kind=type(m).__name__)
+        for p in m.parameters(recurse=False):
+            if id(p) not in counted:
+                counted.add(id(p))
+                _count_parameter(r, p, info)
+        if r.params:
+            rows.append(r)
+    state = sum(r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in rows)
+
+    def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
+        return {"peak": state, "phase": "state", "node": -1, "batch": batch}
+
+    def parts_fn(batch: int) -> Dict[str, int]:
+        return {"weights": sum(r.param_bytes for r in rows), "gradients": sum(r.grad_bytes for r in rows),
+                "optimizer state": sum(r.optimizer_bytes for r in rows)}
+    est = Estimate(framework="torch", model=name or type(model).__name__, batch_size=int(batch_size),
+                   precision=prec.name, optimizer=info.to_dict(), layers=rows, method="state",
+                   device="cpu" if str(device).lower() == "cpu" else "cuda", _peak_fn=peak_fn, _parts_fn=parts_fn)
+    est.model_ran = False  # type: ignore[attr-defined]
+    est.why_not_modelled = why  # type: ignore[attr-defined]
     return est
 
 

@@ -298,8 +298,9 @@ class EstimateCosts(Costs):
             if k >= 0:
                 unit_bytes[k] += nbytes
         last = max(first.values(), default=-1)
+        # rows named in parentheses hold parameters no module ran ("(unused parameters)"): not a layer
         head = sum(r.param_bytes for i, r in enumerate(rows) if i > last >= 0 and r.param_bytes
-                   and u.unit_of(r.name.replace(" (own ops)", "")) < 0)
+                   and not r.name.startswith("(") and u.unit_of(r.name.replace(" (own ops)", "")) < 0)
         units = tuple(int(round(unit_bytes[k] * scale)) for k in order)
         return replace(base, tensor_bytes=tuple(int(round(t[1] * scale)) for t in tensors),
                        tensor_rows=tuple(t[2] for t in tensors), unit_bytes=units,
