@@ -24,8 +24,8 @@ def _as_param_dtype(model: Any, param_dtype: Any) -> Any:
     """The module with its floating parameters in ``param_dtype`` (FSDP2's MixedPrecisionPolicy)."""
     if param_dtype is None:
         return model
-    from ..torch.estimate import _dtype
-    dt = _dtype(param_dtype)
+    from ..torch.estimate import float_dtype
+    dt = float_dtype(param_dtype)
     for p in model.parameters():
         if p.is_floating_point():
             p.data = p.data.to(dt)
@@ -67,8 +67,8 @@ def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: 
 def _dtype_or_none(value: Any) -> Any:
     if value is None:
         return None
-    from ..torch.estimate import _dtype
-    return _dtype(value)
+    from ..torch.estimate import float_dtype
+    return float_dtype(value)
 
 
 def _main_as_mp_main(path: Optional[str]) -> Optional[Any]:

@@ -27,7 +27,7 @@ from .kernels import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
 from .simulate import Simulation, inference_peak
 
 __all__ = ["REPLAY_LATER_STEPS", "MEMO_META_OPS", "CUDNN_WORKSPACES", "DEFAULT_TORCH_INPUT_SHAPE",
-           "estimate_torch", "state_estimate"]
+           "estimate_torch", "state_estimate", "float_dtype"]
 
 #: Steps after the first are replayed from its allocation trace (False: each is simulated again,
 #: slower; the tests compare the two).
@@ -94,7 +94,7 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     if isinstance(batch_size, bool) or int(batch_size) < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     if param_dtype is not None:
-        param_dtype = _dtype(param_dtype)
+        param_dtype = float_dtype(param_dtype)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"estimate_torch needs a torch.nn.Module, got {type(model).__name__}")
     batch_size = int(batch_size)
@@ -174,7 +174,7 @@ def state_estimate(model: Any, *, batch_size: int, optimizer: Any, precision: An
     return est
 
 
-def _dtype(value: Any) -> Any:
+def float_dtype(value: Any) -> Any:
     """A torch floating dtype from a dtype or its name (``"bfloat16"``, ``"bf16"``, ``torch.float16``)."""
     torch = import_torch()
     if isinstance(value, torch.dtype):

@@ -6,7 +6,8 @@ holding the rest, as users wrap them.
 ``(name, module) -> bool``, as torch's ``lambda_auto_wrap_policy`` and torchtitan's per-block loop
 decide). Without it: the model's repeated block, the class of the largest run of identical child
 modules at any depth (a decoder's layers, a ViT's encoder blocks, a ResNet's bottlenecks), every
-module of that class a unit. A module inside a unit that is selected too is a unit of its own
+module of that class a unit; a model where nothing repeats (a VGG) has its top-level children as
+units. A module inside a unit that is selected too is a unit of its own
 (``fully_shard`` nests: the outer unit keeps what the inner one does not). What the result says is
 plain data (:class:`FsdpUnits`) the planner prices; no framework is needed to read it.
 """
@@ -112,8 +113,12 @@ def fsdp_units(model: Any, units: UnitsLike = None) -> FsdpUnits:
     mods = list(model.named_modules())
     if units is None:
         block = repeated_block(model)
-        chosen = [n for n, m in mods if n and block is not None and type(m) is block]
-        how = f"repeated block {block.__name__}" if block is not None else "no repeated block"
+        if block is not None:
+            chosen = [n for n, m in mods if n and type(m) is block]
+            how = f"repeated block {block.__name__}"
+        else:  # nothing repeats (a VGG): each top-level child with parameters, as before
+            chosen = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
+            how = "no repeated block: the top-level children"
     elif isinstance(units, str) and units.strip().lower() in ("root", "none"):
         chosen, how = [], "units=root"
     elif callable(units) and not isinstance(units, str):

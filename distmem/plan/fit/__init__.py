@@ -79,7 +79,7 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
         input_shape: Any = None, layers: Optional[Sequence[Any]] = None, layers_batch_size: Optional[int] = None,
         costs: Optional[Dict[str, Costs]] = None, estimate_batch_size: Optional[int] = None,
         device: Optional[str] = None, name: Optional[str] = None, estimate: str = "auto", units: Any = None,
-        **options: Any) -> FitResult:
+        example_input: Any = None, loss: Any = "auto", **options: Any) -> FitResult:
     """Which layouts of ``model`` at ``global_batch_size`` fit every rank of ``hosts`` hosts of
     ``gpus`` (``"8x80GiB"`` per host, an Inventory, or a list of Gpu), best first.
 
@@ -94,6 +94,13 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
     module paths or a policy callable; default its repeated block), as ``fully_shard`` is applied."""
     gl, source, hosts = _gpus_of(gpus, hosts)
     precisions = precision_choices(precision)
+    if isinstance(options.get("wrapper"), str):
+        # a replicating wrapper by name, as the strategies take it ("ddp", "ddp_bucket_view",
+        # "horovod", "tf_distribute", "none"); its degree is each layout's data parallelism
+        from ..wrappers import plan_wrapper
+
+        options["wrapper"] = plan_wrapper(options["wrapper"], world_size=2, on_gpu=True, env={},
+                                          framework=framework or "")
     if costs is None:
         if (model is None) == (layers is None):
             raise ConfigError("fit needs exactly one of model= (a torch/Keras model or a spec such as "
@@ -108,8 +115,10 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
                                                    framework=framework or "torch")}
         else:
             b = estimate_batch_size or max(1, min(8, global_batch_size))
+            more = {k: v for k, v in (("example_input", example_input), ("loss", loss))
+                    if v is not None and not (k == "loss" and v == "auto")}
             costs = costs_from_model(model, precisions, optimizer=optimizer, input_shape=input_shape,
-                                     batch_size=b, device=device, method=estimate, units=units)
+                                     batch_size=b, device=device, method=estimate, units=units, **more)
     fw = framework or next(iter(costs.values())).framework
     label = name or (model if isinstance(model, str) else type(model).__name__ if model is not None else "layers")
     return solve_fit(costs, global_batch_size=global_batch_size, gpus=gl, hosts=hosts, model_name=str(label),
