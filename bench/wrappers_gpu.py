@@ -54,9 +54,11 @@ from wrappers_measure import MODELS, build, measure_all  # noqa: E402
 # ------------------------------------------------------------------ distmem's side: the fit door
 
 #: FSDP2 units as the measured side wraps each model (wrappers_measure.build), said to the door
-#: as a user says them (``units=``); None: the door's default (the model's repeated block)
+#: as a user says them (``units=``); None: the door's default (the model's repeated block).
+#: resnet50 (bench/fit.py's, an nn.Sequential whose children are numbered) was measured with
+#: the root alone: wrappers_measure picks children named ``layer*``, and it has none
 UNITS = {"gpt-6l": "Block", "gpt-12l-1024": "Block", "hf_llama": None, "hf_gpt2": None,
-         "resnet50": "layer1,layer2,layer3,layer4", "vit_b_16": None, "convnext_tiny": "CNBlock"}
+         "resnet50": "root", "vit_b_16": None, "convnext_tiny": "CNBlock"}
 
 
 def estimate(name: str, tiny: bool, device: str) -> Dict[str, Any]:

@@ -63,7 +63,7 @@ MODELS: Dict[str, Tuple[str, Dict[str, Any], int, int, str]] = {
     "mistral": ("hf", dict(model_type="mistral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
                            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
                            max_position_embeddings=2048, sliding_window=None), 4, 512, ""),
-    "vit_b_16": ("tv", dict(name="vit_b_16"), 32, 224, "EncoderBlock"),
+    "vit_b_16": ("tv", dict(name="vit_b_16"), 16, 224, "EncoderBlock"),
     "resnet50": ("tv", dict(name="resnet50"), 32, 224, "Bottleneck"),
 }
 TINY: Dict[str, Dict[str, Any]] = {  # --dry: the same families, small enough for a CPU
@@ -348,35 +348,49 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="tiny configs on CPU (the plumbing; figures not comparable)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for sharded_door.jsonl/.json")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--worlds", default="2,8,64")
+    ap.add_argument("--models", default=None, help=f"default {','.join(MODELS)} (--dry: llama,qwen2_152k)")
+    ap.add_argument("--worlds", default=None, help="default 2,8,64 (--dry: 2,8)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workers", type=int, default=4, help="measuring processes sharing the GPU")
     ap.add_argument("--door-workers", type=int, default=max(1, (os.cpu_count() or 2) - 4))
     ap.add_argument("--budget-s", type=float, default=460.0, help="cases not started by then are skipped")
     ap.add_argument("--no-data-dependent", action="store_true")
+    ap.add_argument("--heldout-s", type=float, default=300.0,
+                    help="seconds for the measured path on the held-out torch zoo beside the rest "
+                         "(estimate_measured_path.py: distmem.estimate(method='measure') per case; 0: skip)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     out = open(os.path.join(args.out, "sharded_door.jsonl"), "w")
     import torch
     dev = "cpu" if args.dry else torch.cuda.get_device_name(0)
     emit({"case": "device", "device": dev, "torch": torch.__version__}, out)
-    names = [m for m in args.models.split(",") if m]
+    names = [m for m in (args.models or ("llama,qwen2_152k" if args.dry else ",".join(MODELS))).split(",") if m]
     try:
         import transformers
         emit({"case": "versions", "transformers": transformers.__version__}, out)
     except ImportError:
         names = [m for m in names if MODELS[m][0] != "hf"]
         log("transformers missing: Hugging Face decoders skipped")
-    worlds = [int(x) for x in args.worlds.split(",") if x]
+    worlds = [int(x) for x in (args.worlds or ("2,8" if args.dry else "2,8,64")).split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     folder = os.path.join(args.out, "models")
     specs = {m: ("hf:" + write_config(m, folder, args.dry)) if MODELS[m][0] == "hf" else f"torchvision:{MODELS[m][1]['name']}"
              for m in names}
     cases = [{"model": m, "mode": mode, "world_size": n, "command": door_command(m, specs[m], mode, n, args.dry)}
              for m in names for n in worlds for mode in modes]
+    heldout = None
+    if args.heldout_s > 0 and not args.dry:
+        script = next((p for p in (os.path.join(ROOT, "bench", "estimate", "estimate_measured_path.py"),
+                                   os.path.join(ROOT, "bench", "estimate_measured_path.py")) if os.path.exists(p)), None)
+        if script:
+            log_to = open(os.path.join(args.out, "measured_torch.log"), "w")
+            heldout = subprocess.Popen(["timeout", str(int(args.heldout_s)), sys.executable, script, "--framework",
+                                        "torch", "--jobs", "6", "--out", os.path.join(args.out, "measured_torch.jsonl")],
+                                       cwd=ROOT, stdout=log_to, stderr=subprocess.STDOUT,
+                                       env=dict(os.environ, PYTHONPATH=ROOT, DISTMEM_MEASURE_CACHE="off"))
     ctx = mp.get_context("spawn")
-    fraction = 0.9 / max(1, args.workers)
+    # the GPU is shared with the held-out measurements: the sharded cases take half of it
+    fraction = (0.5 if heldout is not None else 0.9) / max(1, args.workers)
     measured: Dict[Tuple[str, str, int], Dict[str, Any]] = {}
     dd_rows: List[Dict[str, Any]] = []
     with cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as gpu, \
@@ -397,6 +411,7 @@ def main() -> int:
         for f in cf.as_completed(list(door_f)):
             c = door_f[f]
             c.update(f.result())
+            log(f"door {c['model']} {c['mode']} N={c['world_size']}: {c.get('door', c.get('door_error'))}")
         if dd is not None:
             try:
                 status, value = dd_q.get(timeout=max(30.0, args.budget_s + 120 - (time.time() - T0)))
@@ -406,6 +421,13 @@ def main() -> int:
             dd.join(timeout=10)
             if dd.is_alive():
                 dd.kill()
+    if heldout is not None:
+        try:
+            heldout.wait(timeout=max(10.0, args.heldout_s + 30 - (time.time() - T0)))
+        except subprocess.TimeoutExpired:
+            heldout.kill()
+        emit({"case": "heldout_measured_path", "returncode": heldout.returncode,
+              "out": "measured_torch.jsonl (score: estimate_heldout.py --framework torch --measured it)"}, out)
     rows = []
     for c in cases:
         r = dict(measured.get((c["model"], c["mode"], c["world_size"]), {}), **{k: v for k, v in c.items()

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["measure_spec", "measure_module"]
+__all__ = ["measure_spec", "measure_module", "as_param_dtype", "dtype_or_none"]
 
 
 def _cuda() -> Any:
@@ -20,7 +20,7 @@ def _cuda() -> Any:
     return torch
 
 
-def _as_param_dtype(model: Any, param_dtype: Any) -> Any:
+def as_param_dtype(model: Any, param_dtype: Any) -> Any:
     """The module with its floating parameters in ``param_dtype`` (FSDP2's MixedPrecisionPolicy)."""
     if param_dtype is None:
         return model
@@ -43,8 +43,8 @@ def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: 
         torch = _cuda()
         from ..torch.inputs import real_inputs
         from .torch_steps import torch_step_peaks
-        built = _as_param_dtype(load_model(model, input_shape, device="cuda"), options.get("param_dtype"))
-        cast = _dtype_or_none(options.get("param_dtype"))
+        built = as_param_dtype(load_model(model, input_shape, device="cuda"), options.get("param_dtype"))
+        cast = dtype_or_none(options.get("param_dtype"))
         return torch_step_peaks(built, batches, inputs=lambda b: real_inputs(built, None, input_shape, b,
                                                                               options.get("input_dtype"), "cuda",
                                                                               cast=cast),
@@ -64,7 +64,7 @@ def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: 
     return got
 
 
-def _dtype_or_none(value: Any) -> Any:
+def dtype_or_none(value: Any) -> Any:
     if value is None:
         return None
     from ..torch.estimate import float_dtype
@@ -115,10 +115,10 @@ def measure_module(model: str, payload: str, main: Optional[str], modules: List[
     finally:
         if mp_main is not None and saved is not None:
             sys.modules["__main__"] = saved
-    built = _as_param_dtype(got["model"].to(device), param_dtype)
+    built = as_param_dtype(got["model"].to(device), param_dtype)
     if got.get("compiled"):
         built = torch.compile(built)
-    cast = _dtype_or_none(param_dtype)
+    cast = dtype_or_none(param_dtype)
     example = got.get("example_input")
     return torch_step_peaks(built, batches, inputs=lambda b: real_inputs(built, example, input_shape, b, input_dtype,
                                                                           device, batch_dim=batch_dim, cast=cast),

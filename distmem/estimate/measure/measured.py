@@ -90,8 +90,8 @@ def measure(framework: str, model: Any, spec: Optional[str], batches: Sequence[i
                             input_dtype=opts.get("input_dtype"), batch_dim=opts.get("batch_dim", 0),
                             optimizer=optimizer, precision=opts.get("precision"), loss=opts.get("loss", "auto"),
                             steps=MEASURE_STEPS, param_dtype=opts.get("param_dtype"))
-        how = (f"a spawned child rebuilt the module from its state and code and ran {MEASURE_STEPS} training steps "
-               "per batch on the GPU, on the inputs as given")
+        how = got.get("in_process") or (f"a spawned child rebuilt the module from its state and code and ran "
+                                        f"{MEASURE_STEPS} training steps per batch on the GPU, on the inputs as given")
     else:
         from .keras_steps import keras_step_peaks
         got = keras_step_peaks(model, batches, optimizer, steps=MEASURE_STEPS, precision=opts.get("precision"))
@@ -145,13 +145,13 @@ def measured_estimate(framework: str, model: Any, spec: Optional[str], batch_siz
 def _prior_or_why(prior_fn: Callable[[str], Estimate], device: str) -> Estimate:
     """The model's estimate; where the model cannot run (a step the simulation cannot take), the
     model's state alone (``prior_fn(device, partial=True)``), marked ``model_ran=False``."""
+    import inspect
     try:
         return prior_fn(device)
     except ConfigError:
-        try:
-            return prior_fn(device, partial=True)  # type: ignore[call-arg]
-        except TypeError:
+        if "partial" not in inspect.signature(prior_fn).parameters:
             raise
+        return prior_fn(device, partial=True)  # type: ignore[call-arg]
 
 
 def _same_device(a: str, b: str) -> bool:

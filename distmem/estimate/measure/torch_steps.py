@@ -162,6 +162,35 @@ def portable_optimizer(optimizer: Any) -> Any:
                               if k != "params"})
 
 
+def _in_process(eager: Any, compiled: bool, batches: Sequence[int], *, example_input: Any, input_shape: Any,
+                input_dtype: Any, batch_dim: Any, optimizer: Any, precision: Any, loss: Any, steps: int,
+                param_dtype: Any, device: str, why: str) -> Dict[str, Any]:
+    """A module that cannot be handed to a child (its class, or a hook on it, defined inside a
+    function): measured here on a private copy, which starts CUDA in this process (said in ``how``)."""
+    import copy
+    import torch
+    from ..torch.inputs import real_inputs
+    from .child import as_param_dtype, dtype_or_none
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError("no CUDA device is visible, and torch's CPU allocator keeps no statistics")
+    twin = as_param_dtype(copy.deepcopy(eager).to(device), param_dtype)
+    if compiled:
+        twin = torch.compile(twin)
+    cast = dtype_or_none(param_dtype)
+    try:
+        got = torch_step_peaks(twin, batches, inputs=lambda b: real_inputs(twin, example_input, input_shape, b,
+                                                                           input_dtype, device, batch_dim=batch_dim,
+                                                                           cast=cast),
+                               optimizer=optimizer, precision=precision, loss=loss, steps=steps, device=device)
+    finally:
+        del twin
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    got["in_process"] = (f"measured in this process on a private copy: the module could not be handed to a child "
+                         f"({why}); define its classes and hooks at module level to keep CUDA out of this process")
+    return got
+
+
 def measure_torch(model: Any, batches: Sequence[int], *, example_input: Any, input_shape: Any, input_dtype: Any,
                   batch_dim: Any = 0, optimizer: Any, precision: Any, loss: Any = "auto", steps: int = 2,
                   param_dtype: Any = None, device: str = "cuda") -> Dict[str, Any]:
@@ -182,11 +211,12 @@ def measure_torch(model: Any, batches: Sequence[int], *, example_input: Any, inp
                    "optimizer": portable_optimizer(optimizer)}
         try:
             torch.save(payload, path)
-        except Exception as exc:  # noqa: BLE001 - what cannot be handed over, said with the remedy
-            raise ConfigError(f"{type(model).__name__} could not be handed to the measuring child "
-                              f"({type(exc).__name__}: {str(exc)[:200]}); define the model, its input function and "
-                              f"loss at module level (not inside a function or a notebook cell), or give a spec "
-                              f"(module:factory)") from None
+        except Exception as exc:  # noqa: BLE001 - a class or hook defined inside a function
+            got = _in_process(eager, compiled, batches, example_input=example_input, input_shape=input_shape,
+                              input_dtype=input_dtype, batch_dim=batch_dim, optimizer=optimizer, precision=precision,
+                              loss=loss, steps=steps, param_dtype=param_dtype, device=device,
+                              why=f"{type(exc).__name__}: {str(exc)[:160]}")
+            return got
         main = getattr(sys.modules.get("__main__"), "__file__", None)
         mods = sorted({type(m).__module__ for m in eager.modules()} |
                       {getattr(x, "__module__", "") or "" for x in (loss, example_input) if callable(x)})

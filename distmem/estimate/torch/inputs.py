@@ -135,8 +135,9 @@ def real_inputs(model: Any, example_input: Any, input_shape: Optional[Sequence[i
                 seed: int = 0) -> Tuple[tuple, Dict[str, Any]]:
     """The inputs at ``batch`` as real tensors on ``device``, keeping what the user gave: a
     given tensor's samples repeated (or cut) to the batch along its batch dimension, its values,
-    dtype and memory format kept; a callable example called at the batch. Only without an example
-    (``input_shape``) are the values drawn (normal floats)."""
+    dtype and memory format kept; a callable example called at the batch. Only where no value was
+    given (``input_shape``, an example on the meta device) are values drawn: normal floats,
+    integers 0, masks true."""
     torch = import_torch()
     example, built = _given(model, example_input, batch)
     if example is None:
@@ -144,7 +145,17 @@ def real_inputs(model: Any, example_input: Any, input_shape: Optional[Sequence[i
         gen = torch.Generator().manual_seed(seed)
         return tuple(torch.randn(a.shape, generator=gen).to(device=device, dtype=a.dtype) for a in args), kwargs
 
+    gen = torch.Generator().manual_seed(seed)
+
     def real(t: Any, dim: Optional[int], where: str) -> Any:
+        if t.device.type == "meta":  # a shape without values: drawn (floats normal, integers 0, masks true)
+            shape = list(t.shape)
+            if dim is not None and not built:
+                shape[dim] = batch
+            dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+            if t.is_floating_point():
+                return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+            return (torch.ones if t.dtype == torch.bool else torch.zeros)(shape, dtype=dtype, device=device)
         fmt = _memory_format(t)
         if dim is not None and not built and t.shape[dim] != batch:
             if t.shape[dim] == 0:

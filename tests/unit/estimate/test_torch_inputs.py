@@ -131,3 +131,28 @@ def test_cache_keys_follow_the_code(tmp_path, monkeypatch):
     assert model_fingerprint("mymodels:build") != before
     # a live model: the source of its classes
     assert "class " in model_fingerprint(Masked()) and os.path.basename(__file__) not in model_fingerprint(Masked())
+
+
+def test_a_module_whose_class_lives_in_a_function_is_measured_here_and_says_so():
+    class Local(nn.Module):  # a notebook's or a function's class: no child can import it
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+    got = measure_torch(Local(), [2, 4], example_input=torch.ones(4, 8), input_shape=None, input_dtype=None,
+                        optimizer="sgd", precision=None, loss="sum", device="cpu")
+    assert "could not be handed to a child" in got["in_process"] and got["peaks"][4] > 0
+
+
+def test_a_model_the_simulation_cannot_run_is_carried_by_its_measured_points():
+    from distmem.estimate.measure.measured import with_measurement
+    from distmem.estimate.torch.estimate import state_estimate
+    prior = state_estimate(Masked(), batch_size=64, optimizer="adam", why="nonzero on the meta device")
+    got = {"device": "cuda:0", "points": [[16, 10_000_000], [32, 14_000_000]]}
+    est = with_measurement(prior, prior, got)
+    assert est.method == "measured" and est.measurement["rule"] == "measured"
+    assert est.peak_bytes == 22_000_000  # the points' own line at 64
+    assert est.measurement["prior"] == "nonzero on the meta device"
+    assert est.breakdown()["weights"] == prior.param_bytes
