@@ -462,8 +462,12 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
     elif start_of_backward:
         steady = sum(int(v) for k, v in breakdown.items() if k in ("workspaces", "inputs"))
         # under reshard_after_forward=False the backward starts at the last unit, every unit gathered
-        start = (keep_backward_buffers(state, len(state.unit_bytes) - 1, w.param_ratio, w.reduce)
-                 if d.forward_buffers is not None and state.unit_bytes else d.backward_buffers)
+        if d.forward_buffers is not None and state.unit_bytes:
+            start = keep_backward_buffers(state, len(state.unit_bytes) - 1, w.param_ratio, w.reduce)
+        elif fsdp and not state.unit_bytes:
+            start = d.outside_buffers or 0  # the root alone: its reduce-scatter comes at the backward's end
+        else:
+            start = d.backward_buffers
         moments.append({"weights": d.params, "gradients": share(accumulated, G, d.grads), "optimizer state": d.optimizer,
                         "activations, temporaries, inputs": int(activation_bytes) + steady,
                         "wrapper buffers": start})
@@ -480,7 +484,7 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
             m["wrapper buffers"] = keep_backward_buffers(state, big, w.param_ratio, w.reduce)
             moments.append(m)
     root_grads = int(state.root * state.grad_ratio)
-    if fsdp and kept_at_end is not None and root_grads and state.unit_bytes:
+    if fsdp and kept_at_end is not None and root_grads:
         # the root's reduce-scatter once the backward is done: the root resharded, every unit's
         # gradient a shard, every root gradient whole and copied into the reduce-scatter input
         unit_grads = max(0, G - root_grads)

@@ -80,7 +80,7 @@ def test_units_as_users_say_them():
         fsdp_units(model, "DecoderLayer")
 
 
-def _measured(kind, world, mp=False, units=None):
+def _measured(kind, world, mp=False, units=None, root_only=False):
     """Rank 0 of ``world``'s peak over three steps, exact (the CPU profiler's memory events)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -93,7 +93,7 @@ def _measured(kind, world, mp=False, units=None):
         if kind == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else MixedPrecisionPolicy()
-            for block in (units or model.model.layers):
+            for block in ([] if root_only else (units or model.model.layers)):
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             opt = torch.optim.AdamW(model.parameters())
@@ -118,11 +118,11 @@ def _measured(kind, world, mp=False, units=None):
         dist.destroy_process_group()
 
 
-def _planned(kind, world, mp=False):
+def _planned(kind, world, mp=False, units=None):
     with torch.device("meta"):
         model = LM()
     c = costs_from_model(model, ["float32"], optimizer="adamw", batch_size=BATCH, device="cpu", method="model",
-                         param_dtype="bfloat16" if mp else None)["float32"]
+                         param_dtype="bfloat16" if mp else None, units=units)["float32"]
     w = sharding_wrapper(kind, world, **(mixed_precision("bfloat16") if mp else {}))
     return c.rank_peak(BATCH, False, w)[0]
 
@@ -134,6 +134,12 @@ def test_rank_zero_of_n_as_measured(kind, world, mp):
     # the decoder's gathered parameters; without the MixedPrecisionPolicy the bf16 step is 2x
     got, want = _planned(kind, world, mp), _measured("fsdp2" if kind == "fsdp2" else kind, world, mp)
     assert abs(got / want - 1) < 0.005, (kind, world, mp, got, want)
+
+
+def test_the_root_alone_reduces_at_the_backwards_end():
+    # fully_shard(model) and nothing else: the gradients stay unsharded to the backward's end
+    got, want = _planned("fsdp2", 8, units="root"), _measured("fsdp2", 8, root_only=True)
+    assert abs(got / want - 1) < 0.005, (got, want)
 
 
 def test_param_dtype_is_fsdp2s_alone():
