@@ -4,8 +4,8 @@ holding the rest, as users wrap them.
 ``units=`` says it the ways users do: class names (Hugging Face's ``transformer_layer_cls_to_wrap``,
 ``ModuleWrapPolicy``), module paths (``model.layers.0``), or a policy callable (``module -> bool`` or
 ``(name, module) -> bool``, as torch's ``lambda_auto_wrap_policy`` and torchtitan's per-block loop
-decide). Without it: the model's repeated block, the class of the largest run of identical child
-modules at any depth (a decoder's layers, a ViT's encoder blocks, a ResNet's bottlenecks), every
+decide). Without it: the model's repeated block, the class of the largest run (in parameters) of
+identical child modules at any depth (a decoder's layers, a ViT's encoder blocks, a ResNet's bottlenecks), every
 module of that class a unit; a model where nothing repeats (a VGG) has its top-level children as
 units. A module inside a unit that is selected too is a unit of its own
 (``fully_shard`` nests: the outer unit keeps what the inner one does not). What the result says is
@@ -63,9 +63,10 @@ def _signature(m: Any) -> Tuple[Any, ...]:
 
 
 def repeated_block(model: Any) -> Optional[type]:
-    """The class of the largest run of consecutive identical children of any module in ``model``
-    (ties: the run holding more parameters, then the shallower one); None where no module has
-    two identical children in a row."""
+    """The class of the largest run of consecutive identical children of any module in ``model``:
+    the run holding the most parameters (ties: the longer, then the shallower one), so a decoder's
+    layers win over the identical projections inside one layer; None where no module has two
+    identical children in a row."""
     best: Optional[Tuple[int, int, int, type]] = None
     for name, parent in model.named_modules():
         depth = name.count(".") + (1 if name else 0)
@@ -77,7 +78,7 @@ def repeated_block(model: Any) -> Optional[type]:
                 continue
             if len(run) >= 2 and any(True for _ in run[0].parameters()):
                 size = sum(p.numel() for m in run for p in m.parameters())
-                key = (len(run), size, -depth, type(run[0]))
+                key = (size, len(run), -depth, type(run[0]))
                 if best is None or key[:3] > best[:3]:
                     best = key
             run = [child] if child is not None else []

@@ -149,3 +149,21 @@ def test_param_dtype_is_fsdp2s_alone():
     with pytest.raises(ConfigError, match="param_dtype/reduce_dtype are FSDP2's"):
         make_plan("sharded", topo, fleet_inventory("2x80GiB"), model=model, batch_size=2, sharding="zero1",
                   param_dtype="bfloat16")
+
+
+def test_the_layers_win_over_the_identical_projections_inside_one():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.norm = Attention(), nn.LayerNorm(D)
+
+    class Two(nn.Module):  # two layers: a run of 2 layers against runs of 4 projections
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+    assert fsdp_units(Two()).describe() == "2 x Layer; root: nothing of its own"
