@@ -39,8 +39,7 @@ def run(out_dir: str) -> None:
 
 def replan(paths: List[str]) -> Dict[str, Any]:
     import ddp_train
-    from distmem.plan.fit import fit
-    from distmem.plan.wrappers import Wrapper
+    from distmem import fit
 
     cases = []
     for path in paths:
@@ -53,7 +52,7 @@ def replan(paths: List[str]) -> Dict[str, Any]:
         res = fit(model, global_batch_size=batch, gpus="1x139GiB", input_shape=(int(run_["width"]),),
                   optimizer="adamw", precision="float32", pipelines=[1], shardings="none", micro_batches=[batch // n],
                   ranks_per_gpu=[n], estimate="model",
-                  wrapper=Wrapper("ddp", n, gradient_as_bucket_view=bool(run_["gradient_as_bucket_view"])))
+                  wrapper="ddp_bucket_view" if run_["gradient_as_bucket_view"] else "ddp")
         demand = res.chosen.heaviest.allocator_bytes
         cases.append({"run": os.path.basename(path), "gradient_as_bucket_view": run_["gradient_as_bucket_view"],
                       "peaks": peaks, "demand_now": demand, "demand_when_run": run_["rows"][0]["demand"],

@@ -525,10 +525,7 @@ def run_jobs(rows: List[Dict[str, Any]], jobs: List[Tuple[int, str, Dict[str, An
 
 def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], sweep: bool, parallel: int,
             dry: bool = False, merge: Optional[str] = None) -> Dict[str, Any]:
-    from distmem.plan.fit import fit
-    from distmem.plan.fit.costs import EstimateCosts
-    from distmem.estimate import estimate_torch
-
+    import distmem
     import torch
 
     t_all = time.time()
@@ -539,14 +536,12 @@ def run_gpu(out: Optional[str], pairs: List[Tuple[Any, ...]], sweep: bool, paral
         precs = ["float32", "mixed_bfloat16"] if precision == "auto" else [precision]
         t = time.time()
         model = build(name, "meta")
-        costs = {}
-        for p in precs:
-            est = estimate_torch(model, input_shape=input_shape(name) if MODELS[name][0] != "gpt" else None,
-                                 batch_size=2, optimizer=torch.optim.Adam, precision=p, device="cuda", name=name)
-            costs[p] = EstimateCosts(est)
         n_children = len(list(model.children()))
+        res = distmem.fit(model, global_batch_size=B, gpus=fleet, hosts=hosts, precision=precision,
+                          optimizer=torch.optim.Adam, input_shape=input_shape(name) if MODELS[name][0] != "gpt" else None,
+                          estimate_batch_size=2, device="cuda", estimate="model", name=name, top=3, rejected=8)
+        costs = res.costs
         nblocks = len(costs[precs[0]].block_names)
-        res = fit(global_batch_size=B, gpus=fleet, hosts=hosts, costs=costs, name=name, top=3, rejected=8)
         fit_s = time.time() - t
         log(f"{name} B={B} {hosts}x{fleet}: {nblocks} blocks ({n_children} children), fit in {fit_s:.1f} s; "
             f"chosen {res.chosen.layout.describe() if res.chosen else None}")
@@ -625,21 +620,19 @@ def run_keras(pairs: List[Tuple[str, int, str]]) -> List[Dict[str, Any]]:
     os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the calibration step reads CPU allocator stats
     from bench.estimate import estimate_accuracy as ea
     import tensorflow as tf
-    from distmem.estimate import estimate_keras
-    from distmem.plan.fit import fit
-    from distmem.plan.fit.costs import EstimateCosts
+    import distmem
 
     rows = []
     for name, B, fleet in pairs:
         model, _ = ea.tf_model(name)
-        # the estimator's hybrid method: the analytic replay plus what it missed on one measured
-        # small-batch step (distmem estimate --calibrate)
-        est = estimate_keras(model, 8, tf.keras.optimizers.Adam(), device="cpu", name=name, calibrate=True)
-        # on CPU nothing lives outside TensorFlow's allocator and no reserve is kept: the limit is the
-        # allocator peak plus TensorFlow's 10% headroom, held against the declared share.
-        res = fit(global_batch_size=B, gpus=fleet, costs={"float32": EstimateCosts(est)}, name=f"keras:{name}",
-                  framework="tensorflow", overhead=0, reserve=0, pipelines=[1], ranks_per_gpu=[1],
-                  micro_batches=None, top=3, rejected=3)
+        # the door as a user asks it on this machine: its default estimate (measured where it can:
+        # on the CPU, TensorFlow's CPU allocator). On CPU nothing lives outside TensorFlow's
+        # allocator and no reserve is kept: the limit is the allocator peak plus TensorFlow's 10%
+        # headroom, held against the declared share.
+        res = distmem.fit(model, global_batch_size=B, gpus=fleet, precision="float32",
+                          optimizer=tf.keras.optimizers.Adam(), estimate_batch_size=8, device="cpu",
+                          name=f"keras:{name}", framework="tensorflow", overhead=0, reserve=0, pipelines=[1],
+                          ranks_per_gpu=[1], micro_batches=None, top=3, rejected=3)
         row: Dict[str, Any] = {"model": f"keras:{name}", "global_batch_size": B, "fleet": fleet,
                                "device": "cpu (TensorFlow CPU allocator)"}
         ch = res.chosen
@@ -675,19 +668,18 @@ def run_keras(pairs: List[Tuple[str, int, str]]) -> List[Dict[str, Any]]:
 
 
 def synthetic_layers(n: int = 200):
-    """A 200-layer model: transformer-like blocks of varying width (bytes at batch 1)."""
-    from distmem.costs import LayerCost
-
+    """A 200-layer model: transformer-like blocks of varying width (bytes at batch 1), as the JSON
+    rows ``fit(layers=...)`` and ``distmem fit --layers FILE`` take."""
     out = []
     for i in range(n):
         w = 1 + (i % 5)
-        out.append(LayerCost(name=f"l{i}", state_bytes=w * 256 * MiB, activation_bytes=w * 24 * MiB,
-                             output_bytes=8 * MiB))
+        out.append({"name": f"l{i}", "state_bytes": w * 256 * MiB, "activation_bytes": w * 24 * MiB,
+                    "output_bytes": 8 * MiB})
     return out
 
 
 def run_speed() -> List[Dict[str, Any]]:
-    from distmem.plan.fit import fit
+    from distmem import fit
 
     layers = synthetic_layers(200)
     rows = []

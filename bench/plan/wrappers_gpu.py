@@ -14,8 +14,9 @@ not run on the fake backend, so it runs on a real one-rank NCCL group (default b
 ``gradient_as_bucket_view``, ``static_graph``). Each case trains 3 steps after the wrapper is built;
 the measured peak is ``torch.cuda.max_memory_allocated`` over them (reserved beside it).
 
-distmem's prediction: the estimator's peak of the same step without a wrapper (meta device,
-CUDA allocator model) with the wrapper's rule (``distmem.plan.wrappers.rank_peak``). The peers, on
+distmem's prediction: what ``distmem.fit`` (the door) plans for rank 0 of that one layout (N
+replicas of the batch, the sharding or DDP named, FSDP2 units said as the measured side wraps
+them, no headroom/reserve/overhead: the allocator's peak it prices). The peers, on
 the same cases: PyTorch's ``FSDPMemTracker`` (FSDP2, under FakeTensorMode, as torchtitan runs it)
 and DeepSpeed's published model-state formulas (``estimate_zero2_model_states_mem_needs``:
 ``4 P + 16 P / N`` bytes for P parameters; ``estimate_zero3_model_states_mem_needs``:
@@ -47,54 +48,54 @@ def log(msg: str) -> None:
 
 from bench.plan.wrappers_measure import MODELS, build, measure_all  # noqa: E402
 
-# ------------------------------------------------------------------ distmem's side
+# ------------------------------------------------------------------ distmem's side: the fit door
 
-def model_state(model: Any, units: List[Any], optimizer_bytes: int):
-    from distmem.plan.wrappers import ModelState
-    params = list(model.parameters())
-    tb = tuple(p.numel() * p.element_size() for p in params)
-    rows = tuple(int(p.shape[0]) if p.dim() else 1 for p in params)
-    in_units = set()
-    unit_bytes = []
-    for u in units:
-        mine = [p for p in u.parameters() if id(p) not in in_units]
-        in_units.update(id(p) for p in mine)
-        unit_bytes.append(sum(p.numel() * p.element_size() for p in mine))
-    P = sum(tb)
-    G = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    return ModelState(P, G, int(optimizer_bytes), tensor_bytes=tb, unit_bytes=tuple(unit_bytes),
-                      root_bytes=P - sum(unit_bytes), tensor_rows=rows)
+#: FSDP2 units as the measured side wraps each model (wrappers_measure.build), said to the door
+#: as a user says them (``units=``); None: the door's default (the model's repeated block).
+#: resnet50 (bench/fit.py's, an nn.Sequential whose children are numbered) was measured with
+#: the root alone: wrappers_measure picks children named ``layer*``, and it has none
+UNITS = {"gpt-6l": "Block", "gpt-12l-1024": "Block", "hf_llama": None, "hf_gpt2": None,
+         "resnet50": "root", "vit_b_16": None, "convnext_tiny": "CNBlock"}
 
 
 def estimate(name: str, tiny: bool, device: str) -> Dict[str, Any]:
-    """The estimator's unsharded step on the meta device, and the model's state as the rules see it."""
-    import torch
-    from distmem.estimate import estimate_torch
-    model, units, inputs = build(name, "meta", tiny)
+    """The model as the measured side builds it (on the meta device), its example input and the
+    figures the peers need; distmem's prediction comes from the door (:func:`predict`)."""
+    model, _, inputs = build(name, "meta", tiny)
     b = MODELS[name][0] if not tiny else 2
     args, kwargs = inputs(b, "meta")
-    t = time.time()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        est = estimate_torch(model, example_input=kwargs if kwargs else args, batch_size=b,
-                             optimizer=torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, 2))]),
-                             device="cuda" if device == "cuda" else "cpu", name=name)
-        detail = est.peak_detail(b)
-        parts = est.breakdown(b)
-    state = model_state(model, units, est.optimizer_bytes)
     largest_layer = max((m.weight.numel() if getattr(m, "weight", None) is not None else 0)
                         for m in model.modules() if not list(m.children()))
-    return {"est": est, "batch": b, "peak": int(detail["peak"]), "phase": str(detail["phase"]), "parts": parts,
-            "activation_bytes": int(est.activation_bytes(b)), "state": state,
-            "params": sum(p.numel() for p in model.parameters()), "largest_layer_params": int(largest_layer),
-            "estimate_seconds": round(time.time() - t, 2)}
+    return {"model": model, "example": kwargs if kwargs else args, "batch": b, "device": device,
+            "params": sum(p.numel() for p in model.parameters()), "largest_layer_params": int(largest_layer)}
 
 
-def predict(e: Dict[str, Any], kind: Optional[str], n: int, **options: Any) -> Tuple[int, Dict[str, int]]:
-    from distmem.plan.wrappers import Wrapper, rank_peak
-    w = Wrapper(kind, n, **options) if kind else None
-    peak, parts, _ = rank_peak(e["parts"], e["phase"], e["state"], w, activation_bytes=e["activation_bytes"])
-    return peak, parts
+def predict(e: Dict[str, Any], name: str, kind: Optional[str], n: int, **options: Any) -> Tuple[int, Dict[str, int]]:
+    """Rank 0's peak as ``distmem.fit`` plans it: one layout, ``n`` replicas of ``batch`` each,
+    sharded by ``kind`` (FSDP2 units as wrapped: ``UNITS``) or replicated under DDP."""
+    import torch
+    import distmem
+    b = e["batch"]
+    wrapper = None
+    if kind == "ddp":
+        wrapper = "ddp_bucket_view" if options.get("gradient_as_bucket_view") else "ddp"
+        if options.get("static_graph"):
+            return None, {}  # static_graph changes when the rebuild happens, not its bytes: not a fit option
+    shard = [kind if kind != "fsdp2" or options.get("reshard_after_forward", True) else "fsdp2_keep"] \
+        if kind in ("fsdp2", "zero1", "zero2") else "none"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = distmem.fit(e["model"], global_batch_size=n * b, gpus=f"{n}x141GiB", precision="float32",
+                          optimizer=torch.optim.AdamW, example_input=e["example"], estimate_batch_size=b,
+                          device=e["device"], estimate="model", name=name, pipelines=[1], micro_batches=[b],
+                          ranks_per_gpu=[1], shardings=shard, wrapper=wrapper, units=UNITS.get(name), top=50,
+                          overhead=0, reserve=0, headroom=0)
+    pick = [c for c in res.fits + [r for r in res.rejected] if c.layout.micro_batch == b and c.layout.accumulation == 1
+            and c.layout.shard == (shard[0] if isinstance(shard, list) else "")]
+    if not pick:
+        raise RuntimeError(f"fit evaluated no layout of {n} x batch {b} {kind}: {res.table()[:300]}")
+    h = pick[0].heaviest if pick[0] in res.fits else pick[0].binding
+    return int(h.allocator_bytes), dict(h.breakdown)
 
 
 def deepspeed_zero2(params: int, n: int) -> int:
@@ -158,33 +159,27 @@ def main() -> int:
     for m in names:
         try:
             ests[m] = estimate(m, args.tiny, "cuda" if args.measured else args.device)
-            log(f"estimate {m}: peak {ests[m]['peak'] / MiB:.1f} MiB ({ests[m]['phase']}) in "
-                f"{ests[m]['estimate_seconds']} s")
-        except Exception as exc:  # a model the estimator cannot run: say so, carry on
+        except Exception as exc:  # a model that cannot be built: say so, carry on
             emit({"case": "estimate", "model": m, "error": f"{type(exc).__name__}: {exc}"[:400]}, out)
     if not args.measured:
         measure_all(list(ests), [int(x) for x in args.worlds.split(",") if x],
                     [k for k in args.kinds.split(",") if k], args.tiny, args.device, args.ddp == "on",
                     args.peers == "on", args.budget_s, args.peer_budget_s, measured.append)
     device = next((r for r in measured if r.get("case") == "device"), {})
-    for m in ests:
-        e = ests[m]
-        emit({"case": "estimate", "model": m, "batch": e["batch"], "peak": e["peak"], "phase": e["phase"],
-              "parts": e["parts"], "activation_bytes": e["activation_bytes"], "params": e["params"],
-              "largest_layer_params": e["largest_layer_params"], "estimate_seconds": e["estimate_seconds"],
-              "state": {"param_bytes": e["state"].param_bytes, "grad_bytes": e["state"].grad_bytes,
-                        "optimizer_bytes": e["state"].optimizer_bytes, "unit_bytes": list(e["state"].unit_bytes),
-                        "root_bytes": e["state"].root}}, out)
     peers = {(r["model"], r["world_size"]): r for r in measured if r.get("case") == "peer"}
     rows: List[Dict[str, Any]] = []
     for r in measured:
         if r.get("case") != "measured" or r.get("model") not in ests:
             continue
         e, kind, n = ests[r["model"]], r["wrapper"], r["world_size"]
-        row = dict(r, case="wrapper", params=e["params"], estimate_unsharded=e["peak"], estimate_phase=e["phase"])
+        row = dict(r, case="wrapper", params=e["params"])
         if "error" not in r:
             meas = r["measured_allocated"]
-            pred, parts = predict(e, kind if kind != "plain" else None, n, **r.get("options", {}))
+            try:
+                pred, parts = predict(e, r["model"], kind if kind != "plain" else None, n, **r.get("options", {}))
+            except Exception as exc:  # the door refused: said in the row
+                row["door_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                pred, parts = None, {}
             row.update(distmem=pred, distmem_parts=parts, distmem_error_pct=err(pred, meas))
             if kind in ("zero1", "zero2"):
                 ds = deepspeed_zero2(e["params"], n)

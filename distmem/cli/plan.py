@@ -69,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
         given = "each stage's bytes as given in --stages" if pipe.get("source") == "stages" else "each stage's demand"
         print(f"limits: {given} + {pipe['headroom']:.0%} headroom for the allocator's cache, in whole MiB "
               f"(--headroom 0 keeps the figures as they are)")
+    shard = plan.extras.get("sharded") or {}
+    if shard:
+        mp = ", ".join(f"{k} {shard[k]}" for k in ("param_dtype", "reduce_dtype") if shard.get(k))
+        print(f"sharded: {shard['sharding']} over {shard['degree']} ({plural(shard['groups'], 'shard group')})"
+              + (f"; FSDP2 units: {shard['units']}" if shard.get("units") and str(shard['sharding']).startswith("fsdp2")
+                 else "") + (f"; {mp}" if mp else ""))
     for a in plan.allocations[:256]:
         extra = ""
         if a.demand_bytes is not None:

@@ -23,10 +23,11 @@ __all__ = ["estimate", "estimate_keras", "estimate_torch", "load_model", "Estima
            "Precision", "resolve_precision"]
 
 
-def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input_shape: Any = None,
+def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "adam", *, input_shape: Any = None,
              method: str = "auto", measurement: Optional[Dict[str, Any]] = None, **options: Any) -> Estimate:
     """Estimate a Keras model, a ``torch.nn.Module`` or a spec (``"keras:ResNet50"``,
-    ``"torchvision:resnet50"``, ``"hf:gpt2"``, ``"module.path:factory"``) at ``batch_size``.
+    ``"torchvision:resnet50"``, ``"hf:gpt2"``, ``"module.path:factory"``) at ``batch_size`` (None:
+    the batch of ``example_input=`` where one is given, else 32).
 
     ``method``: ``"auto"`` (default) measures where it can — real training steps at two small
     batches (:func:`~distmem.estimate.measure.extrapolate.measure_batches`), carried to
@@ -60,12 +61,26 @@ def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input
     framework = _spec_framework(spec) if spec is not None else framework_of(model)
     if framework is None:  # a factory: what it returns decides
         framework = framework_of(loaded())
+    if batch_size is None and framework == "torch" and options.get("example_input") is not None:
+        from .torch.inputs import example_batch
+        batch_size = example_batch(model if spec is None else None, options["example_input"],
+                                   options.get("batch_dim", 0))
+    batch_size = 32 if batch_size is None else batch_size
 
-    def prior(device: str) -> Estimate:
+    def prior(device: str, partial: bool = False) -> Estimate:
         m = loaded()
         if framework == "torch":
-            return estimate_torch(m, batch_size=batch_size, optimizer=optimizer, input_shape=shape,
-                                  **dict(options, device="cpu" if device == "cpu" else "cuda"))
+            dev = "cpu" if device == "cpu" else "cuda"
+            try:
+                return estimate_torch(m, batch_size=batch_size, optimizer=optimizer, input_shape=shape,
+                                      **dict(options, device=dev))
+            except ConfigError as exc:
+                if not partial:
+                    raise ConfigError(f"{exc}; a GPU measures such a model: estimate it where one is visible "
+                                      "(method='auto' or 'measure')") from None
+                from .torch.estimate import state_estimate
+                return state_estimate(m, batch_size=batch_size, optimizer=optimizer, device=dev,
+                                      precision=options.get("precision"), name=options.get("name"), why=str(exc))
         return estimate_keras(m, batch_size=batch_size, optimizer=optimizer,
                               **dict(options, device="cpu" if device == "cpu" else "gpu"))
     # a spec is measured by a child that rebuilds it; a live model where it lives

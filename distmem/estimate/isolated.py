@@ -97,9 +97,10 @@ def start_child(target: str, kwargs: Dict[str, Any], env_overrides: Dict[str, st
     from .. import children  # an isolated sys.path: never a module from the working folder
 
     user_module = str(kwargs.get("model", "")).partition(":")[0]  # module.path:factory is found where it is here
+    # a live module's classes (``modules``) are found where they are here too
     return children.run(module=__name__, input=pickle.dumps((target, kwargs)), capture_output=True,
                         env=dict(os.environ, **env_overrides), timeout=timeout,
-                        extra_paths=children.import_folders(user_module))
+                        extra_paths=children.import_folders(user_module, *kwargs.get("modules", ())))
 
 
 def _child() -> int:

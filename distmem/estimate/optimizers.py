@@ -272,8 +272,11 @@ def torch_optimizer_factory(optimizer: Any) -> Callable[[Sequence[Any], Dict[str
     if isinstance(optimizer, str):
         name = optimizer
         return lambda params, over: _apply_over(_torch_from_name(name, params), over)
-    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    defaults = dict(getattr(optimizer, "defaults", {}) or {}) if not isinstance(optimizer, type) else {}
+    if isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type):
+        cls, defaults = optimizer[0], dict(optimizer[1])  # (class, options): an optimizer handed to a child
+    else:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        defaults = dict(getattr(optimizer, "defaults", {}) or {}) if not isinstance(optimizer, type) else {}
     accepted = set(inspect.signature(cls.__init__).parameters)
     kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
     if "lr" in accepted and "lr" not in kwargs and cls is torch.optim.SGD:

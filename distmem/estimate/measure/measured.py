@@ -39,12 +39,14 @@ def _versions(framework: str) -> str:
 def _key(framework: str, model: Any, batches: Sequence[int], optimizer: Any, opts: Dict[str, Any],
          input_shape: Any) -> str:
     from .cache import measurement_key, model_fingerprint
+    from .cache import code_fingerprint
     return measurement_key(format=_FORMAT, framework=framework, version=_versions(framework),
                            model=model_fingerprint(model), batches=list(batches), optimizer=optimizer,
-                           precision=opts.get("precision"), loss=opts.get("loss", "auto"),
+                           precision=opts.get("precision"), loss=code_fingerprint(opts.get("loss", "auto")),
                            steps=MEASURE_STEPS, input_shape=list(input_shape or ()),
                            example=_example_text(opts.get("example_input")),
-                           where=_where(framework, model))
+                           where=_where(framework, model),
+                           **{k: repr(opts[k]) for k in ("param_dtype", "batch_dim") if opts.get(k) is not None})
 
 
 def _where(framework: str, model: Any) -> str:
@@ -59,6 +61,9 @@ def _where(framework: str, model: Any) -> str:
 def _example_text(example: Any) -> str:
     if example is None:
         return ""
+    if callable(example) and not hasattr(example, "shape"):
+        from .cache import code_fingerprint
+        return code_fingerprint(example)
     if hasattr(example, "shape"):
         return f"{tuple(example.shape)}:{getattr(example, 'dtype', '')}"
     if isinstance(example, dict):
@@ -83,13 +88,13 @@ def measure(framework: str, model: Any, spec: Optional[str], batches: Sequence[i
                                  options=_picklable(opts), input_shape=input_shape), hide_gpus=False)
         how = f"a child process rebuilt {spec} and ran {MEASURE_STEPS} training steps per batch"
     elif framework == "torch":
-        from ..torch.inputs import example_inputs
         from .torch_steps import measure_torch
-        ex, dt = opts.get("example_input"), opts.get("input_dtype")
-        got = measure_torch(model, batches, inputs=lambda b: example_inputs(model, ex, input_shape, b, dt),
+        got = measure_torch(model, batches, example_input=opts.get("example_input"), input_shape=input_shape,
+                            input_dtype=opts.get("input_dtype"), batch_dim=opts.get("batch_dim", 0),
                             optimizer=optimizer, precision=opts.get("precision"), loss=opts.get("loss", "auto"),
-                            steps=MEASURE_STEPS)
-        how = f"{MEASURE_STEPS} training steps per batch of a copy of the module on the GPU"
+                            steps=MEASURE_STEPS, param_dtype=opts.get("param_dtype"))
+        how = got.get("in_process") or (f"a spawned child rebuilt the module from its state and code and ran "
+                                        f"{MEASURE_STEPS} training steps per batch on the GPU, on the inputs as given")
     else:
         from .keras_steps import keras_step_peaks
         got = keras_step_peaks(model, batches, optimizer, steps=MEASURE_STEPS, precision=opts.get("precision"))
@@ -100,10 +105,15 @@ def measure(framework: str, model: Any, spec: Optional[str], batches: Sequence[i
 
 
 def _picklable(opts: Dict[str, Any]) -> Dict[str, Any]:
-    out = {k: v for k, v in opts.items() if k in ("precision", "loss", "input_dtype")}
+    import pickle
+    out = {k: v for k, v in opts.items() if k in ("precision", "loss", "input_dtype", "param_dtype")}
     if callable(out.get("loss")):
-        raise ConfigError("a loss function cannot be sent to the measuring child of a model spec; build the model "
-                          "and pass it (it is then measured in this process), or use method='model'")
+        try:
+            pickle.dumps(out["loss"])
+        except Exception:  # noqa: BLE001 - a lambda or a closure: the child cannot import it
+            raise ConfigError("the loss function cannot be sent to the measuring child of a model spec (a lambda or "
+                              "a function inside a function); define it at module level, or use method='model'") \
+                from None
     return out
 
 
@@ -129,10 +139,22 @@ def measured_estimate(framework: str, model: Any, spec: Optional[str], batch_siz
         target.measurement = {"fallback": str(exc), "method_asked": method}
         warnings.warn(f"distmem.estimate: {note}", stacklevel=3)
         return target
-    target = prior_fn(device)
+    target = _prior_or_why(prior_fn, device)
     on = "cpu" if str(got["device"]).upper().startswith("CPU") else ("cuda" if framework == "torch" else "gpu")
     prior = target if _same_device(on, target.device) else prior_fn(on)
     return with_measurement(target, prior, got)
+
+
+def _prior_or_why(prior_fn: Callable[[str], Estimate], device: str) -> Estimate:
+    """The model's estimate; where the model cannot run (a step the simulation cannot take), the
+    model's state alone (``prior_fn(device, partial=True)``), marked ``model_ran=False``."""
+    import inspect
+    try:
+        return prior_fn(device)
+    except ConfigError:
+        if "partial" not in inspect.signature(prior_fn).parameters:
+            raise
+        return prior_fn(device, partial=True)  # type: ignore[call-arg]
 
 
 def _same_device(a: str, b: str) -> bool:
@@ -156,9 +178,16 @@ def _obtain(framework, model, spec, batches, optimizer, opts, input_shape, key, 
 
 def with_measurement(target: Estimate, prior: Estimate, got: Dict[str, Any]) -> Estimate:
     """``target`` (the model at the job's device) carried by the residual of ``prior`` (the model
-    at the measured device) against the measured points: peaks, breakdowns and rows."""
+    at the measured device) against the measured points: peaks, breakdowns and rows. Where the
+    model could not run the step (``model_ran`` False) or guessed values the step reads
+    (``data_dependent``), the measured points' own line (rule ``measured``)."""
     rule = RULE["torch" if target.framework == "torch" else "keras"]
-    points = [(int(b), int(y), int(prior.train_bytes(int(b)))) for b, y in got["points"]]
+    trusted = getattr(prior, "model_ran", True) and not getattr(prior, "data_dependent", False)
+    if not trusted:
+        # the model could not run the step, or ran it on values it had to guess: the measured
+        # points' own line, the model kept for the state and the table
+        rule = "measured"
+    points = [(int(b), int(y), int(prior.train_bytes(int(b)) if trusted else 0)) for b, y in got["points"]]
     terms = residual_terms(points, rule)
 
     def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
@@ -175,7 +204,9 @@ def with_measurement(target: Estimate, prior: Estimate, got: Dict[str, Any]) -> 
 
     fixed = int(round(terms["fixed"]))
     measurement = dict(got, rule=rule, terms=terms,
-                       modelled=[[b, m] for b, _, m in points], measured_on=got["device"])
+                       modelled=[[b, m] for b, _, m in points], measured_on=got["device"],
+                       prior="the model" if trusted else getattr(prior, "why_not_modelled", "") or
+                       "none: the model read values it does not have")
     est = Estimate(framework=target.framework, model=target.model, batch_size=target.batch_size,
                    precision=target.precision, optimizer=target.optimizer,
                    layers=_rows(target.layers, terms), method="measured", device=target.device,
