@@ -74,6 +74,20 @@ def plot(page: Dict[str, Any], path: str) -> str:
     return path
 
 
+def _report(run_dir: str) -> Dict[str, Any] | None:
+    """The run's report beside the records (its rows stand in for peers that wrote none); None
+    where there is none or it is not a report."""
+    path = os.path.join(run_dir, "report.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir
     if not os.path.isdir(run_dir):
@@ -84,19 +98,17 @@ def run(args: argparse.Namespace) -> int:
 
         output_file(args.plot, "--plot")  # before the work it follows
     records = read_records(run_dir)
-    size = None
-    report = os.path.join(run_dir, "report.json")
-    if os.path.isfile(report):
+    size, report = None, _report(run_dir)
+    if report is not None:
         try:
-            with open(report, encoding="utf-8") as f:
-                size = int(json.load(f).get("world_size") or 0) or None
-        except (OSError, ValueError, TypeError, AttributeError):
+            size = int(report.get("world_size") or 0) or None
+        except (ValueError, TypeError):
             size = None
-    page = postmortem(records, run_dir=run_dir, world_size=size)
-    if args.plot and records:  # nothing to draw without a record: the page says so
+    page = postmortem(records, run_dir=run_dir, world_size=size, report=report)
+    if args.plot and page["entries"]:  # nothing to draw without a record: the page says so
         plot(page, args.plot)
     if args.json:
         print(json.dumps(page, indent=1, default=str))
     else:
         print(render_text(page), end="")
-    return 0 if records else 1
+    return 0 if page["entries"] else 1
