@@ -64,6 +64,8 @@ def note_step(step: Optional[int], batch: Any = None) -> None:
         return
     point: Dict[str, Any] = {"step": int(step), "time": time.time()}
     point.update(batch_units(batch))
+    if _state["estimate"] is not None and point.get("samples"):
+        _price(int(point["samples"]))
     figures = _allocator_now()
     if figures is not None:
         point.update(figures)
@@ -75,6 +77,7 @@ def note_estimate(estimate: Any) -> None:
     failing step with it at the batch :func:`note_step` was given (``estimate.train_bytes``), and
     groups live tensors by its layers (as :func:`note_layers`). None forgets it."""
     _state["estimate"] = estimate
+    _state["priced"] = {}
     if estimate is not None and getattr(estimate, "layers", None):
         b = int(getattr(estimate, "batch_size", 0) or 0)
         note_layers([{"name": r.name, "total_bytes": r.state_bytes + r.activation_bytes(b)} for r in estimate.layers])
@@ -85,6 +88,7 @@ def forget() -> None:
     _state["step"] = None
     _state["steps"].clear()
     _state["estimate"] = None
+    _state["priced"] = {}
 
 
 def use_allocator(allocator: Any) -> None:
@@ -150,20 +154,31 @@ def _allocator_now() -> Optional[Dict[str, int]]:
             "peak_bytes": int(st.get("allocated_bytes.all.peak", 0))}
 
 
+def _price(samples: int) -> None:
+    """The noted estimate's training-step peak at ``samples`` and at halves of it, computed once per
+    batch size at the top of a step (never inside an out-of-memory callback: the estimator replays
+    the step on the meta device, which needs autograd on)."""
+    priced = _state.setdefault("priced", {})
+    if samples in priced:
+        return
+    est = _state["estimate"]
+    sizes = sorted({max(samples >> i, 1) for i in range(8)}, reverse=True)
+    try:
+        priced[samples] = {"points": [[s, int(est.train_bytes(s))] for s in sizes]}
+    except Exception as exc:  # noqa: BLE001 - an estimate loaded from JSON cannot be replayed
+        priced[samples] = {"points": [], "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def _estimate_points(samples: Optional[int]) -> Optional[Dict[str, Any]]:
-    """The noted estimate's training-step peak at this step's samples and at halves of it (the
-    post-mortem's figure for the whole step and for smaller micro-batches)."""
+    """What the record says of the noted estimate: its batch, method, state, and the step's peak
+    at this step's samples and halves of it (the post-mortem's figure for the whole step and for
+    smaller micro-batches), as :func:`note_step` priced them."""
     est = _state["estimate"]
     if est is None:
         return None
-    b = int(samples or getattr(est, "batch_size", 0) or 0)
     out: Dict[str, Any] = {"batch_size": getattr(est, "batch_size", None), "method": getattr(est, "method", None),
                            "state_bytes": getattr(est, "state_bytes", None), "points": []}
-    try:
-        sizes = sorted({max(b >> i, 1) for i in range(8)}, reverse=True) if b > 0 else []
-        out["points"] = [[s, int(est.train_bytes(s))] for s in sizes]
-    except Exception as exc:  # noqa: BLE001 - an estimate loaded from JSON cannot be replayed
-        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    out.update((_state.get("priced") or {}).get(int(samples or 0), {}))
     return out
 
 

@@ -13,9 +13,10 @@ update) was still to come. The figure, best first:
 ``history``    its own earlier steps, as the allocator saw them (``note_step``): a step whose peak
                rose is an exact sample of that step's activations (peak - what it held entering
                it); scaled to this step's size (the elements of what it was fed) where sizes are known
-``peers``      the same, measured on the other ranks of its stage (their records), scaled to this
-               step's size: the estimator at that rank's batch, measured rather than modelled
 ``estimate``   distmem's estimate of the model (``note_estimate``) at this step's samples
+``peers``      the other ranks of its stage measured the same way (their records: earlier steps, and
+               the step a rank stopped by fail fast was in), scaled to this step's size: the
+               estimator at that rank's batch, measured rather than modelled
 ``trend``      its own earlier steps without sizes: the same step again, on what it holds now
 ``at failure`` allocated + asked for: the lower bound, where nothing else is known
 
@@ -28,14 +29,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import defaults
-from ..units import MiB, format_bytes
+from ..units import MiB, format_bytes, plural
 
 __all__ = ["Record", "StepNeed", "ran_out", "stopped", "at_failure", "step_need", "peers_of", "peer_figure",
            "imbalance", "growth", "first_step_state", "gpu_offer", "equal_share", "rank_share", "outside_bytes", "device_short",
            "changes_for_need", "SOURCES"]
 
 Record = Dict[str, Any]
-SOURCES = ("history", "peers", "estimate", "trend", "at failure")
+SOURCES = ("history", "estimate", "peers", "trend", "at failure")
+#: A figure this close under what the rank held plus asked for at the failure (>= this fraction of it)
+#: is taken as that: the step's shape was right, its bytes a little low. Further below, it was wrong.
+FIGURE_TOLERANCE = 0.9
 
 
 def _int(v: Any) -> Optional[int]:
@@ -87,23 +91,25 @@ def _units(rec: Record) -> Tuple[Optional[int], Optional[int]]:
 
 def _samples_of(rec: Record, current: bool) -> List[Tuple[Optional[int], int, int]]:
     """Exact step samples ``(elements, activation bytes, step)`` of one rank: each step during which
-    its allocator's peak rose (the peak is that step's): the peak less what the rank held entering
-    it or after it, whichever is more (a first step creates gradients and optimizer state that stay:
-    state, not activations); with ``current``, the step it was in when its record was written,
-    where its peak rose in it."""
+    its allocator's peak rose (the peak is that step's), the peak less what the rank held entering
+    it; with ``current``, the step it was in when its record was written, where its peak rose in
+    it. A rank's first noted step is left out where later ones were measured: it also created the
+    gradients and optimizer state that stay (state, not activations)."""
     steps = _steps(rec)
     out: List[Tuple[Optional[int], int, int]] = []
     for a, b in zip(steps, steps[1:]):
         pa, pb = _int(a.get("peak_bytes")), _int(b.get("peak_bytes"))
-        sa, sb = _int(a.get("allocated_bytes")), _int(b.get("allocated_bytes"))
-        if None in (pa, pb, sa, sb) or pb <= pa or b.get("step") != a.get("step") + 1:  # type: ignore[operator]
+        sa = _int(a.get("allocated_bytes"))
+        if None in (pa, pb, sa) or pb <= pa or b.get("step") != a.get("step") + 1:  # type: ignore[operator]
             continue
-        out.append((_int(a.get("elements")), pb - max(sa, sb), int(a["step"])))  # type: ignore[operator,type-var]
+        out.append((_int(a.get("elements")), pb - sa, int(a["step"])))  # type: ignore[operator]
     if current and steps and steps[-1].get("step") == rec.get("step"):
         last, peak = steps[-1], _int(rec.get("peak_bytes"))
         pl, s = _int(last.get("peak_bytes")), _int(last.get("allocated_bytes"))
         if None not in (peak, pl, s) and peak > pl:  # type: ignore[operator]
             out.append((_int(last.get("elements")), peak - s, int(last["step"])))  # type: ignore[operator]
+    if len(out) > 1 and steps and out[0][2] == steps[0].get("step"):
+        out = out[1:]
     return out
 
 
@@ -200,8 +206,14 @@ def step_need(rec: Record, peers: Sequence[Record] = ()) -> StepNeed:
             f"its own {len(own)} earlier step(s) whose peak rose, {_fmt(line[0] + line[1] * elements)} of "
             f"activations at this step's {elements} elements, on the {_fmt(entering)} it held entering the step"),
             **base)
+    if found is None and points and samples:
+        at = next((b for s, b in points if s == samples), None)
+        if at is not None:
+            found = StepNeed(at, "estimate", False, evidence=(
+                f"distmem's estimate of its model ({est.get('method') or '?'}) at its {samples} samples"), **base)
     if found is None and elements and entering is not None:
-        theirs = [s for p in peers for s in _samples_of(p, current=True)]
+        # a peer that ran out did not finish its step: only its earlier steps count
+        theirs = [s for p in peers for s in _samples_of(p, current=not ran_out(p))]
         line = _per_unit(theirs)
         if line is not None:
             need = int(entering + line[0] + line[1] * elements)
@@ -209,16 +221,15 @@ def step_need(rec: Record, peers: Sequence[Record] = ()) -> StepNeed:
                 f"its peers' steps ({len(theirs)} from {len({id(p) for p in peers})} rank(s)) scaled to its "
                 f"{elements} elements: {_fmt(line[0] + line[1] * elements)} of activations on the {_fmt(entering)} it "
                 "held entering the step"), **base)
-    if found is None and points and samples:
-        at = next((b for s, b in points if s == samples), None)
-        if at is not None:
-            found = StepNeed(at, "estimate", False, evidence=(
-                f"distmem's estimate of its model ({est.get('method') or '?'}) at its {samples} samples"), **base)
     if found is None and own and entering is not None:
         act = max(a for _, a, _ in own)
         found = StepNeed(int(entering + act), "trend", False, fixed_bytes=float(act), per_element=None,
                          evidence=(f"its own earlier steps: {_fmt(act)} of activations on the {_fmt(entering)} it "
                                    "held entering this step (the same step again; sizes not noted)"), **base)
+    if found is not None and low is not None and found.bytes is not None and low * FIGURE_TOLERANCE <= found.bytes < low:
+        # a little short of what it already held: the figure's shape stands, on the bytes it held
+        found = replace(found, bytes=low, evidence=found.evidence + f"; {_fmt(found.bytes)}, raised to the "
+                                                                     f"{_fmt(low)} it held plus asked for")
     if found is not None and low is not None and found.bytes is not None and found.bytes < low:
         return StepNeed(low, "at failure", True, evidence=(
             f"it held {_fmt(rec.get('allocated_bytes'))} and asked for {_fmt(rec.get('request_bytes'))}; the "
@@ -420,7 +431,7 @@ def changes_for_need(rec: Record, need: StepNeed, peers: Sequence[Record] = (),
             acc = -(-need.samples // m)
             out.append({"change": "micro_batch", "micro_batch": m, "accumulation": acc, "need_bytes": figure,
                         "limit_bytes": limit, "fits": True,
-                        "text": f"a micro-batch of {m} samples with {acc} accumulation steps (the same batch): "
+                        "text": f"a micro-batch of {plural(m, 'sample')} with {acc} accumulation steps (the same batch): "
                                 f"about {_fmt(figure)}"})
         else:
             smallest = need.at_samples(1)
@@ -443,7 +454,7 @@ def changes_for_need(rec: Record, need: StepNeed, peers: Sequence[Record] = (),
         if fewer is not None:
             out.append({"change": "fewer_ranks", "ranks_per_gpu": k - 1, "share_bytes": fewer,
                         "need_bytes": need.bytes, "fits": _fits(need.bytes, fewer, margin),
-                        "text": f"{k - 1} ranks on its GPU instead of {k}: each gets {_fmt(fewer)}"})
+                        "text": f"{plural(k - 1, 'rank')} on its GPU instead of {k}: each gets {_fmt(fewer)}"})
     # recompute: what it frees depends on the checkpoints; distmem fit prices it
     if need.per_element is not None and need.elements:
         acts = int((need.fixed_bytes or 0) + need.per_element * need.elements)

@@ -195,8 +195,8 @@ def growth(rec: Record, records: Sequence[Record] = (), facts: Optional[Dict[str
     if g is None or need.bytes is None or not limit:
         return None
     without = need.bytes - g["grew_bytes"]
-    if without * (1 + defaults.FROM_REPORT_MARGIN) > limit:
-        return None
+    if without * (1 + defaults.FROM_REPORT_MARGIN) > limit or need.bytes * (1 + defaults.FROM_REPORT_MARGIN) <= limit:
+        return None  # without the growth it would not fit either / with it, it still fits: not why it ran out
     change = {"change": "release_kept", "per_step_bytes": g["per_step_bytes"], "need_bytes": without,
               "limit_bytes": limit, "fits": True,
               "text": "keep nothing on the GPU across steps that grows with them (a loss history as tensors: "
@@ -226,15 +226,16 @@ def fragmentation(rec: Record, records: Sequence[Record] = (), facts: Optional[D
     free = int(res) - int(alloc)
     if free < max(int(req), defaults.FRAGMENTATION_MIN_BYTES) or int(big) >= int(req) * (1 - defaults.FRAGMENTATION_TIE):
         return None
-    if need.bytes is not None and need.bytes > int(res):
-        return None  # the step needs more than the pool held: not the pool's shape
+    room = max(int(res), int(limit or 0))  # what the pool held, or could grow to within its limit
+    if need.bytes is not None and need.bytes > room:
+        return None  # the step needs more than the pool could hold: not the pool's shape
     confidence = "low" if need.lower_bound else "high"
     fits = need.bytes is not None and (not limit or need.bytes <= limit)
     change = {"change": "expandable_segments", "need_bytes": need.bytes, "limit_bytes": limit, "fits": fits,
               "text": "let the allocator grow segments instead of splitting them: DISTMEM_TORCH_EXPANDABLE_SEGMENTS=1 "
                       "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) before init()"
                       + (f": the step's {_fmt(need.bytes)} then fits its {_fmt(limit)}" if fits else "")}
-    shape = ("the rest of the step fits in it" if not need.lower_bound
+    shape = (f"the whole step fits in what the pool could hold ({_fmt(room)})" if not need.lower_bound
              else "whether the rest of the step fits in it is not known")
     return _cause("fragmentation", confidence,
                   f"fragmentation: its allocator held {_fmt(free)} free ({_fmt(res)} reserved, {_fmt(alloc)} "
@@ -266,6 +267,11 @@ def _within(rec: Record, f: Dict[str, Any]) -> bool:
     if low is not None and limit and low > limit:
         return False
     return short is None or short > 0
+
+
+def _within_text(rec: Record, need: Any) -> str:
+    return (_fmt(need.at_failure) if need.at_failure is not None
+            else f"{_fmt(rec.get('allocated_bytes'))} allocated, the request's size not known")
 
 
 def foreign_process(rec: Record, records: Sequence[Record] = (), facts: Optional[Dict[str, Any]] = None,
@@ -301,8 +307,7 @@ def foreign_process(rec: Record, records: Sequence[Record] = (), facts: Optional
                 "limit_bytes": limit, "fits": bool(need.bytes is not None and limit and need.bytes <= limit),
                 "text": "stop the processes outside the job on its GPU (" + (pids or "not listed") + "), or run on a "
                         f"GPU of its own: its step's {_fmt(need.bytes)} fits its limit {_fmt(limit)}"}]
-    within = (f"within its limit ({_fmt(need.at_failure)} of {_fmt(limit)})" if need.at_failure is not None and limit
-              else "the device ran out")
+    within = f"within its limit ({_within_text(rec, need)} of {_fmt(limit)})" if limit else "the device ran out"
     return _cause("foreign_process", "medium" if estimated else "high",
                   f"a foreign process: {within}, but " + (f"{plural(len(others), 'process', 'processes')} outside the job"
                                                           if not estimated else "processes outside the job")
@@ -331,28 +336,27 @@ def outside_allocator(rec: Record, records: Sequence[Record] = (), facts: Option
     need, limit = f["need"], f["limit"]
     ov = int(rec.get("overhead_bytes") or 0)
     k = max(int(rec.get("shared_by") or 1), 1)
-    offer = needs.gpu_offer(rec, k, overhead=0)  # what the job's processes may hold together, contexts included
-    others = sum(int(p.get("bytes") or 0) for p in rec.get("gpu_processes") or [] if p.get("who") == "other")
-    job_need = (need.bytes or 0) + sum(needs.peer_figure(p) or int(rec.get("limit_bytes") or 0)
-                                       for p in needs.peers_of(rec, f["records"])[:k - 1])
-    job_need += max(k - 1 - len(needs.peers_of(rec, f["records"])[:k - 1]), 0) * int(limit or 0)
-    allowed = None if offer is None else (offer - others - job_need) // k
+    # each rank's limit set to its step's need + the margin, what the GPU leaves each process outside it
+    each = needs.equal_share(rec, k, overhead=0)
+    hold = would_hold(need.bytes) if need.bytes else None
+    allowed = (each - hold) // MiB * MiB if each is not None and hold is not None else None
     worst = max(excess.values())
     planned = needs.equal_share(rec, overhead=ov + worst)
-    changes = [{"change": "outside_cap", "max_outside_bytes": allowed, "need_bytes": need.bytes,
-                "fits": allowed is not None and allowed > 0,
-                "text": f"keep each process's memory outside its allocator under {_fmt(allowed)} (context and "
-                        "libraries included: NCCL communicators, a library's own pool such as CuPy's, cuDNN/cuBLAS "
-                        "workspaces outside the allocator): the GPU then holds every rank's step"},
+    changes = [{"change": "outside_cap", "max_outside_bytes": allowed, "overhead_bytes": allowed, "need_bytes": need.bytes,
+                "limit_bytes": hold, "fits": allowed is not None and allowed > ov,
+                "text": f"keep each process's memory outside its allocator under {_fmt(allowed)} (its CUDA context "
+                        "and libraries: NCCL communicators, a library's own pool such as CuPy's, workspaces outside the "
+                        f"allocator) and plan it so: overhead='{_fmt(allowed)}' gives each rank {_fmt(hold)}, its "
+                        f"step's {_fmt(need.bytes)} + {defaults.FROM_REPORT_MARGIN:.0%}"},
                {"change": "plan_overhead", "overhead_bytes": ov + worst, "share_bytes": planned,
                 "need_bytes": need.bytes,
                 "fits": bool(planned and need.bytes and need.bytes * (1 + defaults.FROM_REPORT_MARGIN) <= planned),
-                "text": f"plan it: overhead='{_fmt(ov + worst)}' (distmem plan --overhead): each rank then gets "
-                        f"{_fmt(planned)} for its step's {_fmt(need.bytes)}"}]
+                "text": f"plan what it holds now: overhead='{_fmt(ov + worst)}' (distmem plan --overhead): each rank "
+                        f"then gets {_fmt(planned)} for its step's {_fmt(need.bytes)}"}]
     changes += [c for c in needs.changes_for_need(rec, need, f["peers"]) if c["change"] == "fewer_ranks"]
     who = ", ".join(f"{w} {_fmt(b)}" for w, b in sorted(excess.items(), key=lambda x: -x[1])[:6])
     return _cause("outside_allocator", "high",
-                  f"memory outside the allocator: within its limit ({_fmt(need.at_failure)} of {_fmt(limit)}) the "
+                  f"memory outside the allocator: within its limit ({_within_text(rec, need)} of {_fmt(limit)}) the "
                   f"GPU was full; the job's processes on it held {_fmt(total)} outside their allocators beyond the "
                   f"plan's {_fmt(ov)} per process ({who})",
                   "NVML's bytes per process less its allocator's pool (its record)"
@@ -392,7 +396,8 @@ def wrong_stage(rec: Record, records: Sequence[Record] = (), run_dir: str = "RUN
     changes += [c for c in needs.changes_for_need(rec, top, f["peers"]) if c["change"] in ("micro_batch", "recompute")]
     return _cause("wrong_stage", "high" if not top.lower_bound else "medium",
                   f"the plan got stage {stage} wrong: it needed {_fmt(need)} but was planned {_fmt(limit)}{short}"
-                  + (f" (the other {plural(len(others), 'stage')} were planned "
+                  + ((" (the other stage was planned " if len(others) == 1 else
+                      f" (the other {plural(len(others), 'stage')} were planned ")
                      + ", ".join(_fmt(r.get("planned_bytes")) for r in others) + ")" if others else ""),
                   f"{top.source}: {top.evidence}", changes, ("plan_from", "micro_batch"),
                   f"move layers off stage {stage} (--stages / a new partition)",

@@ -91,8 +91,8 @@ def test_a_tie_is_not_fragmentation_but_a_real_gap_is():
     assert c["confidence"] == "high" and c["change"]["change"] == "expandable_segments" and c["change"]["fits"]
     assert "fragmentation" not in kinds(rec(**base, largest_free_bytes=1 * GiB - 20 * MiB))  # within 5%: a tie
     assert "fragmentation" not in kinds(rec(**base, largest_free_bytes=2 * GiB))  # a block fits
-    # the same pool, but the step needs more than it held: not the pool's shape
-    big = dict(base, units={"samples": 300, "elements": 300000})
+    # the same pool, but the step needs more than the pool could hold (25 GiB, limit 20): not its shape
+    big = dict(base, units={"samples": 500, "elements": 500000})
     assert "fragmentation" not in kinds(rec(**big, largest_free_bytes=600 * MiB))
 
 
