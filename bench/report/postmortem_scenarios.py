@@ -394,6 +394,47 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
+def fixtures(src: str, dest: str) -> List[str]:
+    """The records of every scenario's first run (the one that ran out of memory) from a run's OUT
+    folder or its records archive, into ``dest/<scenario>-<launcher>/`` with a ``manifest.json`` (the
+    cause it should name, the ranks that ran out, the one that did first by its own clock): the
+    fixtures the post-mortem's tests read (tests/unit/report/test_postmortem_jobs.py)."""
+    import tempfile
+
+    work = src
+    if os.path.isfile(src):
+        work = tempfile.mkdtemp(prefix="pm-records-")
+        with tarfile.open(src) as tar:
+            tar.extractall(work, filter="data")
+    done = []
+    for name in sorted(os.listdir(work)):
+        run = os.path.join(work, name, "oom")
+        scenario, _, launcher = name.rpartition("-")
+        if scenario not in SCENARIOS or not os.path.isdir(os.path.join(run, "oom")):
+            continue
+        out = os.path.join(dest, name)
+        shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(os.path.join(out, "oom"))
+        for f in sorted(os.listdir(os.path.join(run, "oom"))):
+            if f.startswith("rank-") and f.endswith(".json"):
+                shutil.copy(os.path.join(run, "oom", f), os.path.join(out, "oom", f))
+        truth = {}
+        for f in sorted(os.listdir(run)):
+            if f.startswith("truth-"):
+                with open(os.path.join(run, f)) as fh:
+                    t = json.load(fh)
+                truth[t["rank"]] = t
+        ooms = {r: t for r, t in truth.items() if t.get("oom")}
+        spec = SCENARIOS[scenario]
+        manifest = {"scenario": scenario, "launcher": launcher, "cause": spec["cause"],
+                    "ran_out": sorted(ooms), "first": min(ooms, key=lambda r: ooms[r]["oom_time"]) if ooms else None,
+                    "first_allowed": spec["first"]}
+        with open(os.path.join(out, "manifest.json"), "w") as fh:
+            json.dump(manifest, fh, indent=1, sort_keys=True)
+        done.append(out)
+    return done
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/postmortem-scenarios")
@@ -404,9 +445,15 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
     ap.add_argument("--copy-to", default=None, help="copy the results and the records' archive here")
     ap.add_argument("--table", default=None, help="print a results file as the docs' table and stop")
+    ap.add_argument("--fixtures", nargs=2, metavar=("SRC", "DEST"),
+                    help="copy the records of SRC (an OUT folder or the records archive) to DEST as test fixtures")
     a = ap.parse_args()
     if a.table:
         print(table(a.table))
+        return 0
+    if a.fixtures:
+        for d in fixtures(*a.fixtures):
+            print(d)
         return 0
     os.makedirs(a.out, exist_ok=True)
     names = a.only or list(SCENARIOS)
