@@ -398,7 +398,7 @@ def fixtures(src: str, dest: str) -> List[str]:
     """The records of every scenario's first run (the one that ran out of memory) from a run's OUT
     folder or its records archive, into ``dest/<scenario>-<launcher>/`` with a ``manifest.json`` (the
     cause it should name, the ranks that ran out, the one that did first by its own clock): the
-    fixtures the post-mortem's tests read (tests/unit/report/test_postmortem_jobs.py)."""
+    fixtures the post-mortem's tests read (tests/fixtures/postmortem/, tests/unit/report/test_postmortem_jobs.py)."""
     import tempfile
 
     work = src

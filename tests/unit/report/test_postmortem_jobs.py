@@ -2,7 +2,7 @@
 the ranks fail fast stopped) that the scenario benchmark's training jobs wrote, launched under
 torchrun and mpirun (bench/report/postmortem_scenarios.py; fixtures copied by its ``--fixtures``).
 
-``fixtures/postmortem/cpu/``: the jobs on the CPU stand-in (torch CPU, Gloo; the GPU's allocator
+``tests/fixtures/postmortem/cpu/``: the jobs on the CPU stand-in (torch CPU, Gloo; the GPU's allocator
 modelled on the real tensors the job makes, see bench/report/postmortem_cpu.py). Another set beside
 it (the H200's, from the same benchmark) is read the same way. Each job's ``manifest.json`` says
 the cause the scenario has and which rank ran out first by the job's own clock."""
@@ -18,7 +18,8 @@ from distmem.observe.oom_record import read_records
 from distmem.report import postmortem as pm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-JOBS = sorted(glob.glob(os.path.join(HERE, "fixtures", "postmortem", "*", "*", "manifest.json")))
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "fixtures", "postmortem")
+JOBS = sorted(glob.glob(os.path.join(FIXTURES, "*", "*", "manifest.json")))
 
 
 def job_id(path):
