@@ -52,6 +52,9 @@ sys.path.insert(0, HERE)
 JOB = os.path.join(HERE, "postmortem_job.py")
 MiB, GiB = 1024 ** 2, 1024 ** 3
 LAUNCHERS = ("torchrun", "mpirun")
+#: Out-of-memory errors that reached their jobs within this many seconds of each other happened at
+#: the same moment (the first named may be any of them).
+SAME_MOMENT = 0.25
 
 #: name -> ranks, the cause it should name, which ranks may fail first ("any" of those that ran out),
 #: whether it needs the whole GPU, the job's options on the H200 and on the CPU stand-in
@@ -130,8 +133,15 @@ def command(launcher: str, ranks: int, args: List[str], env_keys: List[str]) -> 
 
 
 class Runner:
-    def __init__(self, out: str, cpu: bool, timeout: float):
+    def __init__(self, out: str, cpu: bool, timeout: float, budget: Optional[float] = None):
         self.out, self.cpu, self.timeout = out, cpu, timeout
+        self.deadline = time.monotonic() + budget if budget else None
+
+    def time_left(self) -> float:
+        """Seconds a launch may take now: the per-launch timeout, within what is left of the budget."""
+        if self.deadline is None:
+            return self.timeout
+        return min(self.timeout, self.deadline - time.monotonic())
 
     def env(self, run_dir: str, extra: Optional[Dict[str, str]] = None, scale: int = 0) -> Dict[str, str]:
         e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), DISTMEM_RUN_DIR=run_dir,
@@ -167,6 +177,9 @@ class Runner:
             i = full.index("--pause-at")
             del full[i:i + 2]
         t0 = time.monotonic()
+        limit = self.time_left()
+        if limit < 15:
+            raise TimeoutError(f"not launched: {limit:.0f} s of the bench's budget left")
         log_path = os.path.join(run_dir, "launch.log")
         hog = None
         with open(log_path, "wb") as log:
@@ -177,7 +190,7 @@ class Runner:
                     hog = self._hog(run_dir, hog_keep, env, p)
                     with open(wait_file, "w") as f:
                         f.write("go")
-                rc = p.wait(timeout=self.timeout)
+                rc = p.wait(timeout=limit)
             except subprocess.TimeoutExpired:
                 _kill(p)
                 rc = None
@@ -197,7 +210,7 @@ class Runner:
 
     def _hog(self, run_dir: str, keep: int, env: Dict[str, str], job: subprocess.Popen) -> Optional[subprocess.Popen]:
         """Start the foreign process once the job's rank 0 reached its pause; wait until it holds the GPU."""
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.time_left()
         while not os.path.exists(os.path.join(run_dir, "paused-0")):
             if job.poll() is not None or time.monotonic() > deadline:
                 return None
@@ -322,6 +335,9 @@ def run_scenario(runner: Runner, name: str, launcher: str) -> Dict[str, Any]:
     records = read_records(run_dir)
     ooms = {r: t for r, t in first["truth"].items() if t and t.get("oom")}
     earliest = min(ooms, key=lambda r: ooms[r]["oom_time"]) if ooms else None
+    # ranks whose errors reached the job within SAME_MOMENT of the earliest failed at the same moment
+    # (lockstep ranks in one step: which allocation failed a millisecond first is not the job's to say)
+    firsts = sorted(r for r in ooms if ooms[r]["oom_time"] <= ooms[earliest]["oom_time"] + SAME_MOMENT) if ooms else []
     entry = (page.get("entries") or [None])[0]
     named_first = page.get("first")
     cause = entry["causes"][0] if entry and entry.get("causes") else None
@@ -329,7 +345,8 @@ def run_scenario(runner: Runner, name: str, launcher: str) -> Dict[str, Any]:
     row: Dict[str, Any] = {
         "scenario": name, "launcher": launcher, "expected_cause": spec["cause"], "ranks": spec["ranks"],
         "ran_out": sorted(ooms), "earliest_truth": earliest, "first_named": named_first,
-        "first_right": named_first is not None and named_first in allowed and named_first == earliest,
+        "first_right": named_first is not None and named_first in allowed and named_first in firsts,
+        "first_by_clock": firsts,
         "cause_named": cause["kind"] if cause else None, "confidence": cause.get("confidence") if cause else None,
         "cause_right": bool(cause) and cause["kind"] == spec["cause"],
         "causes": [c["kind"] for c in (entry or {}).get("causes", [])], "message": cause.get("message") if cause else None,
@@ -426,8 +443,9 @@ def fixtures(src: str, dest: str) -> List[str]:
                 truth[t["rank"]] = t
         ooms = {r: t for r, t in truth.items() if t.get("oom")}
         spec = SCENARIOS[scenario]
-        manifest = {"scenario": scenario, "launcher": launcher, "cause": spec["cause"],
-                    "ran_out": sorted(ooms), "first": min(ooms, key=lambda r: ooms[r]["oom_time"]) if ooms else None,
+        earliest = min((t["oom_time"] for t in ooms.values()), default=None)
+        manifest = {"scenario": scenario, "launcher": launcher, "cause": spec["cause"], "ran_out": sorted(ooms),
+                    "first": sorted(r for r, t in ooms.items() if t["oom_time"] <= earliest + SAME_MOMENT),
                     "first_allowed": spec["first"]}
         with open(os.path.join(out, "manifest.json"), "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=True)
@@ -443,6 +461,8 @@ def main() -> int:
     ap.add_argument("--launchers", nargs="*", default=list(LAUNCHERS), choices=LAUNCHERS)
     ap.add_argument("--parallel", type=int, default=None, help="shared-GPU scenarios at once (default: all)")
     ap.add_argument("--timeout", type=float, default=None, help="per launch, seconds")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for every launch together: a launch that cannot start in what is left is not run")
     ap.add_argument("--copy-to", default=None, help="copy the results and the records' archive here")
     ap.add_argument("--table", default=None, help="print a results file as the docs' table and stop")
     ap.add_argument("--fixtures", nargs=2, metavar=("SRC", "DEST"),
@@ -457,7 +477,7 @@ def main() -> int:
         return 0
     os.makedirs(a.out, exist_ok=True)
     names = a.only or list(SCENARIOS)
-    runner = Runner(a.out, a.cpu, a.timeout or (900.0 if a.cpu else 150.0))
+    runner = Runner(a.out, a.cpu, a.timeout or (900.0 if a.cpu else 120.0), a.budget)
     if a.cpu:
         device = "CPU stand-in (torch CPU, Gloo)"
     else:

@@ -23,7 +23,7 @@ from ..units import MiB, format_bytes
 from . import need as need_of
 
 __all__ = ["OOM_FOLDER", "Observed", "read_observed", "read_oom_records", "observed_from_dicts", "apply_observed",
-           "describe_changes", "record_figure", "gpu_share", "changes_for"]
+           "describe_changes", "record_figure", "gpu_share", "changes_for", "balanced_for"]
 
 OOM_FOLDER = "oom"  #: under the run folder: one record per rank that ran out of memory
 
@@ -205,6 +205,7 @@ def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optio
             rows[a.stage]["planned_bytes"] = new
     for c in capped:
         c["changes"] = changes_for(c, observed, margin)
+    balanced_for(plan, capped, shares, changed, margin)
     changed.sort(key=lambda c: c["rank"])
     plan.extras["from_report"] = {"path": observed.path, "margin": margin, "changed": changed, "kept": sorted(kept),
                                   "capped": capped, "report_world_size": observed.world_size}
@@ -220,6 +221,39 @@ def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optio
             + ("; ".join(x["text"] + (" (fits)" if x.get("fits") else "") for x in (fits or c["changes"])[:4])
                if c["changes"] else "run fewer ranks per GPU, a smaller micro-batch, recompute, or more stages"))
     return plan
+
+
+def balanced_for(plan: Any, capped: List[Dict[str, Any]], shares: Dict[int, int], changed: List[Dict[str, Any]],
+                 margin: float) -> None:
+    """Where the change that fits a capped rank is to balance the batch, its peers (the ranks of its
+    stage) will take their share of that batch: none is planned below what the balanced step needs
+    (+ ``margin``), within its share - their own peaks were of the smaller batch they got."""
+    for c in capped:
+        fit = next((x for x in c.get("changes") or [] if x.get("fits")), None)
+        if fit is None or fit["change"] != "balance_batch":
+            continue
+        floor = _ceil_mib(fit["need_bytes"] * (1 + margin))
+        c["balanced_bytes"] = floor
+        for a in plan.allocations:
+            if a.stage != c.get("stage") or len(a.devices) != 1 or a.rank == c["rank"]:
+                continue
+            d = a.devices[0]
+            new = min(floor, shares.get(a.rank, floor))
+            if d.planned_bytes >= new:
+                continue
+            old = d.planned_bytes
+            d.planned_bytes = a.breakdown["planned_bytes"] = new
+            a.notes.append(f"limit {format_bytes(old)} -> {format_bytes(new)}: rank {c['rank']}'s batch balanced over "
+                           f"the ranks needs about {format_bytes(fit['need_bytes'])} each")
+            entry = next((x for x in changed if x["rank"] == a.rank), None)
+            if entry is None:
+                changed.append({"rank": a.rank, "stage": a.stage, "old_bytes": old, "new_bytes": new,
+                                "observed_bytes": fit["need_bytes"], "source": "the balanced batch",
+                                "change_bytes": new - old})
+            else:
+                entry.update(new_bytes=new, change_bytes=new - entry["old_bytes"], observed_bytes=fit["need_bytes"],
+                             source=f"its {entry['source']} {format_bytes(entry['observed_bytes'])}; the balanced "
+                                    "batch")
 
 
 def gpu_share(plan: Any, wanted: Dict[int, Tuple[int, int, str]], ctx: Any) -> Dict[int, int]:

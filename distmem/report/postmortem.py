@@ -487,7 +487,7 @@ def render_text(page: Dict[str, Any]) -> str:
         return f"distmem postmortem {page['run_dir']}: no out-of-memory record (no rank wrote RUN_DIR/oom/rank-N.json)\n"
     size = page.get("world_size")
     first = entries[0]
-    when = time.strftime("%H:%M:%S", time.localtime(first["time"])) if first.get("time") else "?"
+    when = time.strftime("%H:%M:%S UTC", time.gmtime(first["time"])) if first.get("time") else "?"
     lines = [f"distmem postmortem {page['run_dir']}: {len(entries)}"
              + (f" of {size}" if size else "") + f" {'rank' if len(entries) == 1 and not size else 'ranks'} ran out of memory; "
              f"first: rank {first['rank']}" + (f" on {first['host']}" if first.get("host") else "")

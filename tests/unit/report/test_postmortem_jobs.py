@@ -41,7 +41,7 @@ def test_the_jobs_cover_every_rule():
 def test_the_page_names_the_first_rank_and_the_cause(manifest):
     info, records, folder = load(manifest)
     page = pm.postmortem(records, run_dir=folder)
-    assert page["first"] == info["first"], pm.render_text(page)
+    assert page["first"] in info["first"], pm.render_text(page)  # the ranks that failed at that moment
     if info["first_allowed"] != "any":
         assert page["first"] in info["first_allowed"]
     first = page["entries"][0]["causes"][0]
@@ -67,16 +67,17 @@ def test_the_next_plan_keeps_the_rank_in_its_share_and_says_what_fits(manifest):
     from distmem.plan import JobLayout, PlanRequest
 
     info, records, folder = load(manifest)
-    first = next(r for r in records if r["rank"] == info["first"])
+    rank = info["first"][0]
+    first = next(r for r in records if r["rank"] == rank)
     ranks = first["world_size"]
     fleet = f"1x{first['device_total_bytes'] // 1024 ** 2}MiB"
     limit = f"{first['limit_bytes'] // 1024 ** 2}MiB"
     plan = PlanRequest(strategy="data", options={"limit": limit}, framework="torch", fleet=fleet,
                        reserve=first["reserve_bytes"], overhead=first["overhead_bytes"],
                        job=JobLayout.declare(ranks=ranks, fleet=fleet), from_report=folder).plan()
-    assert plan.for_rank(info["first"]).limit_bytes == first["limit_bytes"]  # never above what the job gave each rank
+    assert plan.for_rank(rank).limit_bytes == first["limit_bytes"]  # never above what the job gave each rank
     capped = plan.extras["from_report"]["capped"]
-    assert [c["rank"] for c in capped] == [info["first"]]
+    assert [c["rank"] for c in capped] == [rank]
     fits = [c for c in capped[0]["changes"] if c["fits"]]
     assert fits and fits[0]["change"] == "balance_batch" and fits[0]["need_bytes"] < first["limit_bytes"]
 
@@ -86,6 +87,6 @@ def test_the_next_plan_keeps_the_rank_in_its_share_and_says_what_fits(manifest):
 def test_the_next_plan_gives_the_stage_what_its_step_needed(manifest):
     info, records, folder = load(manifest)
     observed = observed_from_dicts(None, records, folder)
-    stage = next(r for r in records if r["rank"] == info["first"])["stage"]
+    failed = next(r for r in records if r["rank"] == info["first"][0])
     # the stage's whole step, from the estimate noted at its batch: more than it held when it failed
-    assert observed.stages[stage] > needs.at_failure(next(r for r in records if r["rank"] == info["first"]))
+    assert observed.stages[failed["stage"]] > needs.at_failure(failed)
