@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plot(page: Dict[str, Any], path: str) -> str:
     """A PNG of the page: one bar per rank that ran out (allocated, free in the pool, the request,
-    other processes' bytes) and its planned limit, the cause written beside it."""
+    other processes' bytes), beside it what its whole step needed, its planned limit and its peers'
+    median, the causes written on it."""
     try:
         import matplotlib
 
@@ -37,7 +38,8 @@ def plot(page: Dict[str, Any], path: str) -> str:
     from ..report.sinks.files import atomic_path
 
     entries = page["entries"]
-    top = max([1] + [max((e.get("reserved_bytes") or 0), (e.get("needed_bytes") or 0), e.get("limit_bytes") or 0)
+    top = max([1] + [max((e.get("reserved_bytes") or 0), (e.get("needed_bytes") or 0), e.get("limit_bytes") or 0,
+                         e.get("step_need_bytes") or 0)
                      + sum(p.get("bytes") or 0 for p in e["gpu_processes"] if p.get("who") == "other")
                      for e in entries])
     unit, uname = (GiB, "GiB") if top >= GiB else (MiB, "MiB")
@@ -53,11 +55,18 @@ def plot(page: Dict[str, Any], path: str) -> str:
         ax.barh(y, req, left=alloc + free, color="#D64545", label="asked for" if first else None)
         if other:
             ax.barh(y, other, left=alloc + free + req, color="#7B3FA0", label="other processes" if first else None)
+        if e.get("step_need_bytes"):
+            ax.barh(y + 0.3, e["step_need_bytes"] / unit, height=0.16, color="#E8A33D",
+                    label=f"the whole step needed ({e.get('step_need_source')})" if first else None)
+        median = next((c.get("median_bytes") for c in e["causes"] if c.get("median_bytes")), None)
+        if median:
+            ax.vlines(median / unit, y - 0.45, y + 0.45, colors="#2E8B57", linestyles="dotted", linewidth=2,
+                      label="its peers' median" if first else None)
         if e.get("limit_bytes"):
             ax.vlines(e["limit_bytes"] / unit, y - 0.45, y + 0.45, colors="#222222", linewidth=2.5,
                       label="planned limit" if first else None)
         kinds = ", ".join(c["kind"].replace("_", " ") for c in e["causes"])
-        ax.text(0.01 * top / unit, y + 0.42, kinds, fontsize=8, va="bottom", color="white")
+        ax.text(0.01 * top / unit, y - 0.05, kinds, fontsize=8, va="center", color="white")
     ax.set_yticks(range(len(entries)))
     ax.set_yticklabels([f"rank {e['rank']}" + (f" / stage {e['stage']}" if e.get("stage") is not None else "")
                         for e in entries])
@@ -65,7 +74,7 @@ def plot(page: Dict[str, Any], path: str) -> str:
     ax.set_xlabel(uname)
     ax.set_title(f"out of memory: {len(entries)} of {page.get('world_size') or '?'} ranks ({page['run_dir']})",
                  fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=5,
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=4,
               frameon=False)
     fig.tight_layout()
     with atomic_path(path, ".png") as tmp:
