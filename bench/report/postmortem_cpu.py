@@ -16,7 +16,6 @@ boundaries, only 2 MiB pages.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -314,10 +313,3 @@ def install(scale: Optional[int] = None) -> Device:
 
     Book().__enter__()
     return dev
-
-
-def is_stand_in() -> bool:
-    return os.environ.get("DISTMEM_FAKE_GPU") == "1"
-
-
-_SIZE = re.compile(r"([0-9.]+)\s*([KMG]i?B)")

@@ -196,6 +196,10 @@ def install(run_dir: Optional[str] = None, allocator: Any = None) -> None:
     def excepthook(kind: Any, value: Any, tb: Any) -> None:
         if value is not None and _is_oom_chain(value):
             _seen_exception(value, "exception")
+        elif isinstance(value, Exception):
+            # another error ends this rank (often a peer's death seen by the transport before fail
+            # fast said so): what it held, for the post-mortem's comparison with the rank that ran out
+            record_stopped(describe(value, limit=400))
         (_hooks["excepthook"] or sys.__excepthook__)(kind, value, tb)
 
     sys.excepthook = excepthook

@@ -342,3 +342,56 @@ def test_the_report_names_this_jobs_oom_and_not_an_earlier_runs(tmp_path, monkey
     oom_record.write_record(rec(rank=0, pid=1, time=1.0, allocated_bytes=19 * GiB), str(tmp_path))
     assert "postmortem" not in distmem.report(print_table=False).aggregates
     distmem.reset()
+
+
+class Priced:
+    """An estimate as note_estimate reads it: its batch, method, state and the step's peak at a batch."""
+    batch_size, method, state_bytes, layers = 64, "simulated", 1 * GiB, []
+
+    def train_bytes(self, b):
+        return 1 * GiB + b * 16 * MiB
+
+
+def test_the_record_carries_the_steps_the_batch_and_the_estimate(hooks):
+    import numpy as np
+
+    fake, run = hooks
+    oom_record.note_estimate(Priced())
+    for step in (5, 6):
+        oom_record.note_step(step, (np.zeros((32, 128)), np.zeros(32)))
+    fake.observers[0](0, 2 * GiB, 16 * GiB, 300 * MiB)
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "oom" and [p["step"] for p in r["steps"]] == [5, 6]
+    assert r["steps"][-1]["allocated_bytes"] == 3 * GiB and r["steps"][-1]["peak_bytes"] == 4 * GiB
+    assert r["units"] == {"samples": 32, "elements": 32 * 128}
+    assert r["estimate"]["points"][:2] == [[32, GiB + 32 * 16 * MiB], [16, GiB + 16 * 16 * MiB]]
+    assert r["reserve_bytes"] is not None and r["explicit_limit"] is False
+
+
+def test_a_rank_stopped_by_fail_fast_writes_what_it_held_once(hooks):
+    fake, run = hooks
+    oom_record.note_step(3, 64)
+    assert oom.record_stopped("rank 1 (host h) failed (OutOfMemoryError: ...)")
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "stopped" and r["units"] == {"samples": 64, "elements": 64} and r["peak_bytes"] == 4 * GiB
+    page = pm.postmortem([r])
+    assert page["entries"] == [] and [p["rank"] for p in page["stopped"]] == [0]
+    # its own out-of-memory error replaces it, counted as the first; then nothing replaces that
+    fake.observers[0](0, 2 * GiB, 16 * GiB, 300 * MiB)
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "oom" and r["count"] == 1 and "first" not in r
+    assert oom.record_stopped("rank 1 failed") is None
+    assert json.loads((run / "oom" / "rank-0.json").read_text())["kind"] == "oom"
+
+
+def test_a_rank_that_ends_on_another_error_writes_what_it_held(hooks, capsys):
+    import sys
+
+    _, run = hooks
+    try:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:31106")
+    except RuntimeError:
+        sys.excepthook(*sys.exc_info())
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "stopped" and "Connection closed by peer" in r["error"]
+    assert "Connection closed" in capsys.readouterr().err  # the user's traceback still printed
