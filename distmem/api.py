@@ -284,7 +284,18 @@ def _start_heartbeat(verbose: bool = True) -> None:
         comm = None  # no transport yet: torchrun's store, or off (the heartbeat says so)
     if comm is not None and comm.size <= 1:
         comm = None
-    heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose, local_size=topo.local_size)
+    hb = heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose, local_size=topo.local_size)
+    if hb is not None and settings.postmortem():
+        stop = hb.on_death
+
+        def record_then_stop(death: Any) -> None:
+            # what this rank held when another failed: the post-mortem compares the failed rank with it
+            from .guard.oom import record_stopped
+
+            record_stopped(death.line())
+            stop(death)
+
+        hb.on_death = record_then_stop
 
 
 def current_plan() -> Optional[Plan]:

@@ -1,25 +1,18 @@
-"""On one GPU: four deliberate out-of-memory errors, each in child processes with distmem.init()'s
-hooks, and whether `distmem postmortem` names each cause; then the closed loop: k processes sharing
-the GPU planned from the estimate vs from a first run's report.
+"""On one GPU, the closed loop: k processes sharing the GPU planned from the estimate vs from a
+first run's report.
 
     PYTHONPATH=. python bench/report/postmortem_gpu.py --out /tmp/pmout --copy-to "$OUT"   # the device run
 
-(``--copy-to`` copies the two results files and one picture per case: six files, the device run's
-limit is eight; the run folders stay in ``--out``.)
+(The four out-of-memory errors this bench used to cause by hand - an allocation loop past a limit,
+segments filled in a pattern, the GPU held from outside, a stage allocating past its plan - each
+tested the rule it was written for. ``bench/report/postmortem_scenarios.py`` replaces them: training
+jobs that run out of memory the way jobs do, each rerun with the change the post-mortem names.)
 
-Cases (each its own run folder):
-  over_plan      a process allocates past its plan's hard limit (torch's per-process fraction, 4 GiB)
-  fragmentation  6 MiB blocks fill 20 MiB segments, two of every three freed; a 1 GiB request fails
-                 under an 8 GiB limit while 5 GiB of the pool is free
-  foreign        another process (not in the job) holds all but 14 GiB of the GPU; a process planned
-                 40 GiB runs out well within its plan
-  wrong_stage    a 2-stage pipeline (torchrun's variables, two processes) planned from stage sizes of
-                 3 GiB and 1 GiB; stage 1 really needs more
 Closed loop: an MLP trained with Adam; phase 1 plans each process from distmem's estimate
 (footprint: the estimator's margin + 10% headroom) and fits k1 = floor(budget / (limit + overhead))
 processes in a stated budget; phase 2 plans from phase 1's report (init(from_report=...): peak +
-10%) and fits k2 processes; both phases run and count OOMs. Results: postmortem_gpu.json and
-from_report_gpu.json in OUT_DIR, one JSON line each on stdout.
+10%) and fits k2 processes; both phases run and count OOMs. Result: from_report_gpu.json in
+OUT_DIR, one JSON line on stdout.
 """
 from __future__ import annotations
 
@@ -28,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench import runner  # noqa: E402  the tree on sys.path, launchers, results, the JSON line
@@ -52,48 +44,7 @@ def child(case: str, args: list) -> None:
     import distmem
     from distmem.observe.oom_record import note_step
 
-    keep = []
-    if case == "over_plan":
-        distmem.init(strategy="data", framework="torch", memory="limit", limit="4GiB", verbose=False)
-        try:
-            torch.cuda.memory._record_memory_history(max_entries=100000)
-        except Exception as exc:  # noqa: BLE001 - grouping by frame is optional
-            print(f"no allocator history: {exc}", flush=True)
-        for step in range(100):
-            note_step(step)
-            keep.append(torch.empty(600 * MiB // 4, device="cuda"))
-    elif case == "fragmentation":
-        distmem.init(strategy="data", framework="torch", memory="limit", limit="8GiB", verbose=False)
-        note_step(1)
-        small = []
-        while torch.cuda.memory_reserved() < int(7.3 * GiB):
-            small.append(torch.empty(6 * MiB // 4, device="cuda"))
-        keep = small[::3]
-        del small
-        note_step(2)
-        keep.append(torch.empty(GiB // 4, device="cuda"))
-    elif case == "foreign_hog":
-        free, total = torch.cuda.mem_get_info(0)
-        hog = torch.empty(max(free - 14 * GiB, GiB) // 4, device="cuda")
-        print("ready", flush=True)
-        time.sleep(float(args[0]))
-        del hog
-    elif case == "foreign":
-        distmem.init(strategy="data", framework="torch", memory="limit", limit="40GiB", verbose=False)
-        for step in range(100):
-            note_step(step)
-            keep.append(torch.empty(2 * GiB // 4, device="cuda"))
-    elif case == "wrong_stage":
-        plan = distmem.init(strategy="pipeline", framework="torch", memory="limit", stages=["3GiB", "1GiB"],
-                            verbose=False)
-        if plan.mine.stage == 0:
-            keep.append(torch.empty(GiB // 4, device="cuda"))
-            time.sleep(2)
-        else:
-            for step in range(100):
-                note_step(step)
-                keep.append(torch.empty(256 * MiB // 4, device="cuda"))
-    elif case == "loop":
+    if case == "loop":
         limit, src, out = args[0], (args[1] if args[1] != "-" else None), args[2]
         plan = distmem.init(strategy="data", framework="torch", memory="limit", limit=int(limit), from_report=src,
                             verbose=False)
@@ -136,59 +87,6 @@ def wait(p: subprocess.Popen, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         p.kill()
         return (p.communicate()[0] or "") + f"\n[killed after {timeout:.0f} s]"
-
-
-def postmortem(run_dir: str) -> dict:
-    try:
-        return _postmortem(run_dir)
-    except (subprocess.TimeoutExpired, ValueError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-
-
-def _postmortem(run_dir: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "distmem.cli", "postmortem", run_dir, "--json"], cwd=ROOT,
-                         env=env(run_dir), capture_output=True, text=True, timeout=60)
-    text = subprocess.run([sys.executable, "-m", "distmem.cli", "postmortem", run_dir, "--plot",
-                           os.path.join(run_dir, "postmortem.png")], cwd=ROOT, env=env(run_dir),
-                          capture_output=True, text=True, timeout=60).stdout
-    page = json.loads(out.stdout) if out.stdout.strip() else {"error": out.stderr[-2000:]}
-    page["text"] = text
-    return page
-
-
-def oom_cases(out: str) -> dict:
-    results = {}
-    expected = {"over_plan": "over_plan", "fragmentation": "fragmentation", "foreign": "foreign_process",
-                "wrong_stage": "wrong_stage"}
-    for case, cause in expected.items():
-        run_dir = os.path.join(out, "oom-" + case)
-        os.makedirs(run_dir, exist_ok=True)
-        t0 = time.monotonic()
-        logs = []
-        if case == "foreign":
-            hog = spawn("foreign_hog", os.path.join(out, "hog"), "40")
-            assert hog.stdout is not None
-            line = hog.stdout.readline()
-            logs.append("hog: " + line.strip())
-            p = spawn(case, run_dir)
-            logs.append(wait(p, 90)[-1500:])
-            hog.kill()
-            wait(hog, 30)
-        elif case == "wrong_stage":
-            ps = [spawn(case, run_dir, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                        TORCHELASTIC_RUN_ID=f"pm-{os.getpid()}") for r in range(2)]
-            logs += [wait(p, 120)[-1500:] for p in ps]
-        else:
-            p = spawn(case, run_dir, DISTMEM_TORCH_EXPANDABLE_SEGMENTS="0")
-            logs.append(wait(p, 90)[-1500:])
-        page = postmortem(run_dir)
-        named = [c["kind"] for e in page.get("entries", []) for c in e["causes"]]
-        results[case] = {"expected": cause, "named": named, "correct": bool(named) and named[0] == cause,
-                         "ranks_out": page.get("ranks_out"), "seconds": round(time.monotonic() - t0, 1),
-                         "text": page.get("text", ""), "entries": page.get("entries"),
-                         "child_log_tail": [lg[-600:] for lg in logs]}
-        print(f"{case}: named {named} (expected {cause})", file=sys.stderr, flush=True)
-    return results
 
 
 def run_phase(out: str, k: int, limit: int, src: str) -> list:
@@ -242,8 +140,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs="+")
     ap.add_argument("--out", default=runner.results_path("postmortem_run"))
-    ap.add_argument("--skip-loop", action="store_true")
-    ap.add_argument("--copy-to", help="copy the results files and one picture per case here")
+    ap.add_argument("--copy-to", help="copy the results file here")
     a = ap.parse_args()
     if a.child:
         child(a.child[0], a.child[1:])
@@ -253,35 +150,21 @@ def main() -> int:
 
     gpus = inventory(quiet=True).gpus
     device = gpus[0].name if gpus else "none"
-    cases = oom_cases(a.out)
-    pm = {"figure": "deliberate OOMs whose cause distmem postmortem names correctly", "device": device,
-          "correct": sum(c["correct"] for c in cases.values()), "of": len(cases), "cases": cases}
-    with open(os.path.join(a.out, "postmortem_gpu.json"), "w") as f:
-        json.dump(pm, f, indent=1, default=str)
-    print(json.dumps({k: pm[k] for k in ("figure", "device", "correct", "of")}
-                     | {"named": {k: v["named"] for k, v in cases.items()}}), flush=True)
-    if not a.skip_loop:
-        try:
-            loop = closed_loop(a.out)
-        except Exception as exc:  # noqa: BLE001 - the OOM cases' results are kept either way
-            import traceback
+    try:
+        loop = closed_loop(a.out)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        import traceback
 
-            loop = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        loop["device"] = device
-        with open(os.path.join(a.out, "from_report_gpu.json"), "w") as f:
-            json.dump(loop, f, indent=1, default=str)
-        print(json.dumps({k: v for k, v in loop.items() if k not in ("failures", "traceback")}), flush=True)
+        loop = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    loop["device"] = device
+    with open(os.path.join(a.out, "from_report_gpu.json"), "w") as f:
+        json.dump(loop, f, indent=1, default=str)
+    print(json.dumps({k: v for k, v in loop.items() if k not in ("failures", "traceback")}), flush=True)
     if a.copy_to:
         import shutil
 
         os.makedirs(a.copy_to, exist_ok=True)
-        for name in ("postmortem_gpu.json", "from_report_gpu.json"):
-            if os.path.exists(os.path.join(a.out, name)):
-                shutil.copy(os.path.join(a.out, name), a.copy_to)
-        for case in cases:
-            png = os.path.join(a.out, "oom-" + case, "postmortem.png")
-            if os.path.exists(png):
-                shutil.copy(png, os.path.join(a.copy_to, f"postmortem_{case}.png"))
+        shutil.copy(os.path.join(a.out, "from_report_gpu.json"), a.copy_to)
     return 0
 
 

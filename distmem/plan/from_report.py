@@ -21,10 +21,11 @@ from .. import defaults, untrusted
 from ..errors import ConfigError
 from ..units import MiB, format_bytes
 from ..untrusted import printable
+from . import need as need_of
 
 __all__ = ["OOM_FOLDER", "Observed", "read_observed", "read_oom_records", "read_oom_records_noted", "read_report_file",
            "record_folders", "fallback_records_folder", "checked_figures", "observed_from_dicts", "apply_observed",
-           "describe_changes"]
+           "describe_changes", "record_figure", "gpu_share", "changes_for", "balanced_for"]
 
 OOM_FOLDER = "oom"  #: under the run folder: one record per rank that ran out of memory
 
@@ -43,6 +44,8 @@ class Observed:
     sources: Dict[int, str] = field(default_factory=dict)
     stage_of: Dict[int, Optional[int]] = field(default_factory=dict)
     ignored: List[str] = field(default_factory=list)  #: files left out and why (another user's, a link...)
+    #: the out-of-memory records the figures came from (the changes a capped rank is told are priced on them)
+    records: List[Dict[str, Any]] = field(default_factory=list)
 
 
 def observed_from_dicts(report: Optional[Dict[str, Any]], records: List[Dict[str, Any]], path: str = "") -> Observed:
@@ -64,12 +67,13 @@ def observed_from_dicts(report: Optional[Dict[str, Any]], records: List[Dict[str
             ranks[int(rank)], sources[int(rank)] = int(peak), "peak"
             stage_of[int(rank)] = row.get("stage")
     for rec in records:
-        rank, a, r = rec.get("rank"), rec.get("allocated_bytes"), rec.get("request_bytes")
-        if rank is None or a is None or r is None:
+        rank = rec.get("rank")
+        figure = record_figure(rec, records)
+        if rank is None or figure is None:
             continue
-        need = int(a) + int(r)
+        need, source = figure
         if need > ranks.get(int(rank), 0):
-            ranks[int(rank)], sources[int(rank)] = need, "needed"
+            ranks[int(rank)], sources[int(rank)] = need, source
         stage_of.setdefault(int(rank), rec.get("stage"))
         size = size or rec.get("world_size")
         strategy = strategy or rec.get("strategy")
@@ -78,7 +82,21 @@ def observed_from_dicts(report: Optional[Dict[str, Any]], records: List[Dict[str
         s = stage_of.get(rank)
         if s is not None:
             stages[int(s)] = max(stages.get(int(s), 0), b)
-    return Observed(path, size, strategy, ranks, stages, sources, stage_of)
+    return Observed(path, size, strategy, ranks, stages, sources, stage_of, records=list(records))
+
+
+def record_figure(rec: Dict[str, Any], records: List[Dict[str, Any]]) -> Optional[Tuple[int, str]]:
+    """The bytes a record says its rank needs, and why: where it ran out, its whole step's need
+    (:func:`distmem.plan.need.step_need`, not only what it held at the failing allocation); where
+    fail fast stopped it, its allocator peak once it had finished a step (a peak from inside its
+    first step misses the rest of that step: no figure)."""
+    if need_of.ran_out(rec):
+        n = need_of.step_need(rec, need_of.peers_of(rec, records))
+        return None if n.bytes is None else (int(n.bytes), "needed")
+    peak = rec.get("peak_bytes")
+    if need_of.stopped(rec) and isinstance(peak, int) and peak > 0 and (rec.get("step") or 0) >= 1:
+        return peak, "peak"
+    return None
 
 
 # ---------------------------------------------------------------------- reading (checked)
@@ -282,9 +300,10 @@ def _ceil_mib(n: float) -> int:
 
 def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optional[float] = None) -> Any:
     """Re-limit ``plan``'s ranks from ``observed`` (in place; returns the plan): figure x (1 + margin),
-    in whole MiB, at most the GPU's share for the rank where ``ctx`` tells it. A pipeline rank takes
-    its stage's figure; a rank with no figure keeps its limit. Records the changes in
-    ``plan.extras["from_report"]``."""
+    in whole MiB, never above the rank's share of its GPU (:func:`gpu_share`). A pipeline rank takes
+    its stage's figure; a rank with no figure keeps its limit. A rank whose figure does not fit its
+    share keeps the share and is told which changes would fit, each with its figure
+    (:func:`changes_for`). Records everything in ``plan.extras["from_report"]``."""
     margin = defaults.FROM_REPORT_MARGIN if margin is None else float(margin)
     if not 0 <= margin <= 10:
         raise ConfigError(f"from_margin={margin!r}: give the margin over the observed peak as a ratio, e.g. 0.1 for "
@@ -295,6 +314,7 @@ def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optio
     kept: List[int] = []
     capped: List[Dict[str, Any]] = []
     rows = {r.get("stage"): r for r in ((plan.extras.get("pipeline") or {}).get("stages") or [])}
+    wanted: Dict[int, Tuple[int, int, str]] = {}  # rank -> (limit wanted, figure, source)
     for a in plan.allocations:
         figure = source = None
         if by_stage and a.stage is not None and a.stage in observed.stages:
@@ -304,13 +324,19 @@ def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optio
         if figure is None or len(a.devices) != 1:
             kept.append(a.rank)
             continue
-        d = a.devices[0]
-        new = _ceil_mib(figure * (1 + margin))
-        share = _share(ctx, d)
-        if share is not None and new > share:
-            capped.append({"rank": a.rank, "wanted_bytes": new, "share_bytes": share, "slot": d, "alloc": a,
-                           "figure": figure, "source": source})
+        wanted[a.rank] = (_ceil_mib(figure * (1 + margin)), figure, source)
+    shares = gpu_share(plan, wanted, ctx)
+    for a in plan.allocations:
+        if a.rank not in wanted:
             continue
+        new, figure, source = wanted[a.rank]
+        d = a.devices[0]
+        share = shares.get(a.rank)
+        if share is not None and new > share:
+            capped.append({"rank": a.rank, "stage": a.stage, "wanted_bytes": new, "share_bytes": share,
+                           "given_bytes": share,
+                           "figure_bytes": figure, "source": source})
+            new = capped[-1]["given_bytes"]
         old = d.planned_bytes
         if new == old:
             kept.append(a.rank)
@@ -321,59 +347,129 @@ def apply_observed(plan: Any, observed: Observed, ctx: Any = None, margin: Optio
         if a.demand_bytes is not None:
             a.breakdown["headroom_bytes"] = new - a.demand_bytes
         a.headroom = margin
+        why = "its share of the GPU" if capped and capped[-1]["rank"] == a.rank else f"+ {margin:.0%}"
         a.notes.append(f"limit {format_bytes(old)} -> {format_bytes(new)} from the last run ({source} "
-                       f"{format_bytes(figure)} + {margin:.0%})")
+                       f"{format_bytes(figure)}; {why})")
         changed.append({"rank": a.rank, "stage": a.stage, "old_bytes": old, "new_bytes": new, "observed_bytes": figure,
                         "source": source, "change_bytes": new - old})
         if a.stage in rows and by_stage:
             rows[a.stage]["planned_bytes"] = new
-    # What the ranks that need less leave on their GPU goes to those on it that need more, in rank order.
-    left: Dict[str, int] = {}
-    for c in changed:
-        a = next(x for x in plan.allocations if x.rank == c["rank"])
-        share = _share(ctx, a.devices[0])
-        if share is not None and c["new_bytes"] < share:
-            key = a.devices[0].uuid or str(a.devices[0].index)
-            left[key] = left.get(key, 0) + share - c["new_bytes"]
     for c in capped:
-        d, a = c.pop("slot"), c.pop("alloc")
-        key = d.uuid or str(d.index)
-        extra = min(c["wanted_bytes"] - c["share_bytes"], left.get(key, 0)) // MiB * MiB
-        left[key] = left.get(key, 0) - extra
-        new, old = c["share_bytes"] + extra, d.planned_bytes
-        c["given_bytes"] = new
-        figure, source = c.pop("figure"), c.pop("source")
-        if new != old:
-            d.planned_bytes = a.breakdown["planned_bytes"] = new
-            a.breakdown["observed_bytes"] = figure
-            a.notes.append(f"limit {format_bytes(old)} -> {format_bytes(new)} from the last run ({source} "
-                           f"{format_bytes(figure)}; what the GPU's other ranks left)")
-            changed.append({"rank": a.rank, "stage": a.stage, "old_bytes": old, "new_bytes": new,
-                            "observed_bytes": figure, "source": source, "change_bytes": new - old})
-        else:
-            kept.append(a.rank)
-    capped = [c for c in capped if c["given_bytes"] < c["wanted_bytes"]]
+        c["changes"] = changes_for(c, observed, margin)
+    balanced_for(plan, capped, shares, changed, margin)
     changed.sort(key=lambda c: c["rank"])
-    plan.extras["from_report"] = {"path": observed.path, "margin": margin, "changed": changed, "kept": kept,
+    plan.extras["from_report"] = {"path": observed.path, "margin": margin, "changed": changed, "kept": sorted(kept),
                                   "capped": capped, "report_world_size": observed.world_size}
     if not same_job and not by_stage:
         plan.warnings.append(f"the report at {observed.path} is of a job of {observed.world_size} ranks, this one has "
                              f"{plan.world_size}: ranks are planned from the estimate")
     for c in capped:
-        plan.warnings.append(f"rank {c['rank']} needed {format_bytes(c['wanted_bytes'])} last run (with the margin) but "
-                             f"its GPU offers it {format_bytes(c['given_bytes'])}: it will run out again; run fewer "
-                             "ranks per GPU, a smaller batch, or more stages")
+        fits = [x for x in c["changes"] if x.get("fits")]
+        plan.warnings.append(
+            f"rank {c['rank']} needed {format_bytes(c['figure_bytes'])} last run ({format_bytes(c['wanted_bytes'])} "
+            f"with the margin) but its share of the GPU is {format_bytes(c['share_bytes'])}: planned "
+            f"{format_bytes(c['given_bytes'])}, it will run out again unless the job changes: "
+            + ("; ".join(x["text"] + (" (fits)" if x.get("fits") else "") for x in (fits or c["changes"])[:4])
+               if c["changes"] else "run fewer ranks per GPU, a smaller micro-batch, recompute, or more stages"))
     return plan
+
+
+def balanced_for(plan: Any, capped: List[Dict[str, Any]], shares: Dict[int, int], changed: List[Dict[str, Any]],
+                 margin: float) -> None:
+    """Where the change that fits a capped rank is to balance the batch, its peers (the ranks of its
+    stage) will take their share of that batch: none is planned below what the balanced step needs
+    (+ ``margin``), within its share - their own peaks were of the smaller batch they got."""
+    for c in capped:
+        fit = next((x for x in c.get("changes") or [] if x.get("fits")), None)
+        if fit is None or fit["change"] != "balance_batch":
+            continue
+        floor = _ceil_mib(fit["need_bytes"] * (1 + margin))
+        c["balanced_bytes"] = floor
+        for a in plan.allocations:
+            if a.stage != c.get("stage") or len(a.devices) != 1 or a.rank == c["rank"]:
+                continue
+            d = a.devices[0]
+            new = min(floor, shares.get(a.rank, floor))
+            if d.planned_bytes >= new:
+                continue
+            old = d.planned_bytes
+            d.planned_bytes = a.breakdown["planned_bytes"] = new
+            a.notes.append(f"limit {format_bytes(old)} -> {format_bytes(new)}: rank {c['rank']}'s batch balanced over "
+                           f"the ranks needs about {format_bytes(fit['need_bytes'])} each")
+            entry = next((x for x in changed if x["rank"] == a.rank), None)
+            if entry is None:
+                changed.append({"rank": a.rank, "stage": a.stage, "old_bytes": old, "new_bytes": new,
+                                "observed_bytes": fit["need_bytes"], "source": "the balanced batch",
+                                "change_bytes": new - old})
+            else:
+                entry.update(new_bytes=new, change_bytes=new - entry["old_bytes"], observed_bytes=fit["need_bytes"],
+                             source=f"its {entry['source']} {format_bytes(entry['observed_bytes'])}; the balanced "
+                                    "batch")
+
+
+def gpu_share(plan: Any, wanted: Dict[int, Tuple[int, int, str]], ctx: Any) -> Dict[int, int]:
+    """The most each rank may be planned (rank -> bytes; absent where ``ctx`` cannot say). Data
+    parallel: the limit the job stated per rank (``limit=``), else the GPU's equal share - what one
+    rank leaves unused is not another's. Pipeline (per-stage limits follow demand): what the GPU
+    offers its ranks together less what the other ranks on it are planned (their new figure where
+    they have one), in stage order."""
+    out: Dict[int, int] = {}
+    if ctx is None:
+        return out
+    if plan.strategy != "pipeline":
+        stated = (plan.options or {}).get("limit") is not None
+        for a in plan.allocations:
+            if len(a.devices) == 1:
+                share = a.devices[0].planned_bytes if stated else _share(ctx, a.devices[0])
+                if share is not None:
+                    out[a.rank] = share
+        return out
+    on_gpu: Dict[str, List[Any]] = {}
+    for a in plan.allocations:
+        if len(a.devices) == 1:
+            d = a.devices[0]
+            on_gpu.setdefault(d.uuid or str(d.index), []).append(a)
+    for mates in on_gpu.values():
+        offer = _offer(ctx, mates[0].devices[0], len(mates))
+        if offer is None:
+            continue
+        for a in mates:
+            others = sum(wanted[m.rank][0] if m.rank in wanted else m.devices[0].planned_bytes
+                         for m in mates if m is not a)
+            out[a.rank] = max(offer - others, 0) // MiB * MiB
+    return out
+
+
+def changes_for(capped: Dict[str, Any], observed: Observed, margin: float) -> List[Dict[str, Any]]:
+    """What would let a capped rank's step train within its share, each with its figure: priced on
+    its out-of-memory record where it has one (:func:`distmem.plan.need.changes_for_need`)."""
+    rec = next((r for r in observed.records if r.get("rank") == capped["rank"] and need_of.ran_out(r)), None)
+    if rec is None:
+        return []
+    mine = dict(rec, limit_bytes=capped["share_bytes"])
+    peers = need_of.peers_of(rec, observed.records)
+    n = need_of.step_need(rec, peers)
+    return [c for c in need_of.changes_for_need(mine, n, peers, margin) if c["change"] != "limit"]
+
+
+def _gpu_of(ctx: Any, slot: Any) -> Any:
+    gpus = [g for host in (ctx.host_gpus or []) for g in host] + list(getattr(ctx.inventory, "gpus", []))
+    gpu = next((g for g in gpus if slot.uuid and g.uuid == slot.uuid), None)
+    if gpu is None:
+        gpu = next((g for g in gpus if g.total_bytes == slot.total_bytes), None)
+    return gpu
+
+
+def _offer(ctx: Any, slot: Any, k: int) -> Optional[int]:
+    gpu = _gpu_of(ctx, slot)
+    return None if gpu is None else max(int(ctx.budget.offered(gpu, k)), 0)
 
 
 def _share(ctx: Any, slot: Any) -> Optional[int]:
     """What the GPU of ``slot`` offers each of the ranks sharing it (None where ``ctx`` cannot say)."""
     if ctx is None:
         return None
-    gpus = [g for host in (ctx.host_gpus or []) for g in host] + list(getattr(ctx.inventory, "gpus", []))
-    gpu = next((g for g in gpus if slot.uuid and g.uuid == slot.uuid), None)
-    if gpu is None:
-        gpu = next((g for g in gpus if g.total_bytes == slot.total_bytes), None)
+    gpu = _gpu_of(ctx, slot)
     if gpu is None:
         return None
     return int(ctx.budget.share_or_zero(gpu, max(slot.shared_by, 1))) or None

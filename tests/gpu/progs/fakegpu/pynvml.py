@@ -28,6 +28,14 @@ def nvmlDeviceGetHandleByIndex(i):
     return i
 
 
+def nvmlDeviceGetHandleByUUID(uuid):
+    u = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    for i in range(state.COUNT):
+        if u.lower().replace("gpu-", "") == state.uuid(i):
+            return i
+    raise NVMLError("Not Found")
+
+
 def nvmlDeviceGetUUID(h):
     return "GPU-" + state.uuid(h)
 
