@@ -424,9 +424,10 @@ def all_cases() -> List[Case]:
             hosts = q[3] if len(q) > 3 else 1
             prec = _PRECISIONS[i % len(_PRECISIONS)]
             shard = _SHARDINGS[(i + len(key)) % len(_SHARDINGS)]
-            if m.tied and shard in ("auto", "fsdp2,fsdp2_keep"):
-                # FSDP2 per top-level child cannot split weights two children share: asked as users of
-                # tied models ask (ZeRO)
+            if (m.tied or m.family == "huggingface") and shard in ("auto", "fsdp2,fsdp2_keep"):
+                # fit prices FSDP2 with one unit per block, and a block is a top-level child: a
+                # Hugging Face model's two children (the body, the head; tied weights between them)
+                # are not the units its users shard (decoder layers), so its users are asked as ZeRO's
                 shard = "zero1,zero2"
             out.append(Case(key, batch, count, gib, hosts, prec, shard))
     return out
@@ -829,6 +830,11 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
         if fsdp:
             from torch.distributed.fsdp import fully_shard
 
+            units = len(list(model.children()))
+            if p == 1 and spec.get("blocks") and units != int(spec["blocks"]):
+                raise RuntimeError(f"{key}: fit priced FSDP2 over {spec['blocks']} blocks but the model has {units} "
+                                   "top-level children to shard")
+
             for child in model.children():
                 fully_shard(child, reshard_after_forward=shard == "fsdp2")
             fully_shard(model)
@@ -1029,6 +1035,7 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
     ratio = [run["verdict"]["peak_over_limit"] for _, run in chosen if "peak_over_limit" in run["verdict"]]
     est = [run["verdict"]["estimate_error"] for _, run in chosen if "estimate_error" in run["verdict"]]
     fit_s = [rec["answer"]["fit_seconds"] for rec in records if "fit_seconds" in rec.get("answer", {})]
+    solver_s = [rec["answer"]["solver_seconds"] for rec in records if "solver_seconds" in rec.get("answer", {})]
     outside = [(run["spec"], run["result"]) for _, run in runs if run["result"].get("outside_measured") is not None]
     over_model = [r["outside_measured"] - s["outside_modelled_process"] for s, r in outside]
     xs = [rec for rec in records if rec.get("answer", {}).get("expandable_segments")]
@@ -1081,7 +1088,10 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
         "estimate_error": {"median_abs": _pct([abs(e) for e in est], 0.5), "worst_under": _pct(est, 0.0),
                            "worst_over": _pct(est, 1.0)},
         "fit_seconds": {"median": _pct(fit_s, 0.5), "p90": _pct(fit_s, 0.9), "max": _pct(fit_s, 1.0),
-                        "mean": round(statistics.mean(fit_s), 3) if fit_s else None},
+                        "mean": round(statistics.mean(fit_s), 3) if fit_s else None,
+                        "search_median": _pct(solver_s, 0.5),
+                        "what": "distmem.fit(model, ...) per case, the estimate on the meta device included; "
+                                "search: FitResult.seconds"},
         "outside_allocator": {
             "runs": len(outside),
             "measured_median_mib": _mib(_pct([r["outside_measured"] for _, r in outside], 0.5)),
@@ -1097,6 +1107,12 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
             "default_allocator_out_of_memory": sum(1 for r in probe if r["result"].get("oom")),
             "without_expandable_runs": len(without),
             "without_expandable_failed": sum(1 for r in without if not r["verdict"]["trained"])},
+        "by_family": {fam: {"chosen_runs": sum(1 for rec, _ in chosen if rec["answer"]["family"] == fam),
+                            "chosen_failed": sum(1 for rec, _ in failed if rec["answer"]["family"] == fam),
+                            "rejected_runs": sum(1 for rec, _ in rejected if rec["answer"]["family"] == fam),
+                            "rejected_would_have_trained": sum(1 for rec, _ in wrongly
+                                                               if rec["answer"]["family"] == fam)}
+                      for fam in sorted({rec["answer"].get("family", "?") for rec in records})},
         "errors": len(errors), "error_runs": [f"{rec['case']}: {run['spec']['role']}: "
                                               f"{(run['result'].get('error') or '')[:160]}" for rec, run in errors][:20],
         "baseline": "the best rejected layout's binding rank under its GPU's share: what a search without the "
@@ -1163,8 +1179,8 @@ def pick(pending: List[Job], used: int, capacity: int, running: int, workers: in
     if running >= workers or not pending:
         return None
     head = pending[0]
-    if head.need > capacity:
-        return head  # larger than the whole GPU: started alone (it will be booked as whatever happens)
+    if head.need > capacity:  # larger than what the GPU has for runs: alone, booked as whatever happens
+        return head if used == 0 else None
     if used + head.need <= capacity:
         return head
     if now - head.queued_at >= patience_s:

@@ -28,8 +28,10 @@ def test_at_least_200_cases_over_every_family_wrapper_precision_and_gpu_size():
     tags = {t for c in cases for t in fs.MODELS[c.model].tags}
     assert {"large-vocab", "checkpointing", "pipeline", "conv", "attention"} <= tags
     assert any(c.hosts > 1 for c in cases) and any(c.count == 1 for c in cases)
-    # FSDP2 per top-level child cannot split weights two children share: never asked of a tied model
-    assert not any(fs.MODELS[c.model].tied and "fsdp2" in c.shardings for c in cases)
+    # fit's FSDP2 units are the top-level children: never asked of a model whose children share
+    # weights, nor of a Hugging Face model (its two children are not the units its users shard)
+    assert not any((fs.MODELS[c.model].tied or fs.MODELS[c.model].family == "huggingface")
+                   and c.shardings in ("auto", "fsdp2,fsdp2_keep") for c in cases)
 
 
 def test_the_most_informative_cases_run_first():
@@ -60,6 +62,7 @@ def test_runs_are_packed_within_the_gpu_and_a_large_one_is_not_starved():
     assert fs.pick([head, small], 30 * GiB, cap, 3, 10, now=20.0) is head
     assert fs.pick([head, small], 0, cap, 10, 10, now=0.0) is None  # every worker busy
     assert fs.pick([job(150)], 0, cap, 0, 10, now=0.0) is not None  # larger than the GPU: alone, booked as it goes
+    assert fs.pick([job(150), small], 10 * GiB, cap, 1, 10, now=0.0) is None
     fsdp = {"limit_bytes": 2 * GiB, "shard": "fsdp2", "params_m": 1000}
     assert fs.job_need(fsdp) >= 4 * 10 ** 9, "an FSDP2 run holds the whole model once before sharding it"
 
