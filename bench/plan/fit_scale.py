@@ -5,6 +5,7 @@
         --skip-done bench/results/fit_scale_h200.jsonl                                    # the next session: the rest
     PYTHONPATH=. python3 bench/plan/fit_scale.py dry --max-cases 20                        # CPU: fit's answers only
     PYTHONPATH=. python3 bench/plan/fit_scale.py smoke --max-cases 6                       # CPU: the training runs' plumbing
+    PYTHONPATH=. python3 bench/plan/fit_scale.py run --cpu --budget-s 900 --out /tmp/fs --only 'hand:mlp'  # CPU: the coordinator
     PYTHONPATH=. python3 bench/plan/fit_scale.py summarize bench/results/fit_scale_h200.jsonl
 
 Every case is a question a user asks ``distmem.fit`` (the public door) before launch: a model built as
@@ -607,7 +608,8 @@ def run_specs(answer: Dict[str, Any]) -> List[Dict[str, Any]]:
                 "recompute": bool(lay["recompute"]), "first_block": st["first_block"], "stop_block": st["stop_block"],
                 "blocks": answer.get("blocks", 0), "in_flight": st["in_flight"] if lay["pipeline"] > 1 else 1,
                 "limit_bytes": limit, "planned_bytes": int(st["planned_bytes"]), "share_bytes": int(st["share_bytes"]),
-                "estimated_peak": int(st["allocator_bytes"]), "slice_bytes": int(st["share_bytes"]) + cand["outside_total"],
+                "estimated_peak": int(st["allocator_bytes"]),
+                "slice_bytes": int(st["share_bytes"]) + cand["outside_total"],
                 "outside_modelled": cand["outside_total"], "outside_modelled_process": process_outside,
                 "outside_nccl": cand["outside_nccl"], "gpu_total_bytes": int(st["gpu_total_bytes"]),
                 "shared_by": int(st["shared_by"]), "expandable": expandable, "steps": STEPS,
@@ -971,7 +973,7 @@ class _Fresh:
 def _child(spec: Dict[str, Any], path: str) -> None:
     """A run's process: the result as JSON at ``path`` (read by the coordinator once it exits)."""
     try:
-        result = gpu_run(spec)
+        result = gpu_run(spec, device=spec.get("device", "cuda"))
     except BaseException as exc:  # noqa: BLE001 - the coordinator books it
         result = {"oom": None, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
     with open(path + ".tmp", "w") as f:
@@ -995,8 +997,8 @@ def judge(spec: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:
     v["whole_process_bytes"] = whole
     v["over_share"] = bool(whole is not None and whole > spec["slice_bytes"])
     # beyond what the GPU itself has for each of its ranks (the reserve too): it could not have run
-    v["over_gpu"] = bool(whole is not None and whole > spec.get("gpu_total_bytes", 0) // max(1, spec.get("shared_by", 1))
-                         and spec.get("gpu_total_bytes"))
+    per_rank = int(spec.get("gpu_total_bytes", 0)) // max(1, int(spec.get("shared_by", 1)))
+    v["over_gpu"] = bool(whole is not None and per_rank and whole > per_rank)
     v["trained"] = (not r["oom"]) and not v["over_share"]
     v["status"] = "trained" if v["trained"] else ("oom" if r["oom"] else "over_share")
     if r.get("peak_allocated") and not r["oom"]:
@@ -1043,7 +1045,7 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
     without = [run for _, run in role("without_expandable") if run["verdict"]["status"] != "error"]
     best_rej = [x for x in role("best_rejected") if x[1]["verdict"]["status"] != "error"]
 
-    def by(items: Iterable[Tuple[Dict[str, Any], Dict[str, Any]]], key: Callable[[Dict[str, Any]], str]) -> Dict[str, int]:
+    def by(items: Iterable[Tuple[Dict[str, Any], Any]], key: Callable[[Dict[str, Any]], str]) -> Dict[str, int]:
         out: Dict[str, int] = {}
         for rec, _ in items:
             out[key(rec)] = out.get(key(rec), 0) + 1
@@ -1113,8 +1115,9 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
                             "rejected_would_have_trained": sum(1 for rec, _ in wrongly
                                                                if rec["answer"]["family"] == fam)}
                       for fam in sorted({rec["answer"].get("family", "?") for rec in records})},
-        "errors": len(errors), "error_runs": [f"{rec['case']}: {run['spec']['role']}: "
-                                              f"{(run['result'].get('error') or '')[:160]}" for rec, run in errors][:20],
+        "errors": len(errors),
+        "error_runs": [f"{rec['case']}: {run['spec']['role']}: {(run['result'].get('error') or '')[:160]}"
+                       for rec, run in errors][:20],
         "baseline": "the best rejected layout's binding rank under its GPU's share: what a search without the "
                     "memory check runs when that layout ranks first",
         "ours_failure_rate": round(len(failed) / n_chosen, 4) if n_chosen else None,
@@ -1277,7 +1280,11 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
         for rec in done_before:
             f.write(json.dumps(rec) + "\n")
     log(f"{len(cases)} cases to run ({len(done_before)} done before), budget {args.budget_s:.0f} s")
-    free, total = _gpu_free()
+    if args.cpu:  # the coordinator's plumbing on CPU: short runs, nothing measured
+        os.environ[SMOKE_SEQ_ENV] = "16"
+        free, total = 64 * GiB, 64 * GiB
+    else:
+        free, total = _gpu_free()
     capacity = free - int(args.margin_gib * GiB)
     log(f"GPU: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB; runs may hold {capacity / GiB:.1f} GiB at once")
     ctx = mp.get_context("forkserver")
@@ -1303,6 +1310,9 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
                 answer = {"case": c.id, "params": asdict(c), "family": MODELS[c.model].family,
                           "error": f"bench: {type(exc).__name__}: {exc}"}
             specs = run_specs(answer) if "error" not in answer else []
+            if args.cpu:
+                specs = [dict(sp, device="cpu", micro_batch=1, accumulation=min(2, sp["accumulation"]), steps=1)
+                         for sp in specs]
             open_cases[i] = {"case": c.id, "order": i, "answer": answer, "runs": [], "left": len(specs)}
             for k, s in enumerate(specs):
                 pending.append(Job((i, k), s, job_need(s), now))
@@ -1365,8 +1375,9 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
     # the budget is spent: what is still running or waiting is left to a later run (--skip-done)
     for job, proc, _, _ in running.values():
         proc.kill()
+    asking = list((getattr(askers, "_processes", None) or {}).values())  # the pool forgets them on shutdown
     askers.shutdown(wait=False, cancel_futures=True)
-    for proc in list(getattr(askers, "_processes", {}).values()):
+    for proc in asking:
         if proc.is_alive():
             proc.kill()
     log(f"{written} cases booked in this run; {len(cases) - written} left for a later run (--skip-done)")
@@ -1453,6 +1464,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--run-timeout-s", type=float, default=150.0, help="a run killed after this long")
     ap.add_argument("--tail-s", type=float, default=40.0, help="no run starts this close to the budget's end")
     ap.add_argument("--answers", default=None, help="smoke: answers from an earlier dry run (its _dry.jsonl)")
+    ap.add_argument("--cpu", action="store_true", help="run: the coordinator's plumbing on CPU (runs at micro-batch 1, "
+                                                       "one step, short sequences; nothing measured)")
     ap.add_argument("--smoke-max-params-m", type=float, default=150.0, help="smoke: skip larger models on CPU")
     a = ap.parse_args(argv)
     if a.mode == "child":  # one run: SPEC_FILE RESULT_FILE

@@ -91,7 +91,8 @@ def test_a_run_is_judged_by_the_allocator_and_by_nvml_for_the_whole_process():
     assert v["limit_slack_of_share"] == pytest.approx(1 / 12, abs=1e-3)
     assert v["outside_over_model"] == 100 * MiB
     # the GPU itself full (the bench's packing, not the cap): an error of the bench, not a verdict
-    msg = "CUDA out of memory. Tried to allocate 784.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 12.00 MiB is free."
+    msg = ("CUDA out of memory. Tried to allocate 784.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+           "12.00 MiB is free.")
     assert fs.physical_oom(msg) and not fs.physical_oom(msg.replace("12.00 MiB", "100.00 GiB"))
     assert fs.judge(spec(), dict(result(oom=True, error=msg), physical_oom=True))["status"] == "error"
 
