@@ -1079,6 +1079,8 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
         "chosen_over_share_nvml": sum(1 for _, run in failed if run["verdict"].get("over_share")),
         "chosen_over_gpu_nvml": sum(1 for _, run in failed if run["verdict"].get("over_gpu")),
         "chosen_failed": len(failed),
+        "runs_without_nvml": sum(1 for _, run in runs if run["verdict"]["status"] != "error"
+                                 and not run["result"].get("nvml_peak")),
         "chosen_failures": [row(rec, run) for rec, run in failed][:40],
         "rejected_runs": n_rej,
         "rejected_would_have_trained": len(wrongly),
@@ -1456,8 +1458,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                       "not run again")
     ap.add_argument("--max-cases", type=int, default=0, help="only the first N cases in running order")
     ap.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose id matches")
-    ap.add_argument("--workers", type=int, default=10, help="runs at once on the GPU (default 10)")
-    ap.add_argument("--askers", type=int, default=5, help="processes asking fit at once (default 5)")
+    ap.add_argument("--workers", type=int, default=9, help="runs at once on the GPU (default 9)")
+    ap.add_argument("--askers", type=int, default=6, help="processes asking fit at once (default 6)")
     ap.add_argument("--estimate", default="model", choices=["model", "auto"], help="fit's estimate= (default model: "
                     "the meta-device simulation, as before launch)")
     ap.add_argument("--margin-gib", type=float, default=6.0, help="GPU memory left free by the packing (default 6)")
