@@ -195,8 +195,16 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     fw_adapter = adapter(fw)
     # Read before planning (the estimator may build a model): what the framework started on its own.
     live = None if session.was_reset else fw_adapter.started()
+    # (read whatever a reset said: a torch that started CUDA cannot take the setting however the plan is applied)
+    fixed_allocator = _allocator_fixed(fw, strategy, strategy_options, fw_adapter.started())
+    if fixed_allocator:
+        strategy_options = dict(strategy_options, expandable_segments=False)
     plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, estimate, strategy_options,
                              from_report, from_margin))
+    if fixed_allocator:
+        plan.warnings.append("CUDA started before init() and this torch cannot change its allocator settings at run "
+                             "time, so expandable segments cannot be set for this job: the fit left each limit room "
+                             "for the largest single allocation instead")
     inv = session.state.inventory
     assert inv is not None  # set by _planned
     plan.warnings.extend(foreign_warnings(plan, inv, os.getpid()))
@@ -212,7 +220,10 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
         if late is not None:
             raise late
     prepared = fw_adapter.prepare(plan)
-    applied: Dict[str, Any] = {"framework": fw, "applied": [], "dry_run": not inv.real}
+    # what the framework reads when it starts, set for the job in a dry run too (torch: the allocator
+    # settings the plan needs); said with the rest
+    applied: Dict[str, Any] = {"framework": fw, "applied": list(prepared) if fw == "torch" else [],
+                               "dry_run": not inv.real}
     if applying:
         applied = fw_adapter.apply(plan)
         applied["dry_run"] = not inv.real
@@ -229,6 +240,17 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     if settings.fail_fast() if fail_fast is None else fail_fast:
         _start_heartbeat(verbose)
     return plan
+
+
+def _allocator_fixed(fw: str, strategy: str, options: Dict[str, Any], live: Any) -> bool:
+    """Whether a torch job planned by ``strategy="auto"`` can no longer be given expandable segments
+    (CUDA started before ``init()`` on a torch that cannot change allocator settings at run time),
+    so its fit must leave room for the largest block instead."""
+    if fw != "torch" or strategy != "auto" or live is None or "expandable_segments" in options:
+        return False
+    from .apply import torch as torch_adapter
+
+    return not torch_adapter.allocator_settable()
 
 
 def _same_call_again(asked: Dict[str, Any]) -> Optional[Plan]:

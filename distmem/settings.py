@@ -36,8 +36,9 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "postmortem", "run_dir", "fail_fast", "heartbeat_secret", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
-           "MAX_SECONDS"]
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "torch_expandable_segments",
+           "TORCH_ALLOC_CONF_VARS", "postmortem", "run_dir", "fail_fast", "heartbeat_secret", "positive_seconds",
+           "validate", "MEMORY_MODES", "VARIABLES", "MAX_SECONDS"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
@@ -91,6 +92,27 @@ def flag(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[bool]:
     if low in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={text!r} is not a yes/no value; use 1 or 0")
+
+
+#: The variables torch reads its allocator settings from (``PYTORCH_ALLOC_CONF`` since 2.9,
+#: ``PYTORCH_CUDA_ALLOC_CONF`` before and still honoured), the newer first.
+TORCH_ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def torch_expandable_segments(env: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """The user's own word on torch's expandable segments: ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``, else
+    an ``expandable_segments:True/False`` item they put in ``PYTORCH_ALLOC_CONF`` or
+    ``PYTORCH_CUDA_ALLOC_CONF``; None when they said nothing (distmem may then set them where a
+    plan needs them)."""
+    given = flag("DISTMEM_TORCH_EXPANDABLE_SEGMENTS", env)
+    if given is not None:
+        return given
+    for var in TORCH_ALLOC_CONF_VARS:
+        for item in (raw(var, env) or "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip().lower() in ("true", "1")
+    return None
 
 
 def timeout(env: Optional[Mapping[str, str]] = None) -> float:

@@ -237,7 +237,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
               pipelines: Any = None, micro_batches: Any = None, nccl: Any = "auto", nccl_buffsize: Any = None,
               top: int = 10, rejected: int = 5, fixed_local_size: Optional[int] = None,
               idle_gpus: bool = False, max_evaluations: int = 50000, memory: Optional[str] = None,
-              shardings: Any = "auto", wrapper: Any = None) -> FitResult:
+              shardings: Any = "auto", wrapper: Any = None, expandable_segments: Any = True) -> FitResult:
     """The layouts of ``global_batch_size`` samples per step on ``hosts`` hosts of ``gpus`` that fit
     every rank, best first (see the module docstring), and the best rejected ones.
 
@@ -254,7 +254,11 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     layout ranks after the replicated one of the same step time (it moves more bytes: FSDP2
     gathers the parameters again in the backward). ``wrapper``: a
     :class:`~distmem.plan.wrappers.Wrapper` that replicates the state (Horovod, DDP), whose buffers
-    every replicated rank also holds.
+    every replicated rank also holds. ``expandable_segments`` (torch): True where the job may run
+    with the allocator's expandable segments (``init()`` sets them when the chosen layout needs them:
+    :attr:`FitResult.expandable_segments`); False where it cannot (the user turned them off, CUDA
+    started before ``init()`` on a torch that cannot change them): every limit then also leaves
+    room for the largest single allocation.
     """
     import time
 
@@ -308,8 +312,12 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             f"every layout has a data-parallel degree in {ok}{detail} and none divides {global_batch_size} into "
             f"whole micro-batches; use a global batch that one of them divides (nearby: "
             f"{', '.join(map(str, near))}), or other --hosts / ranks per host")
+    if expandable_segments not in (True, False, "auto", None):
+        raise ConfigError(f"expandable_segments={expandable_segments!r}: use True (the job may run with torch's "
+                          "expandable segments), False (it cannot: limits leave room for the largest block) or 'auto'")
+    expandable = expandable_segments is not False
     ev = Evaluator(costs, gpus, budget=budget, overhead=overhead, framework=fw, nccl=nccl,
-                   nccl_buffsize=nccl_buffsize, wrapper=wrapper)
+                   nccl_buffsize=nccl_buffsize, wrapper=wrapper, expandable=expandable)
 
     grad_bytes = {p: costs[p].gradient_bytes for p in costs}
 
@@ -345,7 +353,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         for w in cand.outside.get("warnings", []):
             if w not in warnings:
                 warnings.append(w)
-    advice = _allocator_advice(fits[0], costs, fw) if fits else None
+    advice = _allocator_advice(fits[0], costs, fw) if fits and expandable else None
     if advice:
         warnings.append(advice["warning"])
     suggestion = None
