@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["measure_spec", "measure_module", "as_param_dtype", "dtype_or_none"]
+__all__ = ["measure_spec", "measure_module"]
 
 
 def _cuda() -> Any:
@@ -18,18 +18,6 @@ def _cuda() -> Any:
         raise ConfigError("no CUDA device is visible to the measuring child, and torch's CPU allocator keeps "
                           "no statistics")
     return torch
-
-
-def as_param_dtype(model: Any, param_dtype: Any) -> Any:
-    """The module with its floating parameters in ``param_dtype`` (FSDP2's MixedPrecisionPolicy)."""
-    if param_dtype is None:
-        return model
-    from ..torch.estimate import float_dtype
-    dt = float_dtype(param_dtype)
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.to(dt)
-    return model
 
 
 def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: Any, options: Dict[str, Any],
@@ -42,7 +30,7 @@ def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: 
     if framework == "torch":
         torch = _cuda()
         from ..torch.inputs import real_inputs
-        from .torch_steps import torch_step_peaks
+        from .torch_steps import as_param_dtype, dtype_or_none, torch_step_peaks
         built = as_param_dtype(load_model(model, input_shape, device="cuda"), options.get("param_dtype"))
         cast = dtype_or_none(options.get("param_dtype"))
         return torch_step_peaks(built, batches, inputs=lambda b: real_inputs(built, None, input_shape, b,
@@ -62,13 +50,6 @@ def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: 
     got = keras_step_peaks(built, batches, optimizer, steps=MEASURE_STEPS, precision=options.get("precision"),
                            foreign=False)
     return got
-
-
-def dtype_or_none(value: Any) -> Any:
-    if value is None:
-        return None
-    from ..torch.estimate import float_dtype
-    return float_dtype(value)
 
 
 def _main_as_mp_main(path: Optional[str]) -> Optional[Any]:
@@ -101,7 +82,7 @@ def measure_module(model: str, payload: str, main: Optional[str], modules: List[
         torch = _cuda()
     from ...errors import ConfigError
     from ..torch.inputs import real_inputs
-    from .torch_steps import torch_step_peaks
+    from .torch_steps import as_param_dtype, dtype_or_none, torch_step_peaks
     mp_main = _main_as_mp_main(main)
     saved = sys.modules.get("__main__")
     if mp_main is not None:

@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Sequence
 
 from ...errors import ConfigError
 
-__all__ = ["torch_step_peaks", "measure_torch", "MEASURE_TIMEOUT_S", "portable_optimizer"]
+__all__ = ["torch_step_peaks", "measure_torch", "MEASURE_TIMEOUT_S", "portable_optimizer", "as_param_dtype",
+           "dtype_or_none"]
 
 #: A measuring child that has not answered by then is stopped and the model used instead.
 MEASURE_TIMEOUT_S = 600.0
@@ -162,6 +163,25 @@ def portable_optimizer(optimizer: Any) -> Any:
                               if k != "params"})
 
 
+def as_param_dtype(model: Any, param_dtype: Any) -> Any:
+    """The module with its floating parameters in ``param_dtype`` (FSDP2's MixedPrecisionPolicy)."""
+    if param_dtype is None:
+        return model
+    from ..torch.estimate import float_dtype
+    dt = float_dtype(param_dtype)
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dt)
+    return model
+
+
+def dtype_or_none(value: Any) -> Any:
+    if value is None:
+        return None
+    from ..torch.estimate import float_dtype
+    return float_dtype(value)
+
+
 def _in_process(eager: Any, compiled: bool, batches: Sequence[int], *, example_input: Any, input_shape: Any,
                 input_dtype: Any, batch_dim: Any, optimizer: Any, precision: Any, loss: Any, steps: int,
                 param_dtype: Any, device: str, why: str) -> Dict[str, Any]:
@@ -170,7 +190,6 @@ def _in_process(eager: Any, compiled: bool, batches: Sequence[int], *, example_i
     import copy
     import torch
     from ..torch.inputs import real_inputs
-    from .child import as_param_dtype, dtype_or_none
     if device != "cpu" and not torch.cuda.is_available():
         raise ConfigError("no CUDA device is visible, and torch's CPU allocator keeps no statistics")
     twin = as_param_dtype(copy.deepcopy(eager).to(device), param_dtype)
