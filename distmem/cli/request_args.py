@@ -17,11 +17,22 @@ from ..errors import ConfigError
 from ..plan import JobLayout, PlanRequest, get, names
 from ..plan.request import MAPPINGS
 from ..plan.strategy import Strategy
+from ..units import parse_ratio
 
 __all__ = ["add_request_arguments", "request_from_args", "strategy_in", "flag_of"]
 
 _COMMON = ("memory", "reserve", "overhead", "foreign")
 
+
+
+def _margin(text: str) -> str:
+    """--from-margin read where it is given (a usage error naming the flag and the value), kept as the
+    user wrote it ('10%') for the request, which reads it again by the same rule."""
+    try:
+        parse_ratio(text, what="--from-margin")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a margin: {exc}") from None
+    return text
 
 def flag_of(name: str) -> str:
     """The command-line flag of option ``name``: ``num_stages`` -> ``--num-stages``."""
@@ -76,7 +87,7 @@ def add_request_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[st
     p.add_argument("--from", dest="from_report", default=None, metavar="REPORT",
                    help="plan from the last run: its report (runs/last/report.json) or run folder; each rank's limit "
                         "is its observed peak (what it needed where it ran out) + --from-margin")
-    p.add_argument("--from-margin", dest="from_margin", default=None, metavar="PCT",
+    p.add_argument("--from-margin", dest="from_margin", default=None, metavar="PCT", type=_margin,
                    help="the margin over the last run's peak: 10%% or 0.1 (default 10%%)")
     offered = set()
     try:
