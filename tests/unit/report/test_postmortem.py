@@ -161,6 +161,42 @@ def test_outside_the_allocator_when_the_gpu_was_full():
     assert "foreign_process" not in [c["kind"] for c in causes]
 
 
+NCCL_FIRST_LINE = ("DistBackendError: NCCL error in: NCCLUtils.cpp:93, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                   "for details), NCCL version 2.28.9")
+
+
+def test_a_rank_ended_on_a_cuda_failure_with_its_gpu_full_ran_out_outside_its_allocator():
+    # the H200's case: NCCL's calloc refused by the driver, the record keeping only the error's first line
+    # (no "out of memory", no request), written as a rank that ended on another error; the GPU full by NVML
+    total = 140 * GiB
+    each = (total - 600 * MiB - 16 * MiB) // 2
+    procs = [{"device": 0, "pid": 10 + k, "bytes": each, "who": "self" if k == 1 else f"rank {k}"} for k in range(2)]
+    r1 = rec(**dict(GPU, shared_by=2), rank=1, world_size=2, kind="stopped", source="stopped", error=NCCL_FIRST_LINE,
+             gpu_processes=procs, limit_bytes=64 * GiB, allocated_bytes=5 * GiB, reserved_bytes=60 * GiB,
+             request_bytes=None, device_free_bytes=None, largest_free_bytes=4 * GiB)
+    r0 = dict(r1, rank=0, error="distmem: rank 1 (host vm) failed (" + NCCL_FIRST_LINE + "); stopping this rank",
+              gpu_processes=[dict(p, who="self" if p["who"] == "rank 0" else "rank 1") for p in procs])
+    page = pm.postmortem([r0, r1])
+    assert page["ranks_out"] == [1] and [p["rank"] for p in page["stopped"]] == [0]
+    cause = page["entries"][0]["causes"][0]
+    assert cause["kind"] == "outside_allocator" and cause["confidence"] == "medium", cause
+    assert "NVML left 16.0 MiB free" in cause["evidence"]
+    # the same error with room on the GPU is not read as running out; nor is fail fast's word about another rank
+    roomy = [dict(p, bytes=p["bytes"] - GiB) for p in procs]
+    assert pm.postmortem([r0, dict(r1, gpu_processes=roomy)])["ranks_out"] == []
+    assert pm.postmortem([r0])["ranks_out"] == []
+
+
+def test_nccls_refused_allocation_is_an_oom_with_its_request():
+    text = ("NCCL error in: NCCLUtils.cpp:93, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL "
+            "version 2.28.9\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+            "Failed to CUDA calloc async 608 bytes")
+    assert oom.is_oom(RuntimeError(text))
+    assert "calloc async 608 bytes" in oom.describe(RuntimeError(text))
+    assert oom_record.request_from_text(text) == 608
+    assert not oom.is_oom(RuntimeError("NCCL error: unhandled system error, remote process exited"))
+
+
 def test_wrong_stage_from_the_stage_rows():
     stages = [{"stage": 0, "demand_bytes": 10 * GiB, "planned_bytes": 11 * GiB},
               {"stage": 1, "demand_bytes": 4 * GiB, "planned_bytes": 5 * GiB - 100 * MiB}]
