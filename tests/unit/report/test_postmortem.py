@@ -111,6 +111,20 @@ def test_over_plan_prices_the_whole_step_and_names_a_micro_batch_that_fits():
     assert pm.needed_bytes(r) < r["limit_bytes"]
 
 
+def test_a_micro_batch_holds_the_rest_of_the_batch_and_a_modelled_figure_keeps_more_room():
+    # the estimate's step at 128 samples (15 GiB) would fit a 20 GiB limit; but the loop of micro-batches
+    # still holds the other 128 samples' input (20 MiB each) and one micro-batch's outputs (4 MiB each), and
+    # the estimate is a model: 15 + 2.5 + 0.5 GiB with 10% + 10% is over 20 GiB; 64 samples is 8 + 3.75 + 0.25
+    est = {"batch_size": 256, "method": "simulated", "state_bytes": 2 * GiB, "input_bytes_per_sample": 20 * MiB,
+           "output_bytes_per_sample": 4 * MiB, "points": [[256, 30 * GiB], [128, 15 * GiB], [64, 8 * GiB]]}
+    r = rec(rank=2, step=0, estimate=est, units={"samples": 256, "elements": 256000}, allocated_bytes=17 * GiB,
+            reserved_bytes=18 * GiB, request_bytes=2 * GiB, steps=steps((0, 2 * GiB, 2 * GiB, 256)))
+    change = pm.diagnose(r)[0]["change"]
+    assert change["change"] == "micro_batch" and change["micro_batch"] == 64 and change["accumulation"] == 4
+    assert change["need_bytes"] == 12 * GiB and change["modelled"] is True
+    assert "with the rest of the batch and one micro-batch's outputs held" in change["text"]
+
+
 def test_over_plan_on_the_lower_bound_alone():
     r = rec(rank=2, allocated_bytes=19 * GiB, reserved_bytes=19 * GiB + 10 * MiB)
     causes = pm.diagnose(r)
@@ -381,8 +395,12 @@ def test_the_report_names_this_jobs_oom_and_not_an_earlier_runs(tmp_path, monkey
 
 
 class Priced:
-    """An estimate as note_estimate reads it: its batch, method, state and the step's peak at a batch."""
-    batch_size, method, state_bytes, layers = 64, "simulated", 1 * GiB, []
+    """An estimate as note_estimate reads it: its batch, method, state, a sample's input and its last
+    layer's output, and the step's peak at a batch."""
+    import types
+
+    batch_size, method, state_bytes, input_bytes_per_sample = 64, "simulated", 1 * GiB, 512
+    layers = [types.SimpleNamespace(output_bytes_per_sample=64), types.SimpleNamespace(output_bytes_per_sample=40)]
 
     def train_bytes(self, b):
         return 1 * GiB + b * 16 * MiB
@@ -401,6 +419,8 @@ def test_the_record_carries_the_steps_the_batch_and_the_estimate(hooks):
     assert r["steps"][-1]["allocated_bytes"] == 3 * GiB and r["steps"][-1]["peak_bytes"] == 4 * GiB
     assert r["units"] == {"samples": 32, "elements": 32 * 128}
     assert r["estimate"]["points"][:2] == [[32, GiB + 32 * 16 * MiB], [16, GiB + 16 * 16 * MiB]]
+    # what a micro-batch loop holds besides the estimate's step: the rest of the batch, the last outputs
+    assert r["estimate"]["input_bytes_per_sample"] == 512 and r["estimate"]["output_bytes_per_sample"] == 40
     assert r["reserve_bytes"] is not None and r["explicit_limit"] is False
 
 
