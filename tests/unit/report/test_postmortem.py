@@ -397,10 +397,16 @@ def test_the_report_names_this_jobs_oom_and_not_an_earlier_runs(tmp_path, monkey
 class Priced:
     """An estimate as note_estimate reads it: its batch, method, state, a sample's input and its last
     layer's output, and the step's peak at a batch."""
-    import types
+
+    class Row:
+        def __init__(self, name, out):
+            self.name, self.state_bytes, self.output_bytes_per_sample = name, 0, out
+
+        def activation_bytes(self, b):
+            return b * self.output_bytes_per_sample
 
     batch_size, method, state_bytes, input_bytes_per_sample = 64, "simulated", 1 * GiB, 512
-    layers = [types.SimpleNamespace(output_bytes_per_sample=64), types.SimpleNamespace(output_bytes_per_sample=40)]
+    layers = [Row("fc1", 64), Row("head", 40)]
 
     def train_bytes(self, b):
         return 1 * GiB + b * 16 * MiB
