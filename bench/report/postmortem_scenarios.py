@@ -512,6 +512,9 @@ def table(path: str) -> str:
     lines.append(f"{s['device']}: first rank right {s['first_right']}/{s['runs']}, cause right {s['cause_right']}/"
                  f"{s['runs']}, rerun trained {s['rerun_trained']}/{s['runs']}; the previous rules named "
                  f"{s['baseline_cause_right']}/{s['runs']} ({s['seconds']} s)")
+    if s.get("rescored"):
+        lines.append(f"(first rank and cause re-read on the CPU by today's rules from the records of "
+                     f"{s['rescored']['from']}: {s['rescored']['runs_reread']} runs re-read; the reruns are that run's)")
     return "\n".join(lines)
 
 
