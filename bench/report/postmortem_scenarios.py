@@ -512,6 +512,10 @@ def table(path: str) -> str:
     lines.append(f"{s['device']}: first rank right {s['first_right']}/{s['runs']}, cause right {s['cause_right']}/"
                  f"{s['runs']}, rerun trained {s['rerun_trained']}/{s['runs']}; the previous rules named "
                  f"{s['baseline_cause_right']}/{s['runs']} ({s['seconds']} s)")
+    if s.get("merged"):
+        later = sorted({k.split("/")[0] for k, v in s["merged"]["runs"].items() if v != "first run"})
+        lines.append(f"({len(s['merged']['seconds'])} launches: {', '.join(later)} from a later one, in place of the "
+                     "first's rows; seconds summed)")
     if s.get("rescored"):
         lines.append(f"(first rank and cause re-read on the CPU by today's rules from the records of "
                      f"{s['rescored']['from']}: {s['rescored']['runs_reread']} runs re-read; the reruns are that run's)")
