@@ -518,7 +518,8 @@ def table(path: str) -> str:
                      "first's rows; seconds summed)")
     if s.get("rescored"):
         lines.append(f"(first rank and cause re-read on the CPU by today's rules from the records of "
-                     f"{s['rescored']['from']}: {s['rescored']['runs_reread']} runs re-read; the reruns are that run's)")
+                     f"{s['rescored']['from']}: {s['rescored']['runs_reread']} runs re-read; the reruns are "
+                     "that run's)")
     return "\n".join(lines)
 
 

@@ -3,8 +3,8 @@
 Covered: TensorFlow's ``ResourceExhaustedError``; ``torch.cuda.OutOfMemoryError`` (``torch.OutOfMemoryError``
 since torch 2.5 is the same class); Python's ``MemoryError``; and allocator failures that reach Python as
 a plain ``RuntimeError`` or a TensorFlow ``OpError`` of another code (torch's CPU allocator, cuBLAS/cuDNN
-workspace allocation, NCCL's own buffers, XLA, an OOM raised inside ``tf.py_function``). An explicit cause (``raise X from oom``)
-is followed. Anything else is not an OOM and the guard lets it propagate unchanged.
+workspace allocation, NCCL's own buffers, XLA, an OOM raised inside ``tf.py_function``). An explicit cause
+(``raise X from oom``) is followed. Anything else is not an OOM and the guard lets it propagate unchanged.
 
 :func:`install` (called by ``distmem.init()`` unless ``DISTMEM_POSTMORTEM=0``) makes every
 out-of-memory error write this rank's record (:mod:`distmem.observe.oom_record`): torch's allocator

@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .. import defaults
 from ..units import MiB, format_bytes, plural
 
-__all__ = ["Record", "StepNeed", "ran_out", "stopped", "failed_on_full_device", "nvml_free", "at_failure", "step_need", "peers_of", "peer_figure",
+__all__ = ["Record", "StepNeed", "ran_out", "stopped", "failed_on_full_device", "nvml_free", "at_failure", "step_need",
+           "peers_of", "peer_figure",
            "imbalance", "growth", "first_step_state", "gpu_offer", "equal_share", "rank_share", "outside_bytes", "device_short",
            "changes_for_need", "SOURCES"]
 
