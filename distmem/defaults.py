@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 __all__ = ["OVERHEAD_BYTES", "RESERVE", "LIMIT_HEADROOM", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
-           "headroom", "MIN_LIMIT_BYTES", "MAX_LIMIT_BYTES", "FROM_REPORT_MARGIN", "FRAGMENTATION_MIN_BYTES",
-           "FOREIGN_MIN_BYTES", "IMBALANCE_RATIO", "FRAGMENTATION_TIE", "GROWTH_MIN_STEPS", "GROWTH_MIN_BYTES",
-           "OUTSIDE_MIN_BYTES"]
+           "headroom", "MIN_LIMIT_BYTES", "MAX_LIMIT_BYTES", "FROM_REPORT_MARGIN", "ESTIMATE_MARGIN",
+           "FRAGMENTATION_MIN_BYTES", "FOREIGN_MIN_BYTES", "IMBALANCE_RATIO", "FRAGMENTATION_TIE", "GROWTH_MIN_STEPS",
+           "GROWTH_MIN_BYTES", "OUTSIDE_MIN_BYTES", "DEVICE_FULL_BYTES"]
 
 _MiB = 1024**2
 
@@ -59,6 +59,14 @@ def headroom(framework: str, enforced: bool = True) -> float:
 #: smallest limit each H200 workload ran under was its peak plus fragmentation, below 10%).
 FROM_REPORT_MARGIN = 0.10
 
+#: A change the post-mortem prices with distmem's estimate (a model of the step, not this job's own
+#: measured steps: a smaller micro-batch after a rank ran out in its first step) must fit its limit
+#: with this much more room than :data:`FROM_REPORT_MARGIN`: the estimate is of the step's allocated
+#: peak, while a hard limit caps the reserved pool, whose blocks of mixed sizes ran further above it. On
+#: the H200 an MLP's accumulation step priced at 1.1 GiB with the batch held whole ran out of its 1.25 GiB
+#: limit (bench/results/postmortem_scenarios_h200.json, global_batch).
+ESTIMATE_MARGIN = 0.10
+
 #: An out-of-memory error is put down to fragmentation only when the allocator held at least this
 #: much free in its pool (reserved - allocated) besides the request not fitting its largest free
 #: block: a few MiB of slack is every allocator's normal rounding, not a cause.
@@ -86,3 +94,10 @@ GROWTH_MIN_BYTES = 64 * _MiB
 #: plan's per-process overhead is named as a cause only above this many bytes in all: the overhead's
 #: own spread (cuBLAS/cuDNN handles, lazily loaded kernels) stays below it.
 OUTSIDE_MIN_BYTES = 256 * _MiB
+
+#: A GPU is full, by NVML, when its total less what the driver keeps less every process's bytes
+#: leaves under this much: a rank that ended on its own CUDA failure then (NCCL's "unhandled cuda
+#: error", whose detail "Failed to CUDA calloc async 608 bytes" a record may not keep) ran out of
+#: memory outside its allocator. On the H200 two ranks that did left 18 MiB of 140.4 GiB
+#: (tests/fixtures/postmortem/h200/outside_allocator-*).
+DEVICE_FULL_BYTES = 64 * _MiB

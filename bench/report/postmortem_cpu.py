@@ -19,10 +19,11 @@ door measured is ``distmem postmortem`` (bench/report/postmortem_scenarios.py), 
 """
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAKEGPU = os.path.join(ROOT, "tests", "gpu", "progs", "fakegpu")
@@ -105,11 +106,28 @@ def _caching_pool(grow: Callable[[int], Optional[str]], shrink: Callable[[int], 
 
 
 class _ExpandablePool:
-    """Expandable segments: pages mapped as the pool grows and unmapped when freed at the end."""
+    """torch's expandable segments (``expandable_segments:True``): per pool (small: requests up to
+    1 MiB; large) one segment of virtual addresses, mapped in chunks of 2 MiB (small) or 20 MiB
+    (large, torch's ``kLargeBuffer``) as it grows. A request takes the smallest free mapped block
+    that holds it (split when 512 bytes or more would remain); else, where the mapped bytes plus the
+    request's allocation size (2 MiB; 20 MiB under 10 MiB; else rounded up to 2 MiB) stay within the
+    cap, the first run of free and unmapped addresses that holds it, mapped chunk by chunk. On a
+    failure every free block's whole chunks are unmapped (torch's ``release_cached_blocks``) and
+    the request is tried once more. A chunk that holds any live block stays mapped: live tensors
+    scattered over many chunks strand the free bytes between them."""
 
-    def __init__(self, grow: Callable[[int], Optional[str]], shrink: Callable[[int], None]):
-        self.grow, self.shrink = grow, shrink
-        self.sizes: Dict[object, int] = {}
+    SMALL, SMALL_CHUNK, LARGE_CHUNK = 1024 * 1024, 2 * MiB, 20 * MiB
+    #: virtual addresses of each pool's segment (far more than any stand-in GPU)
+    SPACE = 1 << 44
+
+    def __init__(self, grow: Callable[[int], Optional[str]], shrink: Callable[[int], None],
+                 book: Callable[[int], Optional[str]]):
+        self.grow, self.shrink, self.book = grow, shrink, book
+        # per pool: sorted block start addresses, and start -> [size, state] (state: "used", "free", "unmapped")
+        self.starts: Dict[int, List[int]] = {0: [0], 1: [0]}
+        self.blocks: Dict[int, Dict[int, List[Any]]] = {0: {0: [self.SPACE, "unmapped"]},
+                                                        1: {0: [self.SPACE, "unmapped"]}}
+        self.where: Dict[object, Tuple[int, int]] = {}
         self.in_use = 0
         self.peak = 0
         self.mapped = 0
@@ -117,33 +135,164 @@ class _ExpandablePool:
     def reserved(self) -> int:
         return self.mapped
 
+    # -- blocks -----------------------------------------------------------------------------
+    def _put(self, pool: int, addr: int, size: int, state: str) -> None:
+        if addr not in self.blocks[pool]:
+            bisect.insort(self.starts[pool], addr)
+        self.blocks[pool][addr] = [size, state]
+
+    def _drop(self, pool: int, addr: int) -> None:
+        del self.blocks[pool][addr]
+        i = bisect.bisect_left(self.starts[pool], addr)
+        del self.starts[pool][i]
+
+    def _next(self, pool: int, addr: int) -> Optional[int]:
+        i = bisect.bisect_right(self.starts[pool], addr)
+        return self.starts[pool][i] if i < len(self.starts[pool]) else None
+
+    def _prev(self, pool: int, addr: int) -> Optional[int]:
+        i = bisect.bisect_left(self.starts[pool], addr)
+        return self.starts[pool][i - 1] if i > 0 else None
+
+    def _merge(self, pool: int, addr: int) -> int:
+        """Merge the block at ``addr`` with neighbours of the same state (free or unmapped); its start."""
+        size, state = self.blocks[pool][addr]
+        nxt = self._next(pool, addr)
+        if nxt is not None and self.blocks[pool][nxt][1] == state:
+            size += self.blocks[pool][nxt][0]
+            self._drop(pool, nxt)
+        prv = self._prev(pool, addr)
+        if prv is not None and self.blocks[pool][prv][1] == state:
+            self._drop(pool, addr)
+            addr = prv
+            size += self.blocks[pool][prv][0]
+        self.blocks[pool][addr] = [size, state]
+        return addr
+
+    def _chunk(self, pool: int) -> int:
+        return self.SMALL_CHUNK if pool == 0 else self.LARGE_CHUNK
+
+    def _map(self, pool: int, addr: int, size: int) -> Optional[int]:
+        """Map the chunks of the unmapped block at ``addr`` that cover its first ``size`` bytes (None
+        where the device has no room for them: the cap was checked before, for the request)."""
+        total, _ = self.blocks[pool][addr]
+        g = self._chunk(pool)
+        take = min(-(-size // g) * g, total)
+        if self.book(take) is not None:
+            return None
+        self._put(pool, addr, take, "free")
+        if take < total:
+            self._put(pool, addr + take, total - take, "unmapped")
+        self.mapped += take
+        return self._merge(pool, addr)
+
+    # -- the allocator ----------------------------------------------------------------------
     def alloc(self, key: object, size: int) -> None:
-        size = max(512, -(-size // 512) * 512)
-        need = -(-(self.in_use + size) // PAGE) * PAGE
-        if need > self.mapped:
-            why = self.grow(need - self.mapped)
-            if why is not None:
-                raise _NoRoom(need - self.mapped, why)
-            self.mapped = need
-        self.sizes[key] = size
-        self.in_use += size
+        rounded = max(512, -(-int(size) // 512) * 512)
+        pool = 0 if rounded <= self.SMALL else 1
+        addr = self._best_fit(pool, rounded)
+        if addr is None:
+            addr = self._grow(pool, rounded)
+        if addr is None:
+            self.release()
+            addr = self._grow(pool, rounded)
+        if addr is None:
+            raise _NoRoom(rounded, "cap")
+        bsize, _ = self.blocks[pool][addr]
+        if bsize - rounded >= 512:
+            self._put(pool, addr + rounded, bsize - rounded, "free")
+            bsize = rounded
+        self.blocks[pool][addr] = [bsize, "used"]
+        self.where[key] = (pool, addr)
+        self.in_use += bsize
         self.peak = max(self.peak, self.in_use)
 
+    def _best_fit(self, pool: int, rounded: int) -> Optional[int]:
+        best = None
+        for a, (sz, st) in self.blocks[pool].items():
+            if st == "free" and sz >= rounded and (best is None or (sz, a) < best):
+                best = (sz, a)
+        return best[1] if best else None
+
+    def _grow(self, pool: int, rounded: int) -> Optional[int]:
+        if pool == 0:
+            alloc_size = self.SMALL_CHUNK
+        elif rounded < 10 * MiB:
+            alloc_size = self.LARGE_CHUNK
+        else:
+            alloc_size = -(-rounded // (2 * MiB)) * 2 * MiB
+        if self.grow(alloc_size) is not None:  # the cap (or the device) refuses the allocation's size
+            return None
+        self.shrink(alloc_size)  # only checked: the bytes booked are the chunks mapped below
+        for a in list(self.starts[pool]):
+            if self.blocks[pool].get(a, [0, ""])[1] != "unmapped":
+                continue
+            c = a
+            prv = self._prev(pool, a)
+            if prv is not None and self.blocks[pool][prv][1] == "free":
+                c = prv
+            run, b = 0, c
+            while b is not None and run < rounded and self.blocks[pool][b][1] in ("free", "unmapped"):
+                run += self.blocks[pool][b][0]
+                b = self._next(pool, b)
+            if run < rounded:
+                continue
+            while self.blocks[pool][c][1] != "free" or self.blocks[pool][c][0] < rounded:
+                # map the unmapped addresses from c on, as far as the request needs
+                first = c if self.blocks[pool][c][1] == "unmapped" else self._next(pool, c)
+                need = rounded - (self.blocks[pool][c][0] if first != c else 0)
+                mapped = self._map(pool, first, need)
+                if mapped is None:
+                    return None
+                c = mapped
+            return c
+        return None
+
     def free(self, key: object) -> None:
-        size = self.sizes.pop(key, None)
-        if size is not None:
-            self.in_use -= size
+        where = self.where.pop(key, None)
+        if where is None:
+            return
+        pool, addr = where
+        size, _ = self.blocks[pool][addr]
+        self.in_use -= size
+        self.blocks[pool][addr] = [size, "free"]
+        self._merge(pool, addr)
 
     def release(self) -> None:
-        keep = -(-self.in_use // PAGE) * PAGE
-        if keep < self.mapped:
-            self.shrink(self.mapped - keep)
-            self.mapped = keep
+        """Unmap the whole chunks inside every free block (torch's ``release_cached_blocks``)."""
+        for pool in (0, 1):
+            g = self._chunk(pool)
+            for a in list(self.starts[pool]):
+                blk = self.blocks[pool].get(a)
+                if blk is None or blk[1] != "free":
+                    continue
+                size = blk[0]
+                lo, hi = -(-a // g) * g, (a + size) // g * g
+                if hi <= lo:
+                    continue
+                if lo > a:
+                    self._put(pool, a, lo - a, "free")
+                else:
+                    self._drop(pool, a)
+                self._put(pool, lo, hi - lo, "unmapped")
+                if a + size > hi:
+                    self._put(pool, hi, a + size - hi, "free")
+                self._merge(pool, lo)
+                self.mapped -= hi - lo
+                self.shrink(hi - lo)
+
+    def largest_free(self) -> int:
+        return max([sz for p in (0, 1) for sz, st in self.blocks[p].values() if st == "free"] or [0])
 
     def segments(self) -> List[Dict[str, Any]]:
-        return [{"device": 0, "total_size": self.mapped, "segment_type": "large",
-                 "blocks": [{"size": self.in_use, "state": "active_allocated"},
-                            {"size": self.mapped - self.in_use, "state": "inactive"}]}]
+        out = []
+        for pool in (0, 1):
+            blocks = [{"size": sz, "state": "active_allocated" if st == "used" else "inactive"}
+                      for a in self.starts[pool] for sz, st in [self.blocks[pool][a]] if st != "unmapped"]
+            if blocks:
+                out.append({"device": 0, "total_size": sum(b["size"] for b in blocks), "blocks": blocks,
+                            "segment_type": "small" if pool == 0 else "large"})
+        return out
 
 
 class Device:
@@ -189,7 +338,7 @@ class Device:
 
     def start(self) -> None:
         if self.pool is None:
-            self.pool = (_ExpandablePool(self._grow, self._shrink) if self.expandable
+            self.pool = (_ExpandablePool(self._grow, self._shrink, self._book) if self.expandable
                          else _caching_pool(self._grow, self._shrink))
 
     def free_bytes(self) -> int:
@@ -200,8 +349,13 @@ class Device:
         """Memory this process holds outside its allocator (a library's own ``cudaMalloc``); raises
         the library's out-of-memory error where the GPU is full."""
         if self._book(int(size) * self.scale) is not None:
-            raise RuntimeError(f"NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL "
-                               f"version 2.27: Cuda failure 'out of memory' (emulated, {size * self.scale} bytes)")
+            # NCCL 2.28's words on the H200 when the driver refused a communicator's buffers
+            import torch.distributed as dist
+
+            error = getattr(dist, "DistBackendError", RuntimeError)
+            raise error("NCCL error in: NCCLUtils.cpp:93, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                        "details), NCCL version 2.28.9\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                        f"Last error:\nFailed to CUDA calloc async {int(size) * self.scale} bytes (CPU stand-in)")
         self.outside += int(size) * self.scale
 
     # -- the allocator distmem reads --------------------------------------------------------

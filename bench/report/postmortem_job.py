@@ -29,6 +29,10 @@ if CPU:
     sys.path.insert(0, os.path.join(ROOT, "tests", "gpu", "progs", "fakegpu"))  # its pynvml, before distmem's import
 
 MiB = 1024 ** 2
+#: How an allocation the device refused reads in an error that is not torch's OutOfMemoryError: CUDA's own
+#: words, and NCCL's when the driver refuses a communicator's buffers ("ncclUnhandledCudaError: Call to
+#: CUDA function failed. Last error: Failed to CUDA calloc async 608 bytes", NCCL 2.28 on the H200)
+OOM_TEXT = ("out of memory", "failed to cuda calloc", "failed to cuda malloc")
 SCENARIOS = ("uneven_batch", "global_batch", "long_sequence", "growth", "pipeline_stage", "foreign_mid_run",
              "fragmentation", "outside_allocator")
 
@@ -150,9 +154,11 @@ class Job:
         self.truth: Dict[str, Any] = {"rank": self.rank, "scenario": a.scenario, "pid": os.getpid(), "steps_done": 0}
         os.environ.setdefault("RANK", str(self.rank))
         os.environ.setdefault("WORLD_SIZE", str(self.size))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", os.environ.get("PM_PORT", "29500"))
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        if os.environ.get("MASTER_PORT"):  # torchrun's rendezvous
+            dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        else:  # mpirun gives none: a file in the run folder (a port picked beforehand can be taken meanwhile)
+            dist.init_process_group("gloo", init_method="file://" + os.path.join(os.path.abspath(a.out), "rendezvous"),
+                                    rank=self.rank, world_size=self.size, timeout=timedelta(seconds=120))
         self.emu = None
         if CPU:
             import postmortem_cpu
@@ -257,7 +263,7 @@ class Job:
             self._oom(exc)
             raise
         except Exception as exc:  # noqa: BLE001 - NCCL's own out-of-memory reaches Python as its error
-            if "out of memory" in str(exc).lower():
+            if any(m in str(exc).lower() for m in OOM_TEXT):
                 self._oom(exc)
             else:
                 self.truth.update(trained=False, error=f"{type(exc).__name__}: {exc}"[:800])
@@ -446,9 +452,15 @@ class _Scaled:
     """An estimate read through the CPU stand-in's scale (its allocator books ``scale`` x the bytes)."""
 
     def __init__(self, est: Any, scale: int):
+        from dataclasses import replace
+
         self.est, self.scale = est, scale
-        self.batch_size, self.method, self.layers = est.batch_size, est.method, est.layers
+        self.batch_size, self.method, self.layers = est.batch_size, est.method, list(est.layers)
         self.state_bytes = est.state_bytes * scale
+        self.input_bytes_per_sample = est.input_bytes_per_sample * scale
+        if self.layers:
+            last = self.layers[-1]
+            self.layers[-1] = replace(last, output_bytes_per_sample=last.output_bytes_per_sample * scale)
 
     def train_bytes(self, batch: int) -> int:
         return int(self.est.train_bytes(batch)) * self.scale

@@ -4,6 +4,15 @@ the cause the scenario has, and a change that, applied in a rerun, lets the job 
 
     PYTHONPATH=. python3 bench/report/postmortem_scenarios.py --out /tmp/pms --copy-to "$OUT"   # the H200
     python bench/report/postmortem_scenarios.py --cpu --out /tmp/pms-cpu [--only growth] [--launchers mpirun]
+    python bench/report/postmortem_scenarios.py --merge NEW.json bench/results/postmortem_scenarios_h200.json
+    python bench/report/postmortem_scenarios.py --fixtures RECORDS.tar.gz tests/fixtures/postmortem/h200
+    python bench/report/postmortem_scenarios.py --rescore tests/fixtures/postmortem/h200 \
+        bench/results/postmortem_scenarios_h200.json bench/results/postmortem_scenarios_h200_rescored.json
+
+A run of some scenarios (``--only``) merges into an earlier results file (``--merge``: its rows replace
+those scenarios' rows, the summary is recomputed over every row and says which launch each came
+from); ``--fixtures`` replaces only the scenarios its records hold. ``--rescore`` launches nothing: it
+re-reads a run's records (its fixtures) with today's post-mortem, for rules changed since that run.
 
 Scenarios (``bench/report/postmortem_job.py`` is the job; each its cause):
 
@@ -38,7 +47,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -83,13 +91,13 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
                "cpu": ["--limit", "1.5GiB", "--width", "64", "--depth", "3", "--classes", "1024", "--batch", "512",
                        "--steps", "16"]},
     "pipeline_stage": {"ranks": 2, "cause": "wrong_stage", "first": [1], "exclusive": False,
-                       "gpu": ["--stages", "1GiB,1.25GiB", "--width", "1024", "--depth", "8", "--classes", "16384",
+                       "gpu": ["--stages", "1GiB,1.25GiB", "--width", "1024", "--depth", "8", "--classes", "32768",
                                "--batch", "8192", "--micro", "4", "--estimate", "--steps", "4"],
                        "cpu": ["--stages", "512MiB,640MiB", "--width", "64", "--depth", "4", "--classes", "4096",
                                "--batch", "512", "--micro", "4", "--estimate", "--steps", "3"]},
     "fragmentation": {"ranks": 2, "cause": "fragmentation", "first": "any", "exclusive": False,
-                      "gpu": ["--limit", "720MiB", "--width", "1024", "--batch", "2", "--steps", "24"],
-                      "cpu": ["--limit", "720MiB", "--width", "256", "--batch", "2", "--steps", "24"],
+                      "gpu": ["--limit", "1750MiB", "--width", "1024", "--batch", "2", "--steps", "27"],
+                      "cpu": ["--limit", "1600MiB", "--width", "256", "--batch", "2", "--steps", "27"],
                       "cpu_scale": 4},
     "foreign_mid_run": {"ranks": 2, "cause": "foreign_process", "first": "any", "exclusive": True,
                         "gpu": ["--limit", "3GiB", "--width", "1024", "--depth", "8", "--batch", "16384",
@@ -99,19 +107,13 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
                         "hog_keep": {"gpu": 512 * MiB, "cpu": 64 * MiB}},
     "outside_allocator": {"ranks": 2, "cause": "outside_allocator", "first": "any", "exclusive": True,
                           "gpu": ["--width", "256", "--depth", "8", "--classes", "256", "--batch", "4800000",
-                                  "--groups-per-step", "3", "--steps", "24"],
+                                  "--groups-per-step", "6", "--steps", "12"],
                           "cpu": ["--width", "64", "--depth", "4", "--classes", "64", "--batch", "20000",
                                   "--groups-per-step", "2", "--steps", "20"]},
 }
 #: the CPU stand-in: a GPU of this many MiB for each scenario (its own: on the stand-in scenarios do not
 #: share one), every real byte booked this many times
 CPU_GPU_MIB, CPU_SCALE = 8192, 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tool(name: str) -> str:
@@ -145,7 +147,7 @@ class Runner:
 
     def env(self, run_dir: str, extra: Optional[Dict[str, str]] = None, scale: int = 0) -> Dict[str, str]:
         e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), DISTMEM_RUN_DIR=run_dir,
-                 DISTMEM_TIMEOUT="60", PM_PORT=str(free_port()), NCCL_NVLS_ENABLE="0",
+                 DISTMEM_TIMEOUT="60", NCCL_NVLS_ENABLE="0",
                  TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", CUDA_DEVICE_ORDER="PCI_BUS_ID",
                  OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
                  PYTHONUNBUFFERED="1")
@@ -312,10 +314,17 @@ def change_args(change: Optional[Dict[str, Any]], run_dir: str) -> Tuple[Optiona
 
 
 def fragmentation_lengths() -> str:
-    """The fragmentation job's sequence lengths, one per step: 1280 to 4224 tokens, each step a
+    """The fragmentation job's sequence lengths, one per step: 4096 to 8512 tokens, each step a
     longer one (its position table kept, its activations needing larger blocks than the last
-    step's); the same on the CPU stand-in, whose width is a quarter and whose bytes count 4 times."""
-    return ",".join(str(1280 + 128 * k) for k in range(24))
+    step's), then the longest three times more (no new table: the job's need stops growing); the
+    same on the CPU stand-in, whose width is a quarter and whose bytes count 4 times. Its limit
+    (1750 MiB) is where, in a model of torch's two allocators replaying this job on the meta device
+    (the H200's figures of the first round reproduced: the expandable run out at step 20 with 581
+    MiB allocated and 702 MiB reserved), the caching allocator runs out at every limit up to 1900
+    MiB while expandable segments train the whole job from 1550 MiB: its largest step needs about
+    1.3 GiB. (The first round's job, 1280 to 4224 tokens under 720 MiB, needed 93% of its limit by
+    its last step: expandable segments ran out too, their 20 MiB chunks stranded by the tables.)"""
+    return ",".join([str(4096 + 192 * k) for k in range(24)] + [str(4096 + 192 * 23)] * 3)
 
 
 def run_scenario(runner: Runner, name: str, launcher: str) -> Dict[str, Any]:
@@ -393,6 +402,99 @@ def summary(rows: List[Dict[str, Any]], device: str, seconds: float) -> Dict[str
             "seconds": round(seconds, 1), "by_scenario": by_scenario}
 
 
+def merge(new_path: str, into_path: str) -> Dict[str, Any]:
+    """The runs of ``new_path`` (a results file of some scenarios, rerun) in place of the same
+    scenarios' runs (scenario and launcher) in ``into_path``, written back to ``into_path`` with its
+    summary recomputed over every run: which runs came from which file is in ``summary.merged``."""
+    with open(new_path) as f:
+        new = json.load(f)
+    with open(into_path) as f:
+        old = json.load(f)
+    device = new["summary"]["device"]
+    if old["summary"]["device"] != device:
+        raise SystemExit(f"--merge: {new_path} ran on {device}, {into_path} on {old['summary']['device']}: "
+                         "merge runs of the same device only")
+    key = lambda r: (r["scenario"], r["launcher"])  # noqa: E731
+    fresh = {key(r) for r in new["rows"]}
+    rows = [r for r in old["rows"] if key(r) not in fresh] + list(new["rows"])
+    order = {n: i for i, n in enumerate(SCENARIOS)}
+    rows.sort(key=lambda r: (order.get(r["scenario"], len(order)), LAUNCHERS.index(r["launcher"])
+                             if r["launcher"] in LAUNCHERS else len(LAUNCHERS)))
+    earlier = old["summary"].get("merged") or {"runs": {f"{r['scenario']}/{r['launcher']}": "first run"
+                                                         for r in old["rows"]}, "seconds": [old["summary"]["seconds"]]}
+    runs = dict(earlier["runs"])
+    label = f"rerun {len(earlier['seconds'])}"
+    for r in new["rows"]:
+        runs[f"{r['scenario']}/{r['launcher']}"] = label
+    out = {"summary": summary(rows, device, sum(earlier["seconds"]) + new["summary"]["seconds"]), "rows": rows}
+    out["summary"]["merged"] = {"runs": runs, "seconds": earlier["seconds"] + [new["summary"]["seconds"]],
+                                "note": "each run's row from the launch named; a rerun replaced that scenario's "
+                                        "rows (both launchers) of the launch before"}
+    with open(into_path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return out
+
+
+def rescore(fixtures_dir: str, results: str, out_path: str) -> Dict[str, Any]:
+    """The runs of ``results`` re-read by today's ``distmem postmortem`` from their records kept as
+    fixtures (``fixtures_dir/<scenario>-<launcher>/``, with the manifest's truth: the ranks that ran
+    out, the first by their clock), written to ``out_path``: which rank and cause it names now, and the
+    previous rules on the same records. A run without records (nothing ran out, the launch failed)
+    keeps its row. The rerun is the GPU's: a run whose named change is still the one its rerun applied
+    keeps that rerun's result; one whose change differs counts as not rerun (``rerun.applied`` None,
+    the earlier rerun kept under ``rerun.earlier``)."""
+    with open(results) as f:
+        data = json.load(f)
+    rows, n = [], 0
+    for old in data["rows"]:
+        folder = os.path.join(fixtures_dir, f"{old['scenario']}-{old['launcher']}")
+        if not os.path.exists(os.path.join(folder, "manifest.json")):
+            rows.append(old)
+            continue
+        n += 1
+        with open(os.path.join(folder, "manifest.json")) as f:
+            truth = json.load(f)
+        from distmem.observe.oom_record import read_records
+
+        page = postmortem_page(folder)
+        entry = (page.get("entries") or [None])[0]
+        cause = entry["causes"][0] if entry and entry.get("causes") else None
+        allowed = truth["ran_out"] if truth["first_allowed"] == "any" else truth["first_allowed"]
+        named = page.get("first")
+        row = dict(old)
+        row.update({
+            "ran_out": truth["ran_out"], "first_by_clock": truth["first"], "first_named": named,
+            "first_right": named is not None and named in allowed and named in truth["first"],
+            "cause_named": cause["kind"] if cause else None, "confidence": cause.get("confidence") if cause else None,
+            "cause_right": bool(cause) and cause["kind"] == old["expected_cause"],
+            "causes": [c["kind"] for c in (entry or {}).get("causes", [])],
+            "message": cause.get("message") if cause else None, "change": cause.get("change") if cause else None,
+            "remedy": cause.get("remedy") if cause else None, "baseline_cause": previous_rules(read_records(folder)),
+            "step_need_bytes": (entry or {}).get("step_need_bytes"),
+            "step_need_source": (entry or {}).get("step_need_source"), "page_text": page.get("text", "")[-3000:],
+            "rescored_from": os.path.relpath(folder, ROOT) if os.path.isabs(folder) else folder})
+        row["baseline_right"] = row["baseline_cause"] == old["expected_cause"]
+        was = old.get("rerun") or {}
+        extra, env, _ = change_args(row["change"], "RUN_DIR")
+        same = extra is not None and was.get("applied") == (row["change"] or {}).get("change") and \
+            [a for a in extra if a != "RUN_DIR"] == [a for a in was.get("args") or [] if "/" not in a] and \
+            env == (was.get("env") or {})
+        if not same:
+            row["rerun_trained"] = False
+            row["rerun"] = {"applied": None, "why": "the change named now was not rerun (the rerun needs the GPU)",
+                            "earlier": was}
+        rows.append(row)
+    out = {"summary": summary(rows, data["summary"]["device"], data["summary"]["seconds"]), "rows": rows}
+    out["summary"]["rescored"] = {
+        "from": results, "fixtures": fixtures_dir, "runs_reread": n,
+        "note": "first rank and cause re-read on the CPU by distmem postmortem from the run's records; a run that "
+                "wrote none keeps its row; rerun_trained is the GPU run's, where the change named is the one it "
+                "applied, else counted as not trained"}
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return out
+
+
 def table(path: str) -> str:
     """The results file as the markdown table the docs quote."""
     if not os.path.exists(path):
@@ -410,6 +512,14 @@ def table(path: str) -> str:
     lines.append(f"{s['device']}: first rank right {s['first_right']}/{s['runs']}, cause right {s['cause_right']}/"
                  f"{s['runs']}, rerun trained {s['rerun_trained']}/{s['runs']}; the previous rules named "
                  f"{s['baseline_cause_right']}/{s['runs']} ({s['seconds']} s)")
+    if s.get("merged"):
+        later = sorted({k.split("/")[0] for k, v in s["merged"]["runs"].items() if v != "first run"})
+        lines.append(f"({len(s['merged']['seconds'])} launches: {', '.join(later)} from a later one, in place of the "
+                     "first's rows; seconds summed)")
+    if s.get("rescored"):
+        lines.append(f"(first rank and cause re-read on the CPU by today's rules from the records of "
+                     f"{s['rescored']['from']}: {s['rescored']['runs_reread']} runs re-read; the reruns are "
+                     "that run's)")
     return "\n".join(lines)
 
 
@@ -469,9 +579,21 @@ def main() -> int:
     ap.add_argument("--table", default=None, help="print a results file as the docs' table and stop")
     ap.add_argument("--fixtures", nargs=2, metavar=("SRC", "DEST"),
                     help="copy the records of SRC (an OUT folder or the records archive) to DEST as test fixtures")
+    ap.add_argument("--merge", nargs=2, metavar=("NEW", "INTO"),
+                    help="put the runs of results file NEW in place of the same scenarios' runs in results file INTO "
+                         "(written back, its summary over every run)")
+    ap.add_argument("--rescore", nargs=3, metavar=("FIXTURES", "RESULTS", "OUT"),
+                    help="re-read the runs of results file RESULTS from their records in FIXTURES (the --fixtures "
+                         "folders) with today's post-mortem; write the results to OUT (no job is launched)")
     a = ap.parse_args()
+    if a.rescore:
+        print(json.dumps(rescore(*a.rescore)["summary"]))
+        return 0
     if a.table:
         print(table(a.table))
+        return 0
+    if a.merge:
+        print(json.dumps(merge(*a.merge)["summary"]))
         return 0
     if a.fixtures:
         for d in fixtures(*a.fixtures):

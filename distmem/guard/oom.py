@@ -3,8 +3,8 @@
 Covered: TensorFlow's ``ResourceExhaustedError``; ``torch.cuda.OutOfMemoryError`` (``torch.OutOfMemoryError``
 since torch 2.5 is the same class); Python's ``MemoryError``; and allocator failures that reach Python as
 a plain ``RuntimeError`` or a TensorFlow ``OpError`` of another code (torch's CPU allocator, cuBLAS/cuDNN
-workspace allocation, XLA, an OOM raised inside ``tf.py_function``). An explicit cause (``raise X from oom``)
-is followed. Anything else is not an OOM and the guard lets it propagate unchanged.
+workspace allocation, NCCL's own buffers, XLA, an OOM raised inside ``tf.py_function``). An explicit cause
+(``raise X from oom``) is followed. Anything else is not an OOM and the guard lets it propagate unchanged.
 
 :func:`install` (called by ``distmem.init()`` unless ``DISTMEM_POSTMORTEM=0``) makes every
 out-of-memory error write this rank's record (:mod:`distmem.observe.oom_record`): torch's allocator
@@ -32,6 +32,11 @@ OOM_MESSAGES: Tuple[str, ...] = (
     "cudnn_status_alloc_failed",
     "failed to allocate memory",
     "resourceexhaustederror",                   # a TF OOM re-raised through tf.py_function (UnknownError)
+    # NCCL's own device allocation (a communicator's buffers, outside the framework's allocator) refused
+    # by the driver: "ncclUnhandledCudaError: Call to CUDA function failed. Last error: Failed to CUDA
+    # calloc async 608 bytes"
+    "failed to cuda calloc",
+    "failed to cuda malloc",
 )
 
 

@@ -46,6 +46,9 @@ _state: Dict[str, Any] = {"step": None, "layers": None, "steps": collections.deq
 _UNITS = {"b": 1, "bytes": 1, "kib": 1024, "kb": 1024, "mib": 1024**2, "mb": 1024**2, "gib": 1024**3,
           "gb": 1024**3, "tib": 1024**4, "tb": 1024**4}
 _TRIED = re.compile(r"tried to allocate\s+([0-9.]+)\s*([kmgt]i?b|bytes|b)\b", re.I)
+#: NCCL's own device allocations (outside the framework's allocator) that the driver refused:
+#: ``Failed to CUDA calloc async 608 bytes``, ``Failed to CUDA malloc 4194304 bytes``
+_NCCL_ALLOC = re.compile(r"failed to cuda (?:c|m)alloc(?: async)?\s+([0-9]+)\s*bytes", re.I)
 _TF_SHAPE = re.compile(r"oom when allocating tensor with shape\s*\[([0-9, ]*)\]\s*and type\s+(\w+)", re.I)
 _TF_DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
                    "int32": 4, "int64": 8, "int8": 1, "uint8": 1, "int16": 2, "bool": 1, "complex64": 8}
@@ -171,14 +174,21 @@ def _price(samples: int) -> None:
 
 
 def _estimate_points(samples: Optional[int]) -> Optional[Dict[str, Any]]:
-    """What the record says of the noted estimate: its batch, method, state, and the step's peak
-    at this step's samples and halves of it (the post-mortem's figure for the whole step and for
-    smaller micro-batches), as :func:`note_step` priced them."""
+    """What the record says of the noted estimate: its batch, method, state, the bytes of a sample's
+    input and of its output, and the step's peak at this step's samples and halves of it (the
+    post-mortem's figure for the whole step and for smaller micro-batches), as :func:`note_step`
+    priced them."""
     est = _state["estimate"]
     if est is None:
         return None
+    layers = getattr(est, "layers", None) or []
     out: Dict[str, Any] = {"batch_size": getattr(est, "batch_size", None), "method": getattr(est, "method", None),
-                           "state_bytes": getattr(est, "state_bytes", None), "points": []}
+                           "state_bytes": getattr(est, "state_bytes", None), "points": [],
+                           # what a sample is fed as and what the model gives back for it: a loop of
+                           # micro-batches holds the rest of the batch, and the last micro-batch's outputs
+                           "input_bytes_per_sample": getattr(est, "input_bytes_per_sample", None),
+                           "output_bytes_per_sample": getattr(layers[-1], "output_bytes_per_sample", None)
+                           if layers else None}
     out.update((_state.get("priced") or {}).get(int(samples or 0), {}))
     return out
 
@@ -214,10 +224,14 @@ def current_step() -> Optional[int]:
 
 def request_from_text(text: str) -> Optional[int]:
     """The bytes an error message says were asked for: torch's ``Tried to allocate 2.00 GiB``,
-    TensorFlow's ``OOM when allocating tensor with shape[64,1024] and type float``; None otherwise."""
+    TensorFlow's ``OOM when allocating tensor with shape[64,1024] and type float``, NCCL's ``Failed
+    to CUDA calloc async 608 bytes``; None otherwise."""
     m = _TRIED.search(text or "")
     if m:
         return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    m = _NCCL_ALLOC.search(text or "")
+    if m:
+        return int(m.group(1))
     m = _TF_SHAPE.search(text or "")
     if m:
         dims = [int(d) for d in m.group(1).replace(" ", "").split(",") if d]

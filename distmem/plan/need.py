@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .. import defaults
 from ..units import MiB, format_bytes, plural
 
-__all__ = ["Record", "StepNeed", "ran_out", "stopped", "at_failure", "step_need", "peers_of", "peer_figure",
+__all__ = ["Record", "StepNeed", "ran_out", "stopped", "failed_on_full_device", "nvml_free", "at_failure", "step_need",
+           "peers_of", "peer_figure",
            "imbalance", "growth", "first_step_state", "gpu_offer", "equal_share", "rank_share", "outside_bytes", "device_short",
            "changes_for_need", "SOURCES"]
 
@@ -57,13 +58,46 @@ def _fmt(n: Optional[float]) -> str:
     return format_bytes(n) if n is not None else "?"
 
 
+#: Words of a rank's own error that say a CUDA call failed without saying why (NCCL's
+#: ``unhandled cuda error``; CUDA's ``CUDA error: ...``): read with what NVML saw (:func:`failed_on_full_device`).
+CUDA_FAILURE = ("unhandled cuda error", "call to cuda function failed", "cuda error", "cuda failure")
+#: How fail fast words the error it stops a rank with (another rank failed): not this rank's own.
+STOPPED_BY_PEER = "distmem: rank "
+
+
 def ran_out(rec: Record) -> bool:
-    """A record of a rank that ran out of memory (not one fail fast stopped, not a report's row)."""
-    return rec.get("kind", "oom") == "oom"
+    """A record of a rank that ran out of memory (not one fail fast stopped, not a report's row):
+    ``kind`` ``oom``, or a rank that ended on its own CUDA failure while its GPU was full
+    (:func:`failed_on_full_device`)."""
+    kind = rec.get("kind", "oom")
+    return kind == "oom" or (kind == "stopped" and failed_on_full_device(rec))
 
 
 def stopped(rec: Record) -> bool:
-    return rec.get("kind") == "stopped"
+    return rec.get("kind") == "stopped" and not failed_on_full_device(rec)
+
+
+def nvml_free(rec: Record) -> Optional[int]:
+    """What NVML left free on the rank's GPU when the record was written: its total less what the
+    driver keeps less every process's bytes on it (None without the total or the processes)."""
+    total, procs = _int(rec.get("device_total_bytes")), rec.get("gpu_processes") or []
+    dev = rec.get("device")
+    held = [_int(p.get("bytes")) for p in procs if dev is None or p.get("device", dev) == dev]
+    if total is None or not held or any(b is None for b in held):
+        return None
+    return total - (_int(rec.get("driver_reserved_bytes")) or 0) - sum(held)  # type: ignore[arg-type]
+
+
+def failed_on_full_device(rec: Record) -> bool:
+    """The rank ended on its own error (not fail fast's word about another rank) saying a CUDA call
+    failed, while NVML saw its GPU full (under :data:`distmem.defaults.DEVICE_FULL_BYTES` free): a
+    library's own allocation (NCCL's communicator buffers, a workspace) refused by the driver, whose
+    message need not name memory. The error alone, with room on the GPU, is not read as one."""
+    err = str(rec.get("error") or "").strip().lower()
+    if not err or err.startswith(STOPPED_BY_PEER) or not any(m in err for m in CUDA_FAILURE):
+        return False
+    free = nvml_free(rec)
+    return free is not None and free < defaults.DEVICE_FULL_BYTES
 
 
 def at_failure(rec: Record) -> Optional[int]:
@@ -149,6 +183,8 @@ class StepNeed:
     samples: Optional[int] = None
     evidence: str = ""
     estimate_points: List[Tuple[int, int]] = field(default_factory=list)
+    input_per_sample: Optional[int] = None
+    output_per_sample: Optional[int] = None
 
     def at_elements(self, elements: float) -> Optional[int]:
         """The step's need fed ``elements`` instead (what it holds entering + the activation line)."""
@@ -159,12 +195,24 @@ class StepNeed:
     def at_samples(self, samples: int) -> Optional[int]:
         """The step's need at ``samples`` (a micro-batch): the estimate's figure where it has one at
         that size, else the activation line at that many samples' elements."""
+        return self.micro_batch(samples)[0]
+
+    def micro_batch(self, micro: int) -> Tuple[Optional[int], bool]:
+        """The step's need with its batch run as micro-batches of ``micro`` samples, and whether the
+        figure is modelled (the estimate's) rather than measured. The estimate prices a step fed
+        ``micro`` samples; a loop of micro-batches also holds the rest of the batch it was fed and
+        the last micro-batch's outputs while the next one runs (each where the estimate says its
+        bytes per sample). The activation line is measured on what the rank held entering the step,
+        the whole batch among it."""
         for s, b in self.estimate_points:
-            if s == samples:
-                return b
+            if s == micro:
+                held = 0
+                if self.samples and self.samples > micro:
+                    held = (self.samples - micro) * (self.input_per_sample or 0) + micro * (self.output_per_sample or 0)
+                return b + held, True
         if self.elements and self.samples:
-            return self.at_elements(self.elements * samples / self.samples)
-        return None
+            return self.at_elements(self.elements * micro / self.samples), False
+        return None, False
 
 
 def first_step_state(rec: Record, peers: Sequence[Record] = ()) -> int:
@@ -196,7 +244,9 @@ def step_need(rec: Record, peers: Sequence[Record] = ()) -> StepNeed:
     est = rec.get("estimate") or {}
     points = sorted(((int(s), int(b)) for s, b in (est.get("points") or [])
                      if _int(s) and _int(b) is not None), reverse=True)
-    base = dict(at_failure=low, entering_bytes=entering, elements=elements, samples=samples, estimate_points=points)
+    base = dict(at_failure=low, entering_bytes=entering, elements=elements, samples=samples, estimate_points=points,
+                input_per_sample=_int(est.get("input_bytes_per_sample")),
+                output_per_sample=_int(est.get("output_bytes_per_sample")))
     found: Optional[StepNeed] = None
     own = _samples_of(rec, current=False)
     line = _per_unit(own) if elements else None
@@ -418,26 +468,32 @@ def changes_for_need(rec: Record, need: StepNeed, peers: Sequence[Record] = (),
                         "limit_bytes": limit, "fits": _fits(figure, limit, margin),
                         "text": f"balance the batch over the {len(units)} ranks: each its share, {int(even)} elements"
                                 + (f" ({each:.0f} samples)" if each else "") + f": about {_fmt(figure)}"})
-    # a smaller micro-batch (gradient accumulation keeps the batch)
+    # a smaller micro-batch (gradient accumulation keeps the batch); a figure of the estimate's (a
+    # model, not this job's measured steps) fits only with ESTIMATE_MARGIN more room
+    modelled = (1 + margin) * (1 + defaults.ESTIMATE_MARGIN) - 1
     if need.samples and need.samples > 1:
         best = None
         for m in sorted({max(need.samples >> i, 1) for i in range(1, 12)}, reverse=True):
-            figure = need.at_samples(m)
-            if figure is not None and _fits(figure, limit, margin):
-                best = (m, figure)
+            figure, model = need.micro_batch(m)
+            if figure is not None and _fits(figure, limit, modelled if model else margin):
+                best = (m, figure, model)
                 break
         if best is not None:
-            m, figure = best
+            m, figure, model = best
             acc = -(-need.samples // m)
             out.append({"change": "micro_batch", "micro_batch": m, "accumulation": acc, "need_bytes": figure,
-                        "limit_bytes": limit, "fits": True,
+                        "limit_bytes": limit, "fits": True, "modelled": model,
                         "text": f"a micro-batch of {plural(m, 'sample')} with {acc} accumulation steps (the same batch): "
-                                f"about {_fmt(figure)}"})
+                                f"about {_fmt(figure)}" + (f" (distmem's estimate at {plural(m, 'sample')}, with the "
+                                                           "rest of the batch and one micro-batch's outputs held; "
+                                                           f"{(1 + modelled) * figure / limit:.0%} of the limit with "
+                                                           "the margins for a modelled figure)" if model else "")})
         else:
-            smallest = need.at_samples(1)
+            smallest, model = need.micro_batch(1)
             if smallest is not None:
                 out.append({"change": "micro_batch", "micro_batch": 1, "accumulation": need.samples,
-                            "need_bytes": smallest, "limit_bytes": limit, "fits": _fits(smallest, limit, margin),
+                            "need_bytes": smallest, "limit_bytes": limit, "modelled": model,
+                            "fits": _fits(smallest, limit, modelled if model else margin),
                             "text": f"even a micro-batch of 1 sample needs about {_fmt(smallest)}"})
     # a larger limit, within the rank's share of its GPU
     hold = -(-int(need.bytes * (1 + margin)) // MiB) * MiB

@@ -355,13 +355,17 @@ def outside_allocator(rec: Record, records: Sequence[Record] = (), facts: Option
                         f"then gets {_fmt(planned)} for its step's {_fmt(need.bytes)}"}]
     changes += [c for c in needs.changes_for_need(rec, need, f["peers"]) if c["change"] == "fewer_ranks"]
     who = ", ".join(f"{w} {_fmt(b)}" for w, b in sorted(excess.items(), key=lambda x: -x[1])[:6])
-    return _cause("outside_allocator", "high",
+    # a rank whose error said only that a CUDA call failed is read as out of memory from NVML's full GPU
+    inferred = rec.get("kind") == "stopped" and needs.failed_on_full_device(rec)
+    return _cause("outside_allocator", "medium" if inferred else "high",
                   f"memory outside the allocator: within its limit ({_within_text(rec, need)} of {_fmt(limit)}) the "
                   f"GPU was full; the job's processes on it held {_fmt(total)} outside their allocators beyond the "
                   f"plan's {_fmt(ov)} per process ({who})",
                   "NVML's bytes per process less its allocator's pool (its record)"
                   + (f"; the driver had {_fmt(rec.get('device_free_bytes'))} free for a {_fmt(rec.get('request_bytes'))}"
-                     " request" if rec.get("device_free_bytes") is not None else ""),
+                     " request" if rec.get("device_free_bytes") is not None else "")
+                  + (f"; its error said a CUDA call failed (not why) while NVML left {_fmt(needs.nvml_free(rec))} "
+                     "free on its GPU" if inferred else ""),
                   changes, ("outside_cap", "plan_overhead", "fewer_ranks"), changes[0]["text"],
                   outside_bytes=total, by_process=excess, over_by_bytes=total)
 

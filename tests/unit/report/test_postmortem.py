@@ -111,6 +111,20 @@ def test_over_plan_prices_the_whole_step_and_names_a_micro_batch_that_fits():
     assert pm.needed_bytes(r) < r["limit_bytes"]
 
 
+def test_a_micro_batch_holds_the_rest_of_the_batch_and_a_modelled_figure_keeps_more_room():
+    # the estimate's step at 128 samples (15 GiB) would fit a 20 GiB limit; but the loop of micro-batches
+    # still holds the other 128 samples' input (20 MiB each) and one micro-batch's outputs (4 MiB each), and
+    # the estimate is a model: 15 + 2.5 + 0.5 GiB with 10% + 10% is over 20 GiB; 64 samples is 8 + 3.75 + 0.25
+    est = {"batch_size": 256, "method": "simulated", "state_bytes": 2 * GiB, "input_bytes_per_sample": 20 * MiB,
+           "output_bytes_per_sample": 4 * MiB, "points": [[256, 30 * GiB], [128, 15 * GiB], [64, 8 * GiB]]}
+    r = rec(rank=2, step=0, estimate=est, units={"samples": 256, "elements": 256000}, allocated_bytes=17 * GiB,
+            reserved_bytes=18 * GiB, request_bytes=2 * GiB, steps=steps((0, 2 * GiB, 2 * GiB, 256)))
+    change = pm.diagnose(r)[0]["change"]
+    assert change["change"] == "micro_batch" and change["micro_batch"] == 64 and change["accumulation"] == 4
+    assert change["need_bytes"] == 12 * GiB and change["modelled"] is True
+    assert "with the rest of the batch and one micro-batch's outputs held" in change["text"]
+
+
 def test_over_plan_on_the_lower_bound_alone():
     r = rec(rank=2, allocated_bytes=19 * GiB, reserved_bytes=19 * GiB + 10 * MiB)
     causes = pm.diagnose(r)
@@ -159,6 +173,42 @@ def test_outside_the_allocator_when_the_gpu_was_full():
     assert causes[0]["kind"] == "outside_allocator" and causes[0]["outside_bytes"] == 24 * GiB
     assert causes[0]["change"]["change"] == "outside_cap" and causes[0]["change"]["max_outside_bytes"] > 0
     assert "foreign_process" not in [c["kind"] for c in causes]
+
+
+NCCL_FIRST_LINE = ("DistBackendError: NCCL error in: NCCLUtils.cpp:93, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                   "for details), NCCL version 2.28.9")
+
+
+def test_a_rank_ended_on_a_cuda_failure_with_its_gpu_full_ran_out_outside_its_allocator():
+    # the H200's case: NCCL's calloc refused by the driver, the record keeping only the error's first line
+    # (no "out of memory", no request), written as a rank that ended on another error; the GPU full by NVML
+    total = 140 * GiB
+    each = (total - 600 * MiB - 16 * MiB) // 2
+    procs = [{"device": 0, "pid": 10 + k, "bytes": each, "who": "self" if k == 1 else f"rank {k}"} for k in range(2)]
+    r1 = rec(**dict(GPU, shared_by=2), rank=1, world_size=2, kind="stopped", source="stopped", error=NCCL_FIRST_LINE,
+             gpu_processes=procs, limit_bytes=64 * GiB, allocated_bytes=5 * GiB, reserved_bytes=60 * GiB,
+             request_bytes=None, device_free_bytes=None, largest_free_bytes=4 * GiB)
+    r0 = dict(r1, rank=0, error="distmem: rank 1 (host vm) failed (" + NCCL_FIRST_LINE + "); stopping this rank",
+              gpu_processes=[dict(p, who="self" if p["who"] == "rank 0" else "rank 1") for p in procs])
+    page = pm.postmortem([r0, r1])
+    assert page["ranks_out"] == [1] and [p["rank"] for p in page["stopped"]] == [0]
+    cause = page["entries"][0]["causes"][0]
+    assert cause["kind"] == "outside_allocator" and cause["confidence"] == "medium", cause
+    assert "NVML left 16.0 MiB free" in cause["evidence"]
+    # the same error with room on the GPU is not read as running out; nor is fail fast's word about another rank
+    roomy = [dict(p, bytes=p["bytes"] - GiB) for p in procs]
+    assert pm.postmortem([r0, dict(r1, gpu_processes=roomy)])["ranks_out"] == []
+    assert pm.postmortem([r0])["ranks_out"] == []
+
+
+def test_nccls_refused_allocation_is_an_oom_with_its_request():
+    text = ("NCCL error in: NCCLUtils.cpp:93, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL "
+            "version 2.28.9\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+            "Failed to CUDA calloc async 608 bytes")
+    assert oom.is_oom(RuntimeError(text))
+    assert "calloc async 608 bytes" in oom.describe(RuntimeError(text))
+    assert oom_record.request_from_text(text) == 608
+    assert not oom.is_oom(RuntimeError("NCCL error: unhandled system error, remote process exited"))
 
 
 def test_wrong_stage_from_the_stage_rows():
@@ -345,8 +395,18 @@ def test_the_report_names_this_jobs_oom_and_not_an_earlier_runs(tmp_path, monkey
 
 
 class Priced:
-    """An estimate as note_estimate reads it: its batch, method, state and the step's peak at a batch."""
-    batch_size, method, state_bytes, layers = 64, "simulated", 1 * GiB, []
+    """An estimate as note_estimate reads it: its batch, method, state, a sample's input and its last
+    layer's output, and the step's peak at a batch."""
+
+    class Row:
+        def __init__(self, name, out):
+            self.name, self.state_bytes, self.output_bytes_per_sample = name, 0, out
+
+        def activation_bytes(self, b):
+            return b * self.output_bytes_per_sample
+
+    batch_size, method, state_bytes, input_bytes_per_sample = 64, "simulated", 1 * GiB, 512
+    layers = [Row("fc1", 64), Row("head", 40)]
 
     def train_bytes(self, b):
         return 1 * GiB + b * 16 * MiB
@@ -365,6 +425,8 @@ def test_the_record_carries_the_steps_the_batch_and_the_estimate(hooks):
     assert r["steps"][-1]["allocated_bytes"] == 3 * GiB and r["steps"][-1]["peak_bytes"] == 4 * GiB
     assert r["units"] == {"samples": 32, "elements": 32 * 128}
     assert r["estimate"]["points"][:2] == [[32, GiB + 32 * 16 * MiB], [16, GiB + 16 * 16 * MiB]]
+    # what a micro-batch loop holds besides the estimate's step: the rest of the batch, the last outputs
+    assert r["estimate"]["input_bytes_per_sample"] == 512 and r["estimate"]["output_bytes_per_sample"] == 40
     assert r["reserve_bytes"] is not None and r["explicit_limit"] is False
 
 
