@@ -115,10 +115,19 @@ def tf_measure(name: str, batch: int, steps: int) -> Dict[str, Any]:
     return keras_train_peaks(model, tf.constant(x), tf.constant(y), steps)
 
 
+def _elem_bytes(dtype: object) -> int:
+    """Bytes per element of a Keras tensor's dtype, as TensorFlow sizes it (4 where it has none):
+    the naive baseline's own sizing, not the estimator's."""
+    import tensorflow as tf
+    try:
+        return int(tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size) or 4
+    except (TypeError, ValueError):
+        return 4
+
+
 def tf_estimate(name: str, batch: int) -> Dict[str, Any]:
     import tensorflow as tf
     from distmem.estimate import estimate_keras
-    from distmem.estimate.precision import dtype_bytes
     model, _ = tf_model(name)
     t = time.time()
     est = estimate_keras(model, batch, tf.keras.optimizers.Adam(), device="cpu", name=name)
@@ -132,7 +141,7 @@ def tf_estimate(name: str, batch: int) -> Dict[str, Any]:
             n = 1
             for d in dims:
                 n *= int(d)
-            outputs += n * dtype_bytes(node_out.dtype)
+            outputs += n * _elem_bytes(node_out.dtype)
     baseline = model.count_params() * 4 * (2 + slots) + outputs * batch
     return {"ours": peak, "baseline": baseline, "phase": est.peak_detail()["phase"], "layers": len(est.layers),
             "estimate_seconds": round(seconds, 3), "warnings": len(est.warnings)}
@@ -325,7 +334,6 @@ def tf_calibrated(name: str, batch: int) -> Dict[str, Any]:
     """The hybrid estimate: analytic, plus what a measured small-batch step shows it missed."""
     import tensorflow as tf
     from distmem.estimate import estimate_keras
-    from distmem.estimate.precision import dtype_bytes
     model, _ = tf_model(name)
     t = time.time()
     est = estimate_keras(model, batch, tf.keras.optimizers.Adam(), device="cpu", calibrate=True, name=name)

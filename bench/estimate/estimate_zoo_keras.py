@@ -240,10 +240,19 @@ def keras_measure(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
     return {"peaks": out["peaks"], "step_seconds": out["step_seconds"]}
 
 
+def _elem_bytes(dtype: object) -> int:
+    """Bytes per element of a Keras tensor's dtype, as TensorFlow sizes it (4 where it has none):
+    the naive baseline's own sizing, not the estimator's."""
+    import tensorflow as tf
+    try:
+        return int(tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size) or 4
+    except (TypeError, ValueError):
+        return 4
+
+
 def keras_estimate(c: Dict[str, Any]) -> Dict[str, Any]:
     import warnings
     from distmem.estimate import estimate_keras
-    from distmem.estimate.precision import dtype_bytes
     _, K = keras_ns()
     model, _ = keras_build(c)
     opt = keras_optimizer(c["optimizer"])
@@ -261,7 +270,7 @@ def keras_estimate(c: Dict[str, Any]) -> Dict[str, Any]:
             n = 1
             for d in tuple(o.shape)[1:]:
                 n *= int(d)
-            outputs += n * dtype_bytes(o.dtype)
+            outputs += n * _elem_bytes(o.dtype)
     baseline = model.count_params() * 4 * (2 + slots) + outputs * c["batch"]
     K.mixed_precision.set_global_policy("float32")
     return {"ours": int(peak), "baseline": int(baseline), "phase": est.peak_detail()["phase"],

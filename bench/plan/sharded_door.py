@@ -4,6 +4,11 @@ their data.
 
     PYTHONPATH=. python3 bench/plan/sharded_door.py --out $OUT            # one H200, ~6-8 min
     PYTHONPATH=. python3 bench/plan/sharded_door.py --dry --out /tmp/sd   # tiny, on CPU (plumbing)
+    PYTHONPATH=. python3 bench/plan/sharded_door.py --out $OUT/w/sd2 --heldout-s 0 --workers 8 --budget-s 140 \
+        --cases "qwen2_152k,mistral=fsdp2,zero2@2 resnet50=fsdp2_bf16" \
+        --door "qwen2_152k,mistral=fsdp2,zero1,zero2"                     # a re-run of some cases, ~2 min
+    python3 bench/plan/sharded_door.py --merge $OUT/w/sd2/sharded_door.jsonl \
+        --into bench/results/sharded_door_h200.jsonl                      # its lines into the results
 
 Models are built as users build them: Hugging Face decoders from config files (Llama, GPT-2, a
 Qwen2-style 152k vocabulary, Mistral; `config.save_pretrained(DIR)`, the door given `hf:DIR`,
@@ -13,12 +18,22 @@ is wrapped as users wrap it: `fully_shard` on every module of its block class (H
 `EncoderBlock` / `Bottleneck`), then the root; FSDP2 in float32 and with
 `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`; ZeRO-1 (`ZeroRedundancyOptimizer`) and ZeRO-2
 (ZeRO-1 with the gradients of other ranks' parameters freed once accumulated, as DeepSpeed stage 2
-keeps only its partition's). AdamW; the loop keeps its output to the update (`out = model(x); loss =
+keeps only its partition's). Under the bf16 policy a BatchNorm module gets its own `fully_shard`
+with no mixed precision first, as FSDP1's `MixedPrecision` does by default
+(`_module_classes_to_ignore`): FSDP2 would cast its weight to bf16 while its running statistics
+stay float32, which cuDNN's batch norm refuses ("Expected running_mean to have type BFloat16");
+kept float32 it takes the block's bf16 input and returns bf16. The door prices the whole model in
+`param_dtype`: the BatchNorm weights (under 0.1% of ResNet-50's parameters) are then counted at
+half their bytes, what they keep and output is the same bf16 tensors. AdamW; the loop keeps its output to the update (`out = model(x); loss =
 crit(out); loss.backward(); opt.step()`), the loss cross-entropy over the logits in float32 (as
 Hugging Face's loss upcasts them; the door's default loss). Rank 0 of N = 2, 8, 64 through torch's
 fake process group (collectives return at once, every allocation real), three steps,
-`torch.cuda.max_memory_allocated`. Several measuring processes share the GPU, each capped by its
-own memory fraction. The door is asked per case, as a user would (`--estimate model`: the dry
+`torch.cuda.max_memory_allocated`. Every case is measured in a process of its own (spawned, one
+case each; several share the GPU, each capped by its own memory fraction): what one case leaves
+allocated (the first run measured one case after another in one process: GPT-2's ZeRO-1 after its
+bf16 FSDP2 case held 46-185 MiB more than its ZeRO-2 case) cannot enter the next one's peak;
+each row says what was allocated before its model was built (`allocated_at_start`, 0 in a fresh
+process). The door is asked per case, as a user would (`--estimate model`: the dry
 run's answer, the same on a laptop), with no `--units`: its default (the model's repeated block)
 is what is checked against the wrapping above.
 
@@ -26,7 +41,16 @@ Data-dependent models: a top-2 mixture-of-experts LM (`torch.where(chosen == e)`
 and a model selecting rows with a boolean mask, built on the GPU in this process first (as a
 script does), then `distmem.estimate(model, example_input=..., method="auto")`: the meta device
 cannot run them, so the door's measured path answers (a spawned child, the inputs as given); held
-against the same step measured here at the target batch.
+against the same step measured here at the target batch, after the previous model and everything
+the estimate left in reference cycles were collected (`gc.collect()`: the first run did not, and
+the masked model's reference held the MoE's 0.93 GiB of parameters beside its own step).
+
+`--cases` measures some cases only ("MODELS=MODES[@WORLDS]" groups); `--door` asks the door about
+more cases than those measured (the same groups, or `all`): the cases whose plan the code may now
+answer differently, so that a merge holds the door's current answer beside each measured peak. `--merge NEW
+--into RESULTS` puts NEW's lines over RESULTS' (a case's door answer, its measured peak when NEW
+measured it), recomputes the errors and the summary, and says per row which run each figure came
+from (`door_run`, `measured_run`).
 
 One JSON line per case, a summary line, and a table last. Targets (issue 38): every sharded case
 within 3% and none more than 1% under; the data-dependent models within 5%.
@@ -200,10 +224,8 @@ def cpu_peak(fn: Any) -> int:
     return peak
 
 
-def measure_model(name: str, spec: str, worlds: List[int], modes: List[str], dry: bool,
-                  fraction: float) -> List[Dict[str, Any]]:
-    """Every (N, mode) case of one model in this (spawned) process: rank 0 of N, three steps."""
-    import gc
+def measure_case(name: str, spec: str, n: int, mode: str, dry: bool, fraction: float) -> Dict[str, Any]:
+    """One case in this (spawned, one-case) process: rank 0 of N, three steps."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -212,23 +234,16 @@ def measure_model(name: str, spec: str, worlds: List[int], modes: List[str], dry
         torch.cuda.set_device(0)
         torch.cuda.set_per_process_memory_fraction(fraction)
     batch, size = shape_of(name, dry)
-    rows = []
-    for n in worlds:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-        try:
-            for mode in modes:
-                row: Dict[str, Any] = {"model": name, "mode": mode, "world_size": n, "batch": batch}
-                try:
-                    row.update(_one(name, spec, mode, batch, size, device, dry))
-                except Exception as exc:  # one case failing says so; the rest carry on
-                    row["measure_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append(row)
-                gc.collect()
-                if not dry:
-                    torch.cuda.empty_cache()
-        finally:
-            dist.destroy_process_group()
-    return rows
+    row: Dict[str, Any] = {"model": name, "mode": mode, "world_size": n, "batch": batch,
+                           "allocated_at_start": 0 if dry else int(torch.cuda.memory_allocated())}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        row.update(_one(name, spec, mode, batch, size, device, dry))
+    except Exception as exc:  # the case failing says so
+        row["measure_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        dist.destroy_process_group()
+    return row
 
 
 def _one(name: str, spec: str, mode: str, batch: int, size: int, device: str, dry: bool) -> Dict[str, Any]:
@@ -241,13 +256,17 @@ def _one(name: str, spec: str, mode: str, batch: int, size: int, device: str, dr
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mode == "fsdp2_bf16" else MixedPrecisionPolicy()
         units = [m for m in model.modules() if type(m).__name__ == wrapped]
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] \
+            if mode == "fsdp2_bf16" else []
+        for m in norms:  # float32, as FSDP1's MixedPrecision keeps them (see the module docstring)
+            fully_shard(m, mp_policy=MixedPrecisionPolicy())
         for u in units:
             fully_shard(u, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         opt = torch.optim.AdamW(model.parameters())
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        units = []
+        units, norms = [], []
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
         if mode == "zero2":
             owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
@@ -278,8 +297,11 @@ def _one(name: str, spec: str, mode: str, batch: int, size: int, device: str, dr
         steps()
         torch.cuda.synchronize()
         peak, reserved = int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
-    return {"measured": int(peak), "measured_reserved": reserved, "wrapped": f"{len(units)} x {wrapped}"
-            if units else "", "measure_seconds": round(time.time() - t, 1)}
+    text = f"{len(units)} x {wrapped}" if units else ""
+    if mode.startswith("fsdp2") and norms:
+        text += f"; {len(norms)} x {type(norms[0]).__name__} in float32 (own fully_shard)"
+    return {"measured": int(peak), "measured_reserved": reserved, "wrapped": text,
+            "measure_seconds": round(time.time() - t, 1)}
 
 
 # ------------------------------------------------------------------ data-dependent models
@@ -287,6 +309,7 @@ def _one(name: str, spec: str, mode: str, batch: int, size: int, device: str, dr
 def data_dependent(dry: bool) -> List[Dict[str, Any]]:
     """The measured path of ``distmem.estimate`` on the MoE and masked models (this process has
     started CUDA first, as a script that built its model on the GPU has)."""
+    import gc
     import warnings
     import torch
     import distmem.estimate as de
@@ -313,7 +336,11 @@ def data_dependent(dry: bool) -> List[Dict[str, Any]]:
             row["estimate_error"] = f"{type(exc).__name__}: {exc}"[:400]
         if not dry:
             opt = torch.optim.AdamW(model.parameters())
+            # what the previous model and this estimate left unreachable (reference cycles) goes first
+            gc.collect()
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            row["allocated_before"] = int(torch.cuda.memory_allocated())  # this model, its batch, workspaces
             torch.cuda.reset_peak_memory_stats()
             for _ in range(3):
                 out = model(example)
@@ -325,7 +352,9 @@ def data_dependent(dry: bool) -> List[Dict[str, Any]]:
             torch.cuda.synchronize()
             row["measured"] = int(torch.cuda.max_memory_allocated())
         rows.append(row)
-        del model
+        del model, example
+        opt = est = None
+        gc.collect()
     return rows
 
 
@@ -344,6 +373,130 @@ def err(pred: Optional[int], meas: Optional[int]) -> Optional[float]:
     return round(100.0 * (pred - meas) / meas, 2)
 
 
+#: a case's fields that come from the door, and from the measured side
+DOOR_FIELDS = ("door", "door_parts", "door_units", "door_seconds", "door_error", "command")
+MEASURED_FIELDS = ("measured", "measured_reserved", "wrapped", "measure_seconds", "measure_error", "batch",
+                   "allocated_at_start")
+
+
+def parse_cases(text: Optional[str], models: List[str], worlds: List[int]) -> List[Tuple[str, str, int]]:
+    """``"MODELS=MODES[@WORLDS] ..."`` (groups apart by spaces or ';', lists by ',') as (model, mode, N)
+    in the table's order; None or "all": every model x mode x N."""
+    if not text or text == "all":
+        return [(m, mode, n) for m in models for n in worlds for mode in MODES]
+    picked = set()
+    for group in text.replace(";", " ").split():
+        if "=" not in group:
+            raise SystemExit(f"--cases {group!r}: give MODELS=MODES[@WORLDS], e.g. llama,gpt2=fsdp2,zero1@2,8")
+        ms, rest = group.split("=", 1)
+        modes, _, ns = rest.partition("@")
+        for m in ms.split(","):
+            if m not in MODELS:
+                raise SystemExit(f"--cases: unknown model {m!r}; one of {', '.join(MODELS)}")
+            for mode in modes.split(","):
+                if mode not in MODES:
+                    raise SystemExit(f"--cases: unknown mode {mode!r}; one of {', '.join(MODES)}")
+                for n in ([int(x) for x in ns.split(",")] if ns else worlds):
+                    picked.add((m, mode, n))
+    return [(m, mode, n) for m in MODELS for n in sorted({c[2] for c in picked}) for mode in MODES
+            if (m, mode, n) in picked]
+
+
+def summarize(rows: List[Dict[str, Any]], dd_rows: List[Dict[str, Any]], dev: str, dry: bool,
+              seconds: float) -> Dict[str, Any]:
+    errs = [r["error_pct"] for r in rows if r.get("error_pct") is not None]
+    dd_errs = [r["error_pct"] for r in dd_rows if r.get("error_pct") is not None]
+    return {"case": "summary", "device": dev, "dry": dry, "seconds": round(seconds, 1),
+            "sharded": {"cases": len(rows), "compared": len(errs),
+                        "failures": sum(1 for r in rows if "door_error" in r or "measure_error" in r),
+                        "max_abs_pct": max((abs(e) for e in errs), default=None),
+                        "worst_under_pct": min(errs, default=None),
+                        "within_3pct_none_under_1pct": sum(1 for e in errs if -1.0 <= e <= 3.0)},
+            "data_dependent": {"cases": len(dd_rows), "errors_pct": dd_errs,
+                               "within_5pct": sum(1 for e in dd_errs if abs(e) <= 5.0)}}
+
+
+def write_results(path: str, head: List[Dict[str, Any]], rows: List[Dict[str, Any]],
+                  dd_rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> None:
+    """``path`` (.jsonl: one line each) and the same stem's .json (the summary, the rows)."""
+    with open(path, "w") as out:
+        for r in (*head, *rows, *dd_rows, summary):
+            out.write(json.dumps(r, sort_keys=True, default=str) + "\n")
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump({"summary": summary, "sharded": rows, "data_dependent": dd_rows}, f, indent=1, sort_keys=True,
+                  default=str)
+
+
+def print_table(rows: List[Dict[str, Any]], dd_rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> None:
+    print("\nmodel        mode        N    door MiB  measured MiB   error  units (door) | wrapped")
+    for r in rows:
+        d, m = r.get("door"), r.get("measured")
+        print(f"{r['model']:<12} {r['mode']:<11} {r['world_size']:<3} {d / MiB if d else float('nan'):>9.1f} "
+              f"{m / MiB if m else float('nan'):>12.1f} {r['error_pct'] if r['error_pct'] is not None else '-':>7}"
+              f"  {(r.get('door_units') or r.get('door_error') or '')[:40]} | "
+              f"{r.get('wrapped') or r.get('measure_error', '')[:40]}")
+    for r in dd_rows:
+        print(f"{r['model']:<12} estimate({r.get('method') or '-'}, rule {r.get('rule')}) "
+              f"{(r.get('estimate') or 0) / MiB:.1f} MiB vs measured {(r.get('measured') or 0) / MiB:.1f} MiB: "
+              f"{r.get('error_pct')}% {r.get('estimate_error') or r.get('fallback') or ''}"[:200])
+    print(f"sharded: {summary['sharded']}\ndata-dependent: {summary['data_dependent']}")
+
+
+def merge(new_path: str, into: str) -> int:
+    """``new_path``'s lines put over ``into``'s (see the module docstring); both files rewritten
+    at ``into`` (.jsonl and .json)."""
+    def read(path: str) -> List[Dict[str, Any]]:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    old, new = read(into), read(new_path)
+    devices = {r.get("device") for r in (*old, *new) if r.get("case") == "device"}
+    if len(devices) > 1:
+        raise SystemExit(f"--merge: {new_path} was measured on {', '.join(sorted(map(str, devices)))}: the lines of "
+                         f"one device only go into {into}")
+    old_run = next((r.get("run") for r in old if r.get("case") == "summary"), None) or "first"
+    new_run = os.path.basename(os.path.dirname(os.path.abspath(new_path))) or "new"
+    key = lambda r: (r["model"], r["mode"], r["world_size"])  # noqa: E731
+    merged: Dict[Tuple[str, str, int], Dict[str, Any]] = {}
+    for r in old:
+        if r.get("case") == "sharded":
+            merged[key(r)] = dict(r, door_run=r.get("door_run", old_run), measured_run=r.get("measured_run", old_run))
+    for r in new:
+        if r.get("case") != "sharded":
+            continue
+        row = merged.setdefault(key(r), {"case": "sharded", "model": r["model"], "mode": r["mode"],
+                                         "world_size": r["world_size"]})
+        if "door" in r or "door_error" in r:
+            for k in DOOR_FIELDS:
+                row.pop(k, None)
+            row.update({k: r[k] for k in DOOR_FIELDS if k in r}, door_run=new_run)
+        if "measured" in r or "measure_error" in r:
+            for k in MEASURED_FIELDS:
+                row.pop(k, None)
+            row.update({k: r[k] for k in MEASURED_FIELDS if k in r}, measured_run=new_run)
+    order = {(m, mode, n): i for i, (m, mode, n) in enumerate(
+        (m, mode, n) for m in MODELS for n in sorted({k[2] for k in merged}) for mode in MODES)}
+    rows = sorted(merged.values(), key=lambda r: order.get(key(r), len(order)))
+    for r in rows:
+        r["error_pct"] = err(r.get("door"), r.get("measured"))
+    dd = {r["model"]: dict(r, run=r.get("run", old_run)) for r in old if r.get("case") == "data_dependent"}
+    dd.update({r["model"]: dict(r, run=new_run) for r in new if r.get("case") == "data_dependent"})
+    dd_rows = list(dd.values())
+    for r in dd_rows:
+        r["error_pct"] = err(r.get("estimate"), r.get("measured"))
+    head = [dict(r, run=r.get("run", old_run)) for r in old if r.get("case") in ("device", "versions",
+                                                                                  "heldout_measured_path")]
+    head += [dict(r, run=new_run) for r in new if r.get("case") in ("device", "versions", "heldout_measured_path")]
+    dev = next((r.get("device") for r in reversed(head) if r.get("case") == "device"), "?")
+    summary = summarize(rows, dd_rows, dev, False, sum(float(r.get("seconds") or 0) for r in (*old, *new)
+                                                         if r.get("case") == "summary"))
+    summary["run"] = f"{old_run} + {new_run}"
+    summary["runs"] = {old_run: os.path.relpath(into, ROOT) if into.startswith(ROOT) else into,
+                       new_run: new_path}
+    write_results(into, head, rows, dd_rows, summary)
+    print_table(rows, dd_rows, summary)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="tiny configs on CPU (the plumbing; figures not comparable)")
@@ -351,14 +504,23 @@ def main() -> int:
     ap.add_argument("--models", default=None, help=f"default {','.join(MODELS)} (--dry: llama,qwen2_152k)")
     ap.add_argument("--worlds", default=None, help="default 2,8,64 (--dry: 2,8)")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--workers", type=int, default=4, help="measuring processes sharing the GPU")
+    ap.add_argument("--cases", default=None, help="measure only these: 'MODELS=MODES[@WORLDS] ...' (default: "
+                                                  "--models x --modes x --worlds)")
+    ap.add_argument("--door", default="cases", help="cases the door is asked about: 'cases' (those measured), "
+                                                    "'all' (--models x --modes x --worlds) or 'MODELS=MODES ...' "
+                                                    "beside the measured ones")
+    ap.add_argument("--workers", type=int, default=4, help="measuring processes sharing the GPU (one case each)")
     ap.add_argument("--door-workers", type=int, default=max(1, (os.cpu_count() or 2) - 4))
     ap.add_argument("--budget-s", type=float, default=460.0, help="cases not started by then are skipped")
     ap.add_argument("--no-data-dependent", action="store_true")
     ap.add_argument("--heldout-s", type=float, default=300.0,
                     help="seconds for the measured path on the held-out torch zoo beside the rest "
                          "(estimate_measured_path.py: distmem.estimate(method='measure') per case; 0: skip)")
+    ap.add_argument("--merge", default=None, metavar="NEW.jsonl", help="put NEW's lines over --into's and stop")
+    ap.add_argument("--into", default=os.path.join(ROOT, "bench", "results", "sharded_door_h200.jsonl"))
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.into)
     os.makedirs(args.out, exist_ok=True)
     out = open(os.path.join(args.out, "sharded_door.jsonl"), "w")
     import torch
@@ -373,11 +535,24 @@ def main() -> int:
         log("transformers missing: Hugging Face decoders skipped")
     worlds = [int(x) for x in (args.worlds or ("2,8" if args.dry else "2,8,64")).split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
+    grid = [(m, mode, n) for m in names for n in worlds for mode in modes]
+    to_measure = [c for c in parse_cases(args.cases, names, worlds) if c[0] in names] if args.cases else grid
+    if args.door == "cases":
+        to_ask = list(to_measure)
+    elif args.door == "all":
+        to_ask = list(grid)
+    else:
+        extra = [c for c in parse_cases(args.door, names, worlds) if c[0] in names]
+        to_ask = [c for c in grid if c in set(to_measure) | set(extra)]
+    keys = [c for c in grid if c in set(to_measure) | set(to_ask)] + \
+        [c for c in to_measure if c not in grid] + [c for c in to_ask if c not in grid and c not in to_measure]
     folder = os.path.join(args.out, "models")
+    used = sorted({c[0] for c in keys}, key=list(MODELS).index)
     specs = {m: ("hf:" + write_config(m, folder, args.dry)) if MODELS[m][0] == "hf" else f"torchvision:{MODELS[m][1]['name']}"
-             for m in names}
-    cases = [{"model": m, "mode": mode, "world_size": n, "command": door_command(m, specs[m], mode, n, args.dry)}
-             for m in names for n in worlds for mode in modes]
+             for m in used}
+    cases = {c: {"model": c[0], "mode": c[1], "world_size": c[2], "command": door_command(c[0], specs[c[0]], c[1],
+                                                                                           c[2], args.dry)}
+             for c in keys}
     heldout = None
     if args.heldout_s > 0 and not args.dry:
         script = next((p for p in (os.path.join(ROOT, "bench", "estimate", "estimate_measured_path.py"),
@@ -393,25 +568,26 @@ def main() -> int:
     fraction = (0.6 if heldout is not None else 0.9) / max(1, args.workers)
     measured: Dict[Tuple[str, str, int], Dict[str, Any]] = {}
     dd_rows: List[Dict[str, Any]] = []
-    with cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as gpu, \
+    with cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx, max_tasks_per_child=1) as gpu, \
             cf.ThreadPoolExecutor(max_workers=args.door_workers) as cpu:
         dd_q = ctx.Queue()
         dd = None if args.no_data_dependent else ctx.Process(target=_data_dependent_child, args=(args.dry, dd_q))
         if dd is not None:
             dd.start()
-        meas_f = {gpu.submit(measure_model, m, specs[m], worlds, modes, args.dry, fraction): m for m in names}
-        door_f = {cpu.submit(ask_door, c, max(60.0, args.budget_s - (time.time() - T0))): c for c in cases}
+        meas_f = {gpu.submit(measure_case, c[0], specs[c[0]], c[2], c[1], args.dry, fraction): c for c in to_measure}
+        door_f = {cpu.submit(ask_door, cases[c], max(60.0, args.budget_s - (time.time() - T0))): c for c in to_ask}
         for f in cf.as_completed(list(meas_f)):
+            c = meas_f[f]
             try:
-                for r in f.result():
-                    measured[(r["model"], r["mode"], r["world_size"])] = r
-                log(f"measured {meas_f[f]}")
-            except Exception as exc:  # a worker that died: its cases say so
-                log(f"measuring {meas_f[f]} failed: {exc}")
+                measured[c] = f.result()
+                log(f"measured {c[0]} {c[1]} N={c[2]}: {measured[c].get('measured', measured[c].get('measure_error'))}")
+            except Exception as exc:  # a worker that died: its case says so
+                measured[c] = {"measure_error": f"the measuring process died: {exc}"[:300]}
+                log(f"measuring {c} failed: {exc}")
         for f in cf.as_completed(list(door_f)):
             c = door_f[f]
-            c.update(f.result())
-            log(f"door {c['model']} {c['mode']} N={c['world_size']}: {c.get('door', c.get('door_error'))}")
+            cases[c].update(f.result())
+            log(f"door {c[0]} {c[1]} N={c[2]}: {cases[c].get('door', cases[c].get('door_error'))}")
         if dd is not None:
             try:
                 status, value = dd_q.get(timeout=max(30.0, args.budget_s + 120 - (time.time() - T0)))
@@ -429,11 +605,12 @@ def main() -> int:
         emit({"case": "heldout_measured_path", "returncode": heldout.returncode,
               "out": "measured_torch.jsonl (score: estimate_heldout.py --framework torch --measured it)"}, out)
     rows = []
-    for c in cases:
-        r = dict(measured.get((c["model"], c["mode"], c["world_size"]), {}), **{k: v for k, v in c.items()
-                                                                               if k != "command"})
-        r["case"] = "sharded"
-        r["command"] = " ".join(x if not x.startswith(ROOT) else os.path.relpath(x, ROOT) for x in c["command"][1:])
+    for c in keys:
+        r = dict(measured.get(c, {}), **{k: v for k, v in cases[c].items() if k != "command"})
+        r.update(case="sharded", model=c[0], mode=c[1], world_size=c[2])
+        if c in to_ask:
+            r["command"] = " ".join(x if not x.startswith(ROOT) else os.path.relpath(x, ROOT)
+                                    for x in cases[c]["command"][1:])
         r["error_pct"] = err(r.get("door"), r.get("measured"))
         rows.append(r)
         emit(r, out)
@@ -441,32 +618,12 @@ def main() -> int:
         r["case"] = "data_dependent"
         r["error_pct"] = err(r.get("estimate"), r.get("measured"))
         emit(r, out)
-    errs = [r["error_pct"] for r in rows if r["error_pct"] is not None]
-    dd_errs = [r["error_pct"] for r in dd_rows if r.get("error_pct") is not None]
-    summary = {"case": "summary", "device": dev, "dry": args.dry, "seconds": round(time.time() - T0, 1),
-               "sharded": {"cases": len(rows), "compared": len(errs),
-                           "failures": sum(1 for r in rows if "door_error" in r or "measure_error" in r),
-                           "max_abs_pct": max((abs(e) for e in errs), default=None),
-                           "worst_under_pct": min(errs, default=None),
-                           "within_3pct_none_under_1pct": sum(1 for e in errs if -1.0 <= e <= 3.0)},
-               "data_dependent": {"cases": len(dd_rows), "errors_pct": dd_errs,
-                                  "within_5pct": sum(1 for e in dd_errs if abs(e) <= 5.0)}}
+    summary = summarize(rows, dd_rows, dev, args.dry, time.time() - T0)
     emit(summary, out)
     with open(os.path.join(args.out, "sharded_door.json"), "w") as f:
         json.dump({"summary": summary, "sharded": rows, "data_dependent": dd_rows}, f, indent=1, sort_keys=True,
                   default=str)
-    print("\nmodel        mode        N    door MiB  measured MiB   error  units (door) | wrapped")
-    for r in rows:
-        d, m = r.get("door"), r.get("measured")
-        print(f"{r['model']:<12} {r['mode']:<11} {r['world_size']:<3} {d / MiB if d else float('nan'):>9.1f} "
-              f"{m / MiB if m else float('nan'):>12.1f} {r['error_pct'] if r['error_pct'] is not None else '-':>7}"
-              f"  {(r.get('door_units') or r.get('door_error') or '')[:40]} | "
-              f"{r.get('wrapped') or r.get('measure_error', '')[:40]}")
-    for r in dd_rows:
-        print(f"{r['model']:<12} estimate({r.get('method') or '-'}, rule {r.get('rule')}) "
-              f"{(r.get('estimate') or 0) / MiB:.1f} MiB vs measured {(r.get('measured') or 0) / MiB:.1f} MiB: "
-              f"{r.get('error_pct')}% {r.get('estimate_error') or r.get('fallback') or ''}"[:200])
-    print(f"sharded: {summary['sharded']}\ndata-dependent: {summary['data_dependent']}")
+    print_table(rows, dd_rows, summary)
     return 0
 
 

@@ -197,15 +197,28 @@ def _read_value(tracker: Tracker, t):
     return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
 
 
-def dispatch_mode(tracker: Tracker, memo: bool = True):
+_MODE_CLASS: Any = None
+
+
+def _mode_class() -> Any:
+    """The dispatch mode's class, made once per process: a class made per call (closing over its
+    tracker) sits in a reference cycle, as every class does, and kept the tracker - and through
+    its rows the user's model, on the GPU where it lives - until the next garbage collection."""
+    global _MODE_CLASS
+    if _MODE_CLASS is not None:
+        return _MODE_CLASS
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     torch = import_torch()
-    memo_ = _Memo(memo)
 
     class Mode(TorchDispatchMode):
+        def __init__(self, tracker: Tracker, memo: bool) -> None:
+            super().__init__()
+            self.tracker, self.memo = tracker, _Memo(memo)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            tracker = self.tracker
             name = getattr(func, "__name__", str(func)).split(".")[0]
             done, answer = _foreach_shortcut(tracker, name, args, kwargs)
             if done:
@@ -214,7 +227,7 @@ def dispatch_mode(tracker: Tracker, memo: bool = True):
                 tracker.blas = True
             if name == "_local_scalar_dense" and args and torch.is_tensor(args[0]) and args[0].device.type == "meta":
                 return _read_value(tracker, args[0])
-            out = memo_.run(func, args, kwargs)
+            out = self.memo.run(func, args, kwargs)
             for t in tree_flatten(out)[0]:
                 tracker.register(t)
             if tracker.cudnn and name in ("convolution", "convolution_backward"):
@@ -223,4 +236,9 @@ def dispatch_mode(tracker: Tracker, memo: bool = True):
                     # allocated beside the outputs and freed when the kernel returns
                     tracker.register(torch.empty(ws, dtype=torch.uint8, device="meta"))
             return out
-    return Mode()
+    _MODE_CLASS = Mode
+    return Mode
+
+
+def dispatch_mode(tracker: Tracker, memo: bool = True):
+    return _mode_class()(tracker, memo)

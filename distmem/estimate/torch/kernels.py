@@ -1,15 +1,16 @@
 """Where CUDA runs another kernel than the meta device would, the CUDA one: cuDNN convolution
 workspaces, the fused dropout's one-byte mask, the fused scaled dot-product attention kernels
-(and the math kernel where CUDA has no fused one)."""
+(and the math kernel where CUDA has no fused one for the inputs: see :func:`sdpa_kernel`)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from ...units import MiB
 from .inputs import import_torch
 
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "CUDNN_ROWS_PER_PARTIAL", "split_k_partials", "cudnn_workspace", "CudaDropout", "fused_sdpa"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "CUDNN_ROWS_PER_PARTIAL", "split_k_partials", "cudnn_workspace",
+           "CudaDropout", "EFFICIENT_ATTENTION_GROUPED_KV", "efficient_attention_takes_grouped_kv", "sdpa_kernel", "fused_sdpa"]
 
 #: cuBLAS workspace torch allocates through its caching allocator, so it is part of
 #: ``max_memory_allocated``: 32 MiB on Hopper (sm90) by default (CUBLAS_WORKSPACE_CONFIG
@@ -121,33 +122,82 @@ class CudaDropout:
         self.mode = Mode()
 
 
+#: Whether CUDA's memory-efficient attention takes grouped K/V: None asks the torch installed
+#: (:func:`efficient_attention_takes_grouped_kv`); True / False say it for another torch (the
+#: tests price both).
+EFFICIENT_ATTENTION_GROUPED_KV: Optional[bool] = None
+
+
+def efficient_attention_takes_grouped_kv() -> bool:
+    """Whether this torch's CUDA memory-efficient attention reads grouped K/V (``enable_gqa``) as
+    they are. Until it did, grouped K/V in float32 (which flash attention does not take) left CUDA
+    only the math kernel: on an H200 with torch 2.11, Mistral- and Qwen2-style decoders in float32
+    held 0.55-0.64 GiB more than the fused kernel keeps, the same at every N
+    (bench/results/sharded_door_h200.json). torch says so in ``scaled_dot_product_attention``'s
+    own documentation from the release that added it (2.14 documents it; 2.11 did not), read here
+    rather than a version number guessed."""
+    if EFFICIENT_ATTENTION_GROUPED_KV is not None:
+        return bool(EFFICIENT_ATTENTION_GROUPED_KV)
+    doc = getattr(import_torch().nn.functional.scaled_dot_product_attention, "__doc__", None) or ""
+    return "Memory-efficient attention also supports" in " ".join(doc.split())
+
+
+def sdpa_kernel(query, key, attn_mask, enable_gqa: bool, grouped_efficient: bool) -> str:
+    """The kernel CUDA's ``scaled_dot_product_attention`` runs on 4-D inputs, as its dispatcher
+    picks it (flash, then memory-efficient, then math): ``"flash"`` for half precision without a
+    mask, ``"efficient"`` for any floating dtype with or without a mask, ``"math"`` where neither
+    takes the inputs: grouped K/V (fewer key heads than query heads under ``enable_gqa``) that flash
+    cannot take (float32, a mask) while the efficient kernel takes none (``grouped_efficient``
+    false: :func:`efficient_attention_takes_grouped_kv`), or a mask that needs its gradient (a
+    learned bias, which only the math kernel differentiates)."""
+    torch = import_torch()
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "math"
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        if half and attn_mask is None and query.shape[-1] <= 256:
+            return "flash"
+        return "efficient" if grouped_efficient else "math"
+    return "flash" if half and attn_mask is None and query.shape[-1] <= 256 else "efficient"
+
+
 @contextlib.contextmanager
 def fused_sdpa(enabled: bool, autocast: Any = None):
-    """Route scaled dot-product attention to the fused kernel CUDA runs (memory-efficient
-    attention keeps the output and a log-sum-exp, not the score matrix); the meta device would
-    otherwise take the math fallback, which keeps the full score matrix."""
+    """Route scaled dot-product attention to the kernel CUDA runs (:func:`sdpa_kernel`): the fused
+    kernels keep the output and a log-sum-exp, not the score matrix, which the meta device's math
+    fallback would keep; where CUDA itself runs the math kernel, the math kernel as CUDA runs it."""
     torch = import_torch()
     F = torch.nn.functional
     original = F.scaled_dot_product_attention
     if not enabled:
         yield
         return
+    grouped_efficient = efficient_attention_takes_grouped_kv()
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if autocast is not None and autocast.enabled:  # autocast runs attention in the compute dtype
             query, key, value = (autocast._cast(t, autocast.dtype) for t in (query, key, value))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = autocast._cast(attn_mask, autocast.dtype)
-        if enable_gqa and query.dim() == 4 and key.shape[1] != query.shape[1]:
-            # the fused kernels read grouped K/V in place; the same kept bytes as attention over them
-            return _gqa_sdpa(original, query, key, value, attn_mask, dropout_p, is_causal, scale)
-        if attn_mask is not None and attn_mask.requires_grad and query.dim() == 4:
-            # a learned additive bias (T5's relative positions) that needs its gradient: modelled as
-            # the math kernel, which keeps the score matrix (the fused kernels do not)
-            return _math_sdpa(autocast, query, key, value, attn_mask, dropout_p, is_causal, scale)
-        if query.dim() != 4 or (attn_mask is not None and attn_mask.dim() != 4):
+        if query.dim() != 4 or key.dim() != 4 or (attn_mask is not None and attn_mask.dim() != 4):
+            more = {"enable_gqa": True} if enable_gqa else {}
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale)
+                            scale=scale, **more)
+        kernel = sdpa_kernel(query, key, attn_mask, enable_gqa, grouped_efficient)
+        grouped = enable_gqa and key.shape[1] != query.shape[1]
+        if kernel == "math":
+            if grouped:  # the math kernel repeats each key/value head for its query heads (copies)
+                key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+                value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+            return _math_sdpa(autocast, query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if kernel == "flash" and grouped:
+            # flash attention reads grouped K/V as they are, keeping the output and a log-sum-exp
+            try:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            except Exception:  # a torch whose meta kernel for it refuses grouped K/V: the caller's own call
+                return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                scale=scale, enable_gqa=True)
         return _efficient_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
     F.scaled_dot_product_attention = sdpa
     try:
@@ -171,11 +221,14 @@ def _efficient_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale):
 
 
 def _math_sdpa(autocast, query, key, value, attn_mask, dropout_p, is_causal, scale):
-    """``_scaled_dot_product_attention_math`` step by step, as CUDA runs it: its dropout is a
-    bool mask, and half-precision inputs (autocast's casts) are computed in float32 (torch
-    2.5+, unless ``allow_fp16_bf16_reduction_math_sdp(True)``): the kept score matrix,
-    softmax and dropout output are fp32, the result cast back. It also returns the
-    attention weights in the inputs' dtype, a copy freed at once."""
+    """``_scaled_dot_product_attention_math`` step by step, as CUDA runs it: the query and the
+    (repeated) key each scaled by the root of the scale, the score matrix with the mask (a causal
+    one made as a float matrix) added in place, a safe softmax (its result kept; beside it a softmax
+    output and an ``-inf`` mask while it runs), its dropout a bool mask; half-precision inputs
+    (autocast's casts) are computed in float32 (torch 2.5+, unless
+    ``allow_fp16_bf16_reduction_math_sdp(True)``): the kept score matrix, softmax and dropout
+    output are fp32, the result cast back. It also returns the attention weights in the inputs'
+    dtype, a copy freed at once."""
     import math
     torch = import_torch()
     was = autocast.enabled if autocast is not None else None
@@ -187,14 +240,22 @@ def _math_sdpa(autocast, query, key, value, attn_mask, dropout_p, is_causal, sca
         if origin in (torch.float16, torch.bfloat16) and not allowed:
             query, key, value = query.float(), key.float(), value.float()
         s = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
-        attn = torch.matmul(query * s, (key * s).transpose(-2, -1))
+        attn = torch.matmul(query * s, key.transpose(-2, -1) * s)
         if is_causal:
             causal = torch.ones(attn.shape[-2], attn.shape[-1], dtype=torch.bool, device=attn.device).tril()
-            attn = attn.masked_fill(~causal, float("-inf"))
+            attn_mask = causal
         if attn_mask is not None:
-            attn = attn + (attn_mask if attn_mask.dtype != torch.bool else
-                           torch.zeros(attn_mask.shape, dtype=attn.dtype, device=attn.device))
-        attn = torch.softmax(attn, dim=-1)
+            if attn_mask.dtype == torch.bool:  # made an additive float mask first
+                attn_mask = torch.zeros(attn_mask.shape, dtype=attn.dtype, device=attn.device)
+            attn.add_(attn_mask)
+        safe = getattr(torch.ops.aten, "_safe_softmax", None)
+        if safe is not None:
+            # while it runs: softmax's output and the rows' -inf mask beside the result
+            during = (torch.empty_like(attn), torch.empty(attn.shape, dtype=torch.bool, device=attn.device))
+            attn = safe(attn, -1)
+            del during
+        else:
+            attn = torch.softmax(attn, dim=-1)
         if dropout_p > 0:
             attn = torch.native_dropout(attn, float(dropout_p), True)[0]
         out = torch.matmul(attn, value)
@@ -205,15 +266,3 @@ def _math_sdpa(autocast, query, key, value, attn_mask, dropout_p, is_causal, sca
     finally:
         if autocast is not None:
             autocast.enabled = was
-
-
-def _gqa_sdpa(original, query, key, value, attn_mask, dropout_p, is_causal, scale):
-    torch = import_torch()
-    if attn_mask is None:
-        try:  # flash attention reads grouped K/V as they are, keeping the output and a log-sum-exp
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        except Exception:
-            pass
-    return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, enable_gqa=True)

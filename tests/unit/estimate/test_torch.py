@@ -300,3 +300,75 @@ def test_adafactor_runs_its_for_loop_on_cuda_as_torch_does():
     foreach_as_torch_picks(ada, cuda=True)
     foreach_as_torch_picks(adam, cuda=True)
     assert ada.param_groups[0]["foreach"] is False and adam.param_groups[0]["foreach"] is True
+
+
+class _GroupedKV(nn.Module):
+    """Causal attention over grouped K/V (4 query heads, 2 key/value heads), as Hugging Face's
+    Mistral / Qwen2 call it (``enable_gqa=True``, no mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum(dim=(1, 3))
+
+
+@pytest.mark.parametrize("grouped_efficient", [False, True])
+def test_grouped_kv_in_float32_runs_the_kernel_cuda_runs(monkeypatch, grouped_efficient):
+    """Flash attention does not take float32; where CUDA's memory-efficient attention takes no grouped
+    K/V either (torch 2.11 on the H200: Mistral and Qwen2 in float32 held 0.55-0.64 GiB more than
+    estimated, the same at every N), CUDA runs the math kernel, which keeps the score matrix; where it
+    takes them, the fused kernel keeps the output and a log-sum-exp only. Under bf16 autocast flash
+    takes grouped K/V either way."""
+    from distmem.estimate.torch import kernels
+    monkeypatch.setattr(kernels, "EFFICIENT_ATTENTION_GROUPED_KV", grouped_efficient, raising=False)
+    seq, batch = 256, 2
+    scores = batch * 4 * seq * seq * 4  # batch x query heads x seq x seq, float32
+    fp32 = estimate_torch(_GroupedKV(), input_shape=(seq, 32), batch_size=batch, device="cuda", loss="sum")
+    bf16 = estimate_torch(_GroupedKV(), input_shape=(seq, 32), batch_size=batch, device="cuda", loss="sum",
+                          precision="mixed_bfloat16")
+    if grouped_efficient:
+        assert fp32.activation_bytes() < scores / 2
+    else:
+        assert fp32.activation_bytes() >= scores  # the math kernel's softmax output, kept for the backward
+    assert bf16.activation_bytes() < scores / 4
+
+
+def test_sdpa_kernel_is_picked_as_cudas_dispatcher_picks_it():
+    from distmem.estimate.torch.kernels import sdpa_kernel
+    m = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")  # noqa: E731
+    q32, k32, q16, k16 = m(2, 4, 64, 8), m(2, 2, 64, 8), m(2, 4, 64, 8, dt=torch.bfloat16), m(2, 2, 64, 8, dt=torch.bfloat16)
+    mask = m(1, 1, 64, 64)
+    assert sdpa_kernel(q16, q16, None, False, False) == "flash"
+    assert sdpa_kernel(q32, q32, None, False, False) == "efficient"
+    assert sdpa_kernel(q16, q16, mask, False, False) == "efficient"
+    assert sdpa_kernel(q16, k16, None, True, False) == "flash"  # flash reads grouped K/V as they are
+    assert sdpa_kernel(q32, k32, None, True, False) == "math"
+    assert sdpa_kernel(q32, k32, None, True, True) == "efficient"
+    assert sdpa_kernel(q16, k16, mask, True, False) == "math"
+    learned = m(1, 1, 64, 64).requires_grad_()
+    assert sdpa_kernel(q16, q16, learned, False, True) == "math"
+
+
+def test_the_dispatch_mode_lets_its_tracker_go_without_a_collection():
+    """A mode class made per call sits in a reference cycle with its closure, so the tracker (and
+    whatever its rows reach) stayed alive until the next garbage collection."""
+    import gc
+    import weakref
+    from distmem.estimate.allocators import ExactAllocator
+    from distmem.estimate.torch.dispatch import Tracker, dispatch_mode
+    gc.collect()
+    gc.disable()
+    try:
+        tracker = Tracker(ExactAllocator())
+        with dispatch_mode(tracker):
+            torch.empty(3, device="meta") + 1
+        ref = weakref.ref(tracker)
+        del tracker
+        assert ref() is None
+    finally:
+        gc.enable()
