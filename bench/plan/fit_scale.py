@@ -7,7 +7,7 @@
     PYTHONPATH=. python3 bench/plan/fit_scale.py smoke --max-cases 6                       # CPU: the training runs' plumbing
     PYTHONPATH=. python3 bench/plan/fit_scale.py run --cpu --budget-s 900 --out /tmp/fs --only 'hand:mlp'  # CPU: the coordinator
     PYTHONPATH=. python3 bench/plan/fit_scale.py run --budget-s 140 --out $OUT \\
-        --redo bench/results/fit_scale_h200.jsonl --new 6 --tag h200-2                   # what failed, again
+        --redo bench/results/fit_scale_h200.jsonl --new 6 --allocator-probes none --tag h200-2  # what failed, again
     PYTHONPATH=. python3 bench/plan/fit_scale.py summarize bench/results/fit_scale_h200.jsonl \\
         $OUT/fit_scale_h200.jsonl --merge-to bench/results/fit_scale_h200.jsonl \\
         --summary-out bench/results/fit_scale_h200_summary.json                           # every case's latest run
