@@ -278,8 +278,10 @@ def _say_applied(plan: Plan, applied: Dict[str, Any], fw: str, real: bool, from_
         say("[distmem] no launcher detected: 1 rank (start with horovodrun, mpirun, srun or torchrun for "
             "more)")
     done = applied.get("applied") or []
-    where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not real
-                                                      else f"{fw}: nothing to apply")
+    if not real:  # a dry run applies no limit; what the framework reads at start is set for the job all the same
+        where = f"dry run, no limit applied; {fw}: {'; '.join(done)}" if done else "dry run, nothing applied"
+    else:
+        where = f"{fw}: {'; '.join(done)}" if done else f"{fw}: nothing to apply"
     say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
     say_back(f"[distmem rank {mine.rank}]")  # sizes given in decimal units, said back once
     if from_report:

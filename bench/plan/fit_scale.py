@@ -6,7 +6,11 @@
     PYTHONPATH=. python3 bench/plan/fit_scale.py dry --max-cases 20                        # CPU: fit's answers only
     PYTHONPATH=. python3 bench/plan/fit_scale.py smoke --max-cases 6                       # CPU: the training runs' plumbing
     PYTHONPATH=. python3 bench/plan/fit_scale.py run --cpu --budget-s 900 --out /tmp/fs --only 'hand:mlp'  # CPU: the coordinator
-    PYTHONPATH=. python3 bench/plan/fit_scale.py summarize bench/results/fit_scale_h200.jsonl
+    PYTHONPATH=. python3 bench/plan/fit_scale.py run --budget-s 140 --out $OUT \\
+        --redo bench/results/fit_scale_h200.jsonl --new 6 --allocator-probes none --tag h200-2  # what failed, again
+    PYTHONPATH=. python3 bench/plan/fit_scale.py summarize bench/results/fit_scale_h200.jsonl \\
+        $OUT/fit_scale_h200.jsonl --merge-to bench/results/fit_scale_h200.jsonl \\
+        --summary-out bench/results/fit_scale_h200_summary.json                           # every case's latest run
 
 Every case is a question a user asks ``distmem.fit`` (the public door) before launch: a model built as
 users build it (torchvision and timm models, Hugging Face models from their configs - large
@@ -29,8 +33,10 @@ packed so that their caps and contexts fit the GPU):
 * ``best_rejected``: the best rejected layout's binding rank under its GPU's share;
 * ``mb_up``: the chosen layout with the next micro-batch up (fit's own verdict on it: asked again
   where it was not among the rejected), under its share, when fit rejects it;
-* ``default_allocator`` (cases where fit asked for expandable segments): the chosen rank again
-  without them, the evidence that the setting is needed.
+* ``default_allocator`` (cases where fit asked for expandable segments: every torch case under a
+  hard limit): the chosen rank again without them, the evidence that the setting is needed;
+  ``without_expandable``: the layout ``fit(..., expandable_segments=False)`` chooses (limits with
+  room for the largest allocation), run without them (``--allocator-probes none``: neither).
 
 Each run reads NVML's per-process usage (``nvmlDeviceGetComputeRunningProcesses``, by pid; sampled
 while it trains and after) beside the allocator's peaks. A layout fits only if the whole process -
@@ -44,7 +50,9 @@ run), and a summary (``fit_scale_h200_summary.json``): chosen layouts out of mem
 or NVML over the share; target 0), rejected layouts that would have trained (target <= 5%), the
 median memory the chosen layout left unused, fit's time per case, the outside-allocator model
 against NVML. Cases run most informative first (every model family, wrapper and precision early);
-what the ``--budget-s`` leaves undone, a later run takes with ``--skip-done``.
+what the ``--budget-s`` leaves undone, a later run takes with ``--skip-done``; ``--redo FILE`` runs
+FILE's cases that count against the targets again (then ``--new N`` it does not hold), and
+``summarize A B --merge-to A`` keeps every case's latest record (each carries its run's ``--tag``).
 """
 from __future__ import annotations
 
@@ -493,7 +501,12 @@ def _asked_model(key: str) -> Any:
     m = MODELS[key]
     if m.spec:
         return m.spec
-    with torch.device("meta"):
+    try:
+        with torch.device("meta"):
+            model = build(key)
+    except (NotImplementedError, RuntimeError):
+        # a constructor that reads a tensor's values (timm's regnety_016 under torch 2.11: aten::_unique2
+        # has no meta kernel): built on the CPU, as its users build it
         model = build(key)
     if m.family == "huggingface":
         def example_input(batch: int, _key: str = key) -> Dict[str, Any]:
@@ -542,8 +555,8 @@ def ask(case_dict: Dict[str, Any], estimate: str = "model") -> Dict[str, Any]:
             if res2.chosen is not None:
                 answer["without_expandable"] = dict(_candidate(res2.chosen, res2.chosen.heaviest),
                                                     fit_seconds=round(time.perf_counter() - t, 3))
-        except TypeError:  # a fit without the option (older tree): nothing to ask
-            pass
+        except Exception as exc:  # noqa: BLE001 - booked: nothing of it to run
+            answer["without_expandable_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return answer
 
 
@@ -589,8 +602,9 @@ def _mb_up(model: Any, case: Case, kw: Dict[str, Any], res: Any) -> Dict[str, An
 ROLES = ("chosen", "best_rejected", "mb_up", "default_allocator", "without_expandable")
 
 
-def run_specs(answer: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The runs of one answered case, most important first."""
+def run_specs(answer: Dict[str, Any], probes: bool = True) -> List[Dict[str, Any]]:
+    """The runs of one answered case, most important first; ``probes``: also the allocator's
+    (``default_allocator``, ``without_expandable``) where fit asked for expandable segments."""
     case = answer["params"]
     specs: List[Dict[str, Any]] = []
     xs = bool(answer.get("expandable_segments"))
@@ -622,9 +636,9 @@ def run_specs(answer: Dict[str, Any]) -> List[Dict[str, Any]]:
     up = answer.get("mb_up") or {}
     if up.get("status") == "rejected":
         specs.append(spec("mb_up", up, "share_bytes", xs))
-    if xs and "chosen" in answer:
+    if xs and "chosen" in answer and probes:
         specs.append(spec("default_allocator", answer["chosen"], "planned_bytes", False))
-    if "without_expandable" in answer:
+    if "without_expandable" in answer and probes:
         specs.append(spec("without_expandable", answer["without_expandable"], "planned_bytes", False))
     return [s for s in specs if s is not None]
 
@@ -868,7 +882,10 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
                 loss = loss_of(o)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             else:
-                o.backward(torch.randn_like(o))
+                # the gradient arriving from the next stage, scaled there by its GradScaler (this
+                # stage's scaler then unscales its gradients in step(), as every stage's does)
+                grad = torch.randn_like(o)
+                o.backward(scaler.scale(grad) if scaler is not None else grad)
 
         in_flight = max(1, int(spec.get("in_flight") or 1))
         peaks: List[int] = []
@@ -1063,6 +1080,7 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
     summary: Dict[str, Any] = {
         "bench": "fit_scale", **(env or {}),
         "cases": len(records), "families": by(((rec, None) for rec in records), lambda rec: rec["answer"]["family"]),
+        "cases_by_tag": by(((rec, None) for rec in records), lambda rec: str(rec.get("tag") or UNTAGGED)),
         "cases_where_nothing_fits": sum(1 for rec in records if "chosen" not in rec.get("answer", {})
                                         and "error" not in rec.get("answer", {})),
         "cases_fit_refused": sum(1 for rec in records if "error" in rec.get("answer", {})),
@@ -1127,8 +1145,88 @@ def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Opt
                                        / len(best_rej), 4) if best_rej else None,
         "targets": {"chosen_failed": 0, "rejected_would_have_trained_rate": 0.05, "limit_slack_of_share_median": 0.10},
         "seconds": round(seconds, 1), "budget_s": budget_s,
+        "split": split(records),
     }
     return summary
+
+
+#: The bare process outside the allocator the rules below are read against: CUDA context, cuBLAS and
+#: cuDNN after one matmul and one convolution (bench/results/outside_allocator_h200.json, 694 MiB)
+OUTSIDE_BARE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results",
+                                 "outside_allocator_h200.json")
+
+
+def half_of(model: str) -> str:
+    """Which half a model's cases fall in: ``fit`` (the rules are read from it) or ``held_out`` (they
+    are checked on it). By model, so that no model is in both; fixed by the name (CRC-32), not by the
+    results."""
+    import zlib
+
+    return "fit" if zlib.crc32(model.encode()) % 2 == 0 else "held_out"
+
+
+def _bare_outside() -> Optional[int]:
+    try:
+        with open(OUTSIDE_BARE_FILE) as f:
+            return int(json.load(f)["summary"]["without_nccl_bytes"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def split(records: List[Dict[str, Any]], bare: Optional[int] = None) -> Dict[str, Any]:
+    """The two rules the first H200 run changed, read from the ``fit`` half of the models and checked
+    on the ``held_out`` half (:func:`half_of`):
+
+    * the allocator: chosen layouts under a hard limit run with torch's default allocator and with
+      expandable segments, how many of each ran out of memory (and the ``default_allocator`` probes:
+      a layout planned for expandable segments run without them);
+    * the memory outside the allocator after training steps: the fit half's largest (NVML's figure for
+      the process minus torch's reserved bytes, runs that trained) over the bare process gives the
+      step kernels (and FSDP2's beyond them); the held-out half's runs above bare + those."""
+    bare = _bare_outside() if bare is None else bare
+    halves: Dict[str, Dict[str, Any]] = {}
+    for name in ("fit", "held_out"):
+        recs = [r for r in records if half_of(str(r.get("answer", {}).get("params", {}).get("model", r["case"])))
+                == name]
+        runs = [run for r in recs for run in r.get("runs", []) if run["verdict"]["status"] != "error"]
+        chosen = [run for run in runs if run["spec"]["role"] == "chosen"]
+        probes = [run for run in runs if run["spec"]["role"] == "default_allocator"]
+        trained = [run for run in runs if run["verdict"].get("trained")
+                   and run["result"].get("outside_measured") is not None]
+        fsdp2 = [int(run["result"]["outside_measured"]) for run in trained
+                 if str(run["spec"].get("shard") or "").startswith("fsdp2")]
+        plain = [int(run["result"]["outside_measured"]) for run in trained
+                 if not str(run["spec"].get("shard") or "").startswith("fsdp2")]
+
+        def count(rs: List[Dict[str, Any]]) -> Dict[str, int]:
+            return {"runs": len(rs), "out_of_memory": sum(1 for run in rs if run["result"].get("oom"))}
+
+        halves[name] = {
+            "models": len({str(r.get("answer", {}).get("params", {}).get("model")) for r in recs}),
+            "cases": len(recs),
+            "chosen_default_allocator": count([run for run in chosen if not run["spec"].get("expandable")]),
+            "chosen_expandable_segments": count([run for run in chosen if run["spec"].get("expandable")]),
+            "default_allocator_probes": count(probes),
+            "outside_trained_runs": len(plain) + len(fsdp2),
+            "outside_max_mib": _mib(max(plain)) if plain else None,
+            "outside_fsdp2_max_mib": _mib(max(fsdp2)) if fsdp2 else None,
+            "_plain": plain, "_fsdp2": fsdp2}
+    fit, held = halves["fit"], halves["held_out"]
+    out: Dict[str, Any] = {"how": "by model, CRC-32 of its name: even = fit, odd = held_out",
+                           "bare_outside_mib": _mib(bare)}
+    if bare is not None and fit["_plain"]:
+        step = max(fit["_plain"]) - bare
+        extra = max(0, max(fit["_fsdp2"]) - max(fit["_plain"])) if fit["_fsdp2"] else 0
+        above = [v - (bare + step) for v in held["_plain"] if v > bare + step] + \
+                [v - (bare + step + extra) for v in held["_fsdp2"] if v > bare + step + extra]
+        out["from_fit_half"] = {"step_kernels_mib": _mib(step), "fsdp2_kernels_mib": _mib(extra)}
+        out["held_out_above_rule"] = {"runs": len(above), "of": len(held["_plain"]) + len(held["_fsdp2"]),
+                                      "max_mib": _mib(max(above)) if above else 0.0}
+    for h in halves.values():
+        h.pop("_plain")
+        h.pop("_fsdp2")
+    out.update(halves)
+    return out
 
 
 def _mib(v: Optional[float]) -> Optional[float]:
@@ -1275,6 +1373,7 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
     done_before = read_records(args.skip_done)
     done_ids = {r["case"] for r in done_before}
     cases = [c for c in selected(args) if c.id not in done_ids]
+    probes = args.allocator_probes != "none"
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, f"{args.name}.jsonl")
     with open(jsonl, "w") as f:  # the earlier cases first, so this file is complete on its own
@@ -1310,11 +1409,12 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
             except BaseException as exc:  # noqa: BLE001 - a dead asker
                 answer = {"case": c.id, "params": asdict(c), "family": MODELS[c.model].family,
                           "error": f"bench: {type(exc).__name__}: {exc}"}
-            specs = run_specs(answer) if "error" not in answer else []
+            specs = run_specs(answer, probes) if "error" not in answer else []
             if args.cpu:
                 specs = [dict(sp, device="cpu", micro_batch=1, accumulation=min(2, sp["accumulation"]), steps=1)
                          for sp in specs]
-            open_cases[i] = {"case": c.id, "order": i, "answer": answer, "runs": [], "left": len(specs)}
+            open_cases[i] = {"case": c.id, "order": i, "tag": args.tag, "answer": answer, "runs": [],
+                             "left": len(specs)}
             for k, s in enumerate(specs):
                 pending.append(Job((i, k), s, job_need(s), now))
             pending.sort(key=lambda j: j.order)
@@ -1393,9 +1493,70 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def selected(args: argparse.Namespace) -> List[Case]:
-    """The cases in running order, those matching ``--only``, the first ``--max-cases``."""
+    """The cases in running order, those matching ``--only``, the first ``--max-cases``; with
+    ``--redo FILE``: FILE's cases that count against the targets (:func:`to_redo`), then the first
+    ``--new`` cases FILE does not hold."""
     cases = [c for c in order_cases(all_cases()) if not args.only or re.search(args.only, c.id)]
+    if getattr(args, "redo", None):
+        earlier = read_records(args.redo)
+        again, held = to_redo(earlier), {r["case"] for r in earlier}
+        by_id = {c.id: c for c in cases}
+        return [by_id[i] for i in again if i in by_id] + [c for c in cases if c.id not in held][:args.new]
     return cases[:args.max_cases or None]
+
+
+def to_redo(records: List[Dict[str, Any]]) -> List[str]:
+    """The cases whose runs count against the targets or say nothing, in that order: a chosen layout
+    that did not train (or whose run errored), a rejected one that trained, another run that
+    errored, an answer the bench could not get; earlier records first within each."""
+    ranked = []
+    for k, rec in enumerate(records):
+        ans = rec.get("answer", {})
+        rank = 3 if str(ans.get("error", "")).startswith("bench:") else None
+        for run in rec.get("runs", []):
+            role, v = run["spec"]["role"], run["verdict"]
+            if role == "chosen" and not v.get("trained"):
+                r = 0
+            elif role in ("best_rejected", "mb_up") and v.get("status") != "error" and v.get("trained"):
+                r = 1
+            elif v.get("status") == "error":
+                r = 2
+            else:
+                continue
+            rank = r if rank is None else min(rank, r)
+        if rank is not None:
+            ranked.append((rank, k, rec["case"]))
+    return [case for _, _, case in sorted(ranked)]
+
+
+def merge(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """Every case's latest record over ``paths`` (a later file's record of a case replaces an
+    earlier one, in the earlier one's place), and per file what it gave (cases, tag, seconds)."""
+    merged: Dict[str, Dict[str, Any]] = {}
+    runs = []
+    for path in paths:
+        recs = read_records(path)
+        for rec in recs:
+            merged[rec["case"]] = rec
+        side = _summary_of(path)
+        runs.append({"file": os.path.basename(path), "cases": len(recs),
+                     "tags": sorted({str(r.get("tag") or UNTAGGED) for r in recs}),
+                     "seconds": side.get("seconds"), "torch": side.get("torch")})
+    return list(merged.values()), runs
+
+
+#: the tag of a record written before records carried one: the first H200 run (main e9b4784)
+UNTAGGED = "h200-1@e9b4784"
+
+
+def _summary_of(jsonl: str) -> Dict[str, Any]:
+    """The summary written beside a results file (``X.jsonl`` -> ``X_summary.json``), or {}."""
+    path = re.sub(r"\.jsonl$", "", jsonl) + "_summary.json"
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def dry(args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -1410,7 +1571,7 @@ def dry(args: argparse.Namespace) -> List[Dict[str, Any]]:
     ctx.set_forkserver_preload(["torch", "torchvision", "distmem"])
     with ProcessPoolExecutor(max_workers=args.askers, mp_context=ctx, initializer=_asker_init) as pool:
         for c, a in zip(cases, pool.map(_ask_one, [asdict(c) for c in cases], [args.estimate] * len(cases))):
-            runs = [s["role"] for s in run_specs(a)] if "error" not in a else []
+            runs = [s["role"] for s in run_specs(a, args.allocator_probes != "none")] if "error" not in a else []
             ch = a.get("chosen", {}).get("describe")
             log(f"{c.id}: {a.get('fit_seconds')} s; chosen {ch}; xs={a.get('expandable_segments')}; runs {runs}"
                 + (f"; ERROR {a['error'][:300]}" if "error" in a else ""))
@@ -1455,6 +1616,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--name", default=NAME, help=f"results' file name stem (default {NAME})")
     ap.add_argument("--skip-done", default=None, metavar="FILE", help="a .jsonl of an earlier run: its cases are kept, "
                                                                       "not run again")
+    ap.add_argument("--redo", default=None, metavar="FILE", help="run FILE's cases that count against the targets "
+                    "(a chosen layout that failed, a rejected one that trained, an error) again, then --new others; "
+                    "this run's file holds only them (merge with summarize --merge-to)")
+    ap.add_argument("--new", type=int, default=0, help="with --redo: also the first N cases FILE does not hold")
+    ap.add_argument("--tag", default=None, help="written into every record of this run (which tree asked fit)")
+    ap.add_argument("--allocator-probes", default="all", choices=["all", "none"], help="the default_allocator and "
+                    "without_expandable runs where fit asks for expandable segments (default all)")
+    ap.add_argument("--merge-to", default=None, metavar="FILE", help="summarize: write every case's latest record "
+                    "over the files given (later files win) to FILE")
+    ap.add_argument("--summary-out", default=None, metavar="FILE", help="summarize: write the summary to FILE")
     ap.add_argument("--max-cases", type=int, default=0, help="only the first N cases in running order")
     ap.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose id matches")
     ap.add_argument("--workers", type=int, default=9, help="runs at once on the GPU (default 9)")
@@ -1478,8 +1649,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(c.id)
         return 0
     if a.mode == "summarize":
-        recs = [r for p in a.files for r in read_records(p)]
-        s = summarize(recs)
+        recs, runs = merge(a.files)
+        env = {}
+        for p in a.files:  # the environment of the last run that says it
+            side = _summary_of(p)
+            env.update({k: side[k] for k in ("device", "driver", "torch", "cuda") if k in side})
+        s = summarize(recs, env=env)
+        ids = {c.id for c in all_cases()}
+        s.update(seconds=None, budget_s=None, runs=runs, cases_left=len(ids - {r["case"] for r in recs}))
+        if a.merge_to:
+            with open(a.merge_to + ".tmp", "w") as f:
+                for rec in recs:
+                    f.write(json.dumps(rec) + "\n")
+            os.replace(a.merge_to + ".tmp", a.merge_to)
+        if a.summary_out:
+            with open(a.summary_out, "w") as f:
+                json.dump(s, f, indent=1)
         print(json.dumps(s, indent=1))
         print(json.dumps(line(s)))
         return 0
@@ -1492,6 +1677,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("run needs --budget-s SECONDS (the device time this run may take)")
     if not a.out:
         ap.error("run needs --out FOLDER (or $OUT)")
+    if a.redo and a.skip_done:
+        ap.error("--redo and --skip-done: give one (--redo writes this run's cases alone; --skip-done copies the "
+                 "earlier file's cases first)")
     coordinate(a)
     return 0
 

@@ -157,14 +157,14 @@ def _too_late(what: str, live: str, planned: str) -> TooLateError:
 
 
 def plan_needs_expandable(plan: Any) -> bool:
-    """Whether ``plan``'s limits hold only with torch's expandable segments (``strategy="auto"``: the
-    chosen layout's largest allocation is larger than its limit's headroom, ``FitResult.expandable_segments``)."""
+    """Whether ``plan``'s limits hold only with torch's expandable segments (``strategy="auto"`` under
+    hard limits, where the job may have them: ``FitResult.expandable_segments``)."""
     fit = (getattr(plan, "extras", None) or {}).get("fit") or {}
     return bool(fit.get("expandable_segments"))
 
 
-_WHY_FIT = ("the chosen layout's largest allocation is larger than its limit's headroom: without them torch's "
-            "caching allocator can strand a block that size and run out below the limit")
+_WHY_FIT = ("the fit's limits assume them: without them torch's caching allocator strands free memory in the "
+            "blocks it splits and can run out below its limit")
 
 
 def _torch_version() -> str:

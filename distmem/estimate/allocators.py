@@ -48,6 +48,8 @@ class ExactAllocator:
         self.by_part: Dict[str, int] = {}
         self.part_of: Dict[object, Tuple[str, int]] = {}
         self.peak_parts: Dict[str, int] = {}
+        #: the largest single request booked (bytes): what a capped allocator must find in one piece
+        self.largest = 0
 
     def reset_peak(self) -> None:
         self.peak = self.in_use
@@ -57,6 +59,7 @@ class ExactAllocator:
     def _count(self, key: object, size: int, chunk: int, part: str) -> None:
         """Book a new allocation (``chunk`` bytes handed out for ``size`` requested)."""
         self.in_use += chunk
+        self.largest = max(self.largest, size)
         if self.track:
             self.part_of[key] = (part, size)
             self.by_part[part] = self.by_part.get(part, 0) + size

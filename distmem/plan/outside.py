@@ -2,18 +2,21 @@
 
 What a memory limit (``torch.cuda.set_per_process_memory_fraction``, TensorFlow's
 ``memory_limit``) does not cover, yet the GPU must hold: the CUDA context (driver state, the
-kernels of every loaded library), cuBLAS and cuDNN handles and their library code, and NCCL's
-communicators (their proxy state, work FIFOs and, towards peers, the per-channel buffers sized
-by ``NCCL_BUFFSIZE``). It is per process, so ``k`` ranks on one GPU hold it ``k`` times.
+kernels of every loaded library), cuBLAS and cuDNN handles and their library code, the kernels a
+training step loads on first use (CUDA loads modules lazily: the optimizer's, the loss's,
+normalisation, autocast casts; FSDP2's copy-in/out kernels), and NCCL's communicators (their
+proxy state, work FIFOs and, towards peers, the per-channel buffers sized by ``NCCL_BUFFSIZE``).
+It is per process, so ``k`` ranks on one GPU hold it ``k`` times.
 
 Every constant below comes from a measurement on an NVIDIA H200 with this repository's
 ``python bench/plan/fit.py outside`` (NVML's per-process used memory minus torch's reserved bytes,
-each case in a fresh process), committed in ``bench/results/outside_allocator_h200.json``; the
-one part that cannot be measured on one GPU — buffers towards peers — follows NCCL's
-documentation and is flagged as assumed in the breakdown until the multi-GPU measurement
-(issue 19) replaces it.
+each case in a fresh process), committed in ``bench/results/outside_allocator_h200.json``, and
+the training steps' kernels from ``bench/plan/fit_scale.py`` (the same difference after four
+training steps, 169 runs: ``bench/results/fit_scale_h200.jsonl``); the one part that cannot be
+measured on one GPU — buffers towards peers — follows NCCL's documentation and is flagged as
+assumed in the breakdown until the multi-GPU measurement (issue 19) replaces it.
 
->>> outside_allocator_bytes("torch")                          # CUDA context + cuBLAS + cuDNN
+>>> outside_allocator_bytes("torch")                          # CUDA context + cuBLAS + cuDNN + a step's kernels
 >>> outside_allocator_bytes("torch", nccl_communicators=2)    # plus two NCCL communicators
 >>> outside_allocator_breakdown("torch", nccl_communicators=1, nccl_peers=7)["parts"]
 """
@@ -54,6 +57,9 @@ class OutsideModel:
     ``context_bytes``: a bare CUDA context (``torch.cuda.init()`` and one tiny tensor).
     ``cublas_bytes``: added by the first matmul (cuBLAS handle, its kernels loaded).
     ``cudnn_bytes``: added by the first convolution forward + backward (cuDNN handle, kernels).
+    ``step_kernels_bytes``: added by training steps beyond those (the kernels they load on first
+    use: optimizer, loss, normalisation, autocast). ``fsdp2_kernels_bytes``: added by FSDP2's
+    steps beyond a replicated one's (its all-gather copy-in/out and reduce-scatter kernels).
     ``nccl_first_bytes``: added by the first NCCL communicator (one-rank process group, after one
     all-reduce, default NCCL_BUFFSIZE). ``nccl_next_bytes``: each further communicator
     (``new_group``). ``nccl_buffsize_slope``: bytes per byte of NCCL_BUFFSIZE per communicator,
@@ -67,6 +73,8 @@ class OutsideModel:
     cudnn_bytes: int
     nccl_first_bytes: int
     nccl_next_bytes: int
+    step_kernels_bytes: int = 0
+    fsdp2_kernels_bytes: int = 0
     nccl_buffsize_slope: float = 0.0
     granularity: int = 2 * MiB
     source: str = ""
@@ -83,6 +91,11 @@ class OutsideModel:
 #: backward (694 MiB in all, below the planners' 768 MiB default); +556 MiB for the first
 #: one-rank NCCL communicator and +390 MiB for each further one, the same at NCCL_BUFFSIZE=2 MiB
 #: as at the default 4 MiB (a one-rank communicator allocates no peer buffers).
+#: Four training steps load more kernels than one matmul and one convolution: after them the same
+#: difference was 742-762 MiB over the 164 runs of 36 models that trained without FSDP2 (at most
+#: 762 MiB = 694 + 68 MiB: a step's kernels are +68 MiB), and 812-828 MiB over the 5 runs of 4 models
+#: with FSDP2 (+66 MiB more) (bench/results/fit_scale_h200.jsonl, ``outside_measured``; runs that ran
+#: out of memory stopped before loading them all, 620-686 MiB).
 H200_TORCH = OutsideModel(
     name="torch-2.11-cuda13.0-nccl2.28.9-h200",
     context_bytes=610 * MiB,
@@ -90,10 +103,14 @@ H200_TORCH = OutsideModel(
     cudnn_bytes=18 * MiB,
     nccl_first_bytes=556 * MiB,
     nccl_next_bytes=390 * MiB,
+    step_kernels_bytes=68 * MiB,
+    fsdp2_kernels_bytes=66 * MiB,
     nccl_buffsize_slope=0.0,
-    source="bench/results/outside_allocator_h200.json (H200, torch 2.11, CUDA 13.0, NCCL 2.28.9)",
+    source="bench/results/outside_allocator_h200.json, bench/results/fit_scale_h200.jsonl (H200, torch 2.11, "
+           "CUDA 13.0, NCCL 2.28.9)",
     measured={"without_nccl_bytes": 694 * MiB, "with_1_communicator_bytes": 1250 * MiB,
-              "with_3_communicators_bytes": 2030 * MiB, "nccl_buffsize_tested": [4194304, 2097152]},
+              "with_3_communicators_bytes": 2030 * MiB, "nccl_buffsize_tested": [4194304, 2097152],
+              "after_training_steps_max_bytes": 762 * MiB, "after_fsdp2_steps_max_bytes": 828 * MiB},
 )
 
 _MODELS = {"torch": H200_TORCH}
@@ -132,7 +149,8 @@ def _channels(channels: Optional[int], min_channels: Optional[int], max_channels
 
 
 def outside_allocator_breakdown(framework: str = "torch", *, cuda: bool = True, cublas: bool = True,
-                                cudnn: bool = True, nccl_communicators: int = 0,
+                                cudnn: bool = True, steps: bool = True, fsdp2: bool = False,
+                                nccl_communicators: int = 0,
                                 nccl_buffsize: Any = None, nccl_peers: int = 0,
                                 nccl_channels: Optional[int] = None, nccl_min_channels: Optional[int] = None,
                                 nccl_max_channels: Optional[int] = None,
@@ -140,7 +158,8 @@ def outside_allocator_breakdown(framework: str = "torch", *, cuda: bool = True, 
     """Bytes one process holds on its GPU outside the allocator, part by part.
 
     ``cublas``/``cudnn``: the process runs matmuls / convolutions (a training step does; a
-    model without convolutions may pass ``cudnn=False``). ``nccl_communicators``: NCCL
+    model without convolutions may pass ``cudnn=False``). ``steps``: the process trains (the
+    kernels its steps load); ``fsdp2``: its steps are FSDP2's. ``nccl_communicators``: NCCL
     communicators the process creates (a DDP or Horovod-NCCL job: one for the world group, one
     more per ``new_group``/sub-mesh such as a pipeline's data-parallel group).
     ``nccl_buffsize``: NCCL_BUFFSIZE (bytes or "2MiB"; default NCCL's 4 MiB). ``nccl_peers``:
@@ -170,6 +189,10 @@ def outside_allocator_breakdown(framework: str = "torch", *, cuda: bool = True, 
         parts["cublas"] = m.cublas_bytes
     if cudnn:
         parts["cudnn"] = m.cudnn_bytes
+    if steps and m.step_kernels_bytes:
+        parts["step_kernels"] = m.step_kernels_bytes
+    if steps and fsdp2 and m.fsdp2_kernels_bytes:
+        parts["fsdp2_kernels"] = m.fsdp2_kernels_bytes
     if fw == "tensorflow":
         # TensorFlow was not measured on the GPU machine (it has no TensorFlow): the same CUDA
         # libraries load, so torch's figures stand in; said in the warnings.

@@ -231,7 +231,7 @@ class _Run:
         sim, peaks, tracker = self.sim, self.peaks, self.tracker
         step_peak = max(peaks)
         res = {"peak": step_peak, "phase": self.phases[peaks.index(step_peak)], "node": -1, "batch": self.batch,
-               "steps": peaks}
+               "steps": peaks, "largest_bytes": int(self.alloc.largest)}
         if self.want_parts and not self.forward_only and sim.replay_later and self.steps > 1:
             phases: Dict[str, Dict[str, int]] = {}
             res["parts"] = peak_parts(sim.cuda, self.before_trace, self.trace, self.alive, self.grad_serials,

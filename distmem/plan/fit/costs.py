@@ -266,9 +266,16 @@ class EstimateCosts(Costs):
         return self._largest_grad
 
     def largest_block(self, mb: int, shard: str = "") -> int:
+        """:meth:`Costs.largest_block`: the simulated step's largest single request where the estimate
+        records it (the loss's float32 copy of the logits under mixed precision is twice the output
+        row), else the rows' weights, gradients and outputs."""
         rows = [r for g in self._rows for r in g]
         out = max([int(r.param_bytes) for r in rows] + [int(r.grad_bytes) for r in rows]
                   + [int(r.output_bytes_per_sample) * int(mb) for r in rows] + [0])
+        try:
+            out = max(out, int(self.est.peak_detail(int(mb)).get("largest_bytes") or 0))
+        except ConfigError:  # an estimate loaded from JSON: no step to read it from
+            pass
         if str(shard).startswith("fsdp2"):
             out = max([out] + [b["weights"] for b in self._split])
         return out

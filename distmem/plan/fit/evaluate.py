@@ -15,7 +15,8 @@ fragmentation under a hard limit; where torch's expandable segments cannot be ha
 ``(demand + the largest single allocation) x (1 + headroom)``: a capped caching allocator can strand
 a block that size, see :meth:`Evaluator.block_room`) must fit the rank's equal share of its GPU: total - driver
 reserved - reserve - foreign - ranks on the GPU x memory outside the allocator
-(:mod:`distmem.plan.outside`: CUDA context, cuBLAS/cuDNN, NCCL communicators).
+(:mod:`distmem.plan.outside`: CUDA context, cuBLAS/cuDNN, the kernels its steps load, NCCL
+communicators).
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ class Evaluator:
         #: torch's allocator may use expandable segments (init() sets them where fit says so); without
         #: them every limit also leaves room for the largest single allocation
         self.expandable = expandable
-        self._outside: Dict[int, Dict[str, Any]] = {}
+        self._outside: Dict[Tuple[int, bool], Dict[str, Any]] = {}
         self._shares: Dict[Tuple[int, int, int], int] = {}
         self._parts: Dict[Tuple[Any, ...], Any] = {}
         self._blocks: Dict[Tuple[str, int], List[LayerCost]] = {}
@@ -151,16 +152,18 @@ class Evaluator:
 
     def outside(self, layout: ParallelLayout) -> Dict[str, Any]:
         comms = nccl_communicators_of(layout) if self.nccl in (None, "auto", True) else 0
-        if comms not in self._outside:
+        fsdp2 = str(layout.shard or "").startswith("fsdp2")  # its steps load FSDP2's kernels too
+        key = (comms, fsdp2 and self.overhead is None)
+        if key not in self._outside:
             if self.overhead is not None:
                 nbytes = parse_bytes(self.overhead, what="overhead")
-                self._outside[comms] = {"total_bytes": nbytes, "parts": {"given": nbytes}, "assumed": [],
-                                        "warnings": [], "sources": {"given": "overhead= argument"}}
+                self._outside[key] = {"total_bytes": nbytes, "parts": {"given": nbytes}, "assumed": [],
+                                      "warnings": [], "sources": {"given": "overhead= argument"}}
             else:
-                self._outside[comms] = outside_allocator_breakdown(
-                    self.framework, nccl_communicators=comms, nccl_buffsize=self.nccl_buffsize,
+                self._outside[key] = outside_allocator_breakdown(
+                    self.framework, fsdp2=fsdp2, nccl_communicators=comms, nccl_buffsize=self.nccl_buffsize,
                     nccl_peers=2 if comms else 0)
-        return self._outside[comms]
+        return self._outside[key]
 
     def share(self, gpu: Gpu, k: int, outside_bytes: int) -> int:
         key = (gpu.index, k, outside_bytes)

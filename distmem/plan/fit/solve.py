@@ -32,10 +32,13 @@ __all__ = ["solve_fit", "FitResult", "PRECISION_CHOICES", "precision_choices", "
 #: The headroom over the allocator peak is :data:`distmem.defaults.LIMIT_HEADROOM` (measured on an
 #: H200: bench/results/fit_h200.json), the one every door uses.
 #: Not in the limit: a margin sized by the model's largest block. A capped caching allocator can
-#: strand blocks it split (vgg16 at micro-batch 64, 784 MiB activations, ran out of memory on the
-#: H200 under limits 8% and 15% above its true peak, with 2.5 GiB reserved but unallocated:
-#: bench/results/fit_h200_fragmentation.json); no margin short of ~40% covered it, so such models
-#: need the allocator's expandable segments rather than a larger limit (docs/fit.md).
+#: strand free memory in the blocks it split by more than any such margin: vgg16 at micro-batch 64
+#: (784 MiB activations) ran out of memory on the H200 under limits 8% and 15% above its true peak,
+#: with 2.5 GiB reserved but unallocated (bench/results/fit_h200_fragmentation.json), and 9 chosen
+#: layouts of the scale bench whose largest allocation was below their headroom ran out below their
+#: limits (bench/results/fit_scale_h200.jsonl, issue 39). Expandable segments give a segment's
+#: free pages back when the limit is reached; every hard torch limit of a fit assumes them
+#: (:func:`_allocator_advice`), or leaves the largest block room where they cannot be had.
 
 #: What ``precision="auto"`` tries; a single name (or alias) fixes it.
 PRECISION_CHOICES = ("float32", "mixed_bfloat16")
@@ -60,9 +63,11 @@ class FitResult:
     suggestion: Optional[str] = None
     warnings: List[str] = field(default_factory=list)
     seconds: float = 0.0
-    #: torch: the chosen layout's largest allocation exceeds its limit's headroom, so it should run
-    #: with the allocator's expandable segments (see the warning)
+    #: torch under a hard limit: the chosen limits hold with the allocator's expandable segments,
+    #: which the job should run with (``init()`` sets them; see the warning)
     expandable_segments: bool = False
+    #: the warning that says so (also in :attr:`warnings`); a door that sets them says it its own way
+    allocator_note: Optional[str] = None
     #: GPUs of the fleet the best fit leaves idle: no layout with a rank on every GPU fits, one of
     #: fewer ranks does (:attr:`suggestion` says why)
     idle_gpus: int = 0
@@ -255,9 +260,9 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     gathers the parameters again in the backward). ``wrapper``: a
     :class:`~distmem.plan.wrappers.Wrapper` that replicates the state (Horovod, DDP), whose buffers
     every replicated rank also holds. ``expandable_segments`` (torch): True where the job may run
-    with the allocator's expandable segments (``init()`` sets them when the chosen layout needs them:
-    :attr:`FitResult.expandable_segments`); False where it cannot (the user turned them off, CUDA
-    started before ``init()`` on a torch that cannot change them): every limit then also leaves
+    with the allocator's expandable segments (the hard limits then assume them and ``init()`` sets
+    them: :attr:`FitResult.expandable_segments`); False where it cannot (the user turned them off,
+    CUDA started before ``init()`` on a torch that cannot change them): every limit then also leaves
     room for the largest single allocation.
     """
     import time
@@ -353,7 +358,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         for w in cand.outside.get("warnings", []):
             if w not in warnings:
                 warnings.append(w)
-    advice = _allocator_advice(fits[0], costs, fw) if fits and expandable else None
+    advice = _allocator_advice(fits[0], costs, fw) if fits and expandable and memory != "growth" else None
     if advice:
         warnings.append(advice["warning"])
     suggestion = None
@@ -372,6 +377,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
                     block_names=list(first.block_names), suggestion=suggestion, warnings=warnings, costs=costs)
     res.seconds = time.perf_counter() - t0
     res.expandable_segments = bool(advice)
+    res.allocator_note = advice["warning"] if advice else None
     res.idle_gpus = idle
     return res
 
@@ -414,21 +420,25 @@ def _walk(layouts: Sequence[Tuple[ParallelLayout, int]], ev: Evaluator, top: int
 
 
 def _allocator_advice(cand: Candidate, costs: Dict[str, Costs], framework: str) -> Optional[Dict[str, Any]]:
-    """torch's caching allocator under a hard limit can strand a block it split: where one
-    allocation is larger than the limit's headroom, the headroom cannot absorb it (vgg16's 784 MiB
-    activations and its 392 MiB FSDP2 unit ran out of memory on the H200 under limits 10% above their
-    true peaks: bench/results/fit_h200.json, fit_sharded_h200.json); expandable segments map such
-    blocks without splitting. Returns the advice, or None."""
+    """torch's caching allocator under a hard limit strands free memory in the blocks it split
+    (fragmentation) and can run out below the limit by more than a headroom sized from the largest
+    allocation covers: vgg16's 784 MiB activations ran out under limits up to 15% above the true
+    peak (bench/results/fit_h200_fragmentation.json), and on the scale bench 9 chosen layouts ran
+    out below their limits, each with its largest allocation below the headroom (the rule before
+    asked for expandable segments only above it: bench/results/fit_scale_h200.jsonl, issue 39).
+    Expandable segments give a segment's free pages back when the limit is reached, so every
+    chosen torch layout under a hard limit runs with them. Returns the advice (None: not torch)."""
     b = cand.heaviest
     if framework != "torch" or b is None or cand.layout.precision not in costs:
         return None
     block = costs[cand.layout.precision].largest_block(cand.layout.micro_batch, cand.layout.shard or "")
     room = b.planned_bytes - b.allocator_bytes
-    if block <= room:
-        return None
     return {"largest_block": block, "headroom_bytes": room,
-            "warning": (f"the chosen layout's largest single allocation ({format_bytes(block)}) is larger than its "
-                        f"limit's headroom ({format_bytes(room)}): under a hard limit torch's caching allocator can "
-                        "strand a block that size (fragmentation) and run out below the limit; run it with "
-                        "expandable segments: DISTMEM_TORCH_EXPANDABLE_SEGMENTS=1 (distmem sets "
-                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts)")}
+            "warning": ("torch's caching allocator under a hard limit strands free memory in the blocks it splits "
+                        "and can run out below its limit by more than the headroom covers (on the H200, chosen "
+                        "layouts whose largest allocation was below their headroom did); the limits here hold with "
+                        "expandable segments: run the job with them (init() sets PYTORCH_ALLOC_CONF="
+                        "expandable_segments:True before CUDA starts; DISTMEM_TORCH_EXPANDABLE_SEGMENTS=1 asks for "
+                        "them by hand). Without them (DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0, or fit(..., "
+                        "expandable_segments=False)) each limit also leaves room for the largest allocation, "
+                        f"{format_bytes(block)} here" + ("" if block else " (unknown for these costs)"))}

@@ -175,12 +175,14 @@ def plan(ctx: "Context", opts: AutoOptions) -> Plan:
     }
     plan_.options.update(strategy_requested="auto", global_batch_size=opts.global_batch_size)
     for w in result.warnings:
-        if w not in plan_.warnings:
+        # the fit's note on expandable segments: said below as what init() does about it
+        if w not in plan_.warnings and w != getattr(result, "allocator_note", None):
             plan_.warnings.append(w)
     if result.expandable_segments:
         plan_.warnings.append(
             "init() sets torch's expandable segments for this job before CUDA starts (PYTORCH_ALLOC_CONF="
-            "expandable_segments:True, merged with the other settings there), as this layout needs; "
+            "expandable_segments:True, merged with the other settings there): under a hard limit torch's caching "
+            "allocator strands free memory in the blocks it splits, and the limits assume them; "
             "DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0 plans without them (limits with room for the largest block)")
     return plan_
 

@@ -27,4 +27,5 @@ def test_ddp_example_runs_on_a_cpu_machine_as_the_readme_launches_it():
     from distmem.discover.gpus import inventory
 
     if not inventory(quiet=True).gpus:  # the machine the finding was made on: planned, not applied
-        assert "dry run, nothing applied" in res.out and "no CUDA allocator peak" in res.out
+        # (the allocator settings the fit's limits assume are set for the job all the same)
+        assert "dry run, no limit applied" in res.out and "no CUDA allocator peak" in res.out

@@ -1,8 +1,10 @@
-"""Fragmentation is the fit's problem: where a chosen layout's limit holds only with torch's expandable
-segments, every door that plans the job says so and ``init()`` sets them before CUDA starts (merged
-with the user's allocator settings); where they cannot be had (the user turned them off, CUDA started
-before ``init()`` on a torch that cannot change them), the fit leaves each limit room for the largest
-single allocation instead."""
+"""Fragmentation is the fit's problem: torch's caching allocator under a hard limit strands free memory
+in the blocks it splits by more than a headroom sized from the largest allocation (on the H200, chosen
+layouts whose largest allocation was below their headroom ran out below their limits: issue 39), so
+every hard torch limit of a fit assumes expandable segments; every door that plans the job says so and
+``init()`` sets them before CUDA starts (merged with the user's allocator settings); where they cannot
+be had (the user turned them off, CUDA started before ``init()`` on a torch that cannot change them),
+the fit leaves each limit room for the largest single allocation instead."""
 import os
 
 import pytest
@@ -44,12 +46,34 @@ def largest_output(layout):
     return layout.micro_batch * WIDE * 4
 
 
+def narrow_model():
+    """A model whose largest single allocation (one 128-wide output) is far below 10% of its step's peak."""
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU()) for _ in range(24)],
+                               torch.nn.Linear(128, 10))
+
+
+def test_every_hard_torch_limit_assumes_expandable_segments_even_below_the_headroom():
+    """The rule before asked for them only where the largest allocation was above the limit's
+    headroom; nine chosen layouts of the H200 scale bench under that line ran out below their limits
+    (fragmentation: bench/results/fit_scale_h200.jsonl)."""
+    job = dict(JOB, global_batch_size=8192, input_shape=(128,))
+    res = distmem.fit(narrow_model(), gpus="2x4GiB", **job)
+    h = res.chosen.heaviest
+    assert h.planned_bytes - h.allocator_bytes > res.chosen.layout.micro_batch * 128 * 4  # the old rule's "no"
+    assert res.expandable_segments, res.warnings
+    assert any("expandable segments" in w and "strands free memory" in w for w in res.warnings)
+    # under memory growth nothing is capped: nothing to ask for
+    grown = distmem.fit(narrow_model(), gpus="2x4GiB", memory="growth", **job)
+    assert not grown.expandable_segments
+
+
 def test_fit_asks_for_expandable_segments_or_leaves_the_block_room():
     model = wide_model()
     free = distmem.fit(model, gpus="4x4GiB", **JOB)
     assert free.expandable_segments, free.warnings
     h = free.chosen.heaviest
-    assert h.planned_bytes - h.allocator_bytes < largest_output(free.chosen.layout)  # why it asks
+    assert h.planned_bytes == int(h.allocator_bytes * 1.10) // MiB * MiB + MiB or \
+        h.planned_bytes - h.allocator_bytes < largest_output(free.chosen.layout)  # the limit: peak x 1.10
     fixed = distmem.fit(model, gpus="4x4GiB", expandable_segments=False, **JOB)
     assert not fixed.expandable_segments
     assert not any("expandable" in w for w in fixed.warnings)
@@ -80,8 +104,7 @@ def test_init_sets_them_before_cuda_starts_merged_with_the_users(monkeypatch, ca
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
     assert os.environ["PYTORCH_ALLOC_CONF"] == ""
     err = capsys.readouterr().err
-    assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64,expandable_segments:True (the chosen layout's largest " \
-           "allocation is larger than its limit's headroom" in err
+    assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64,expandable_segments:True (the fit's limits assume them" in err
 
 
 def test_the_users_no_is_kept_and_planned_for(monkeypatch):
@@ -175,7 +198,7 @@ def test_apply_sets_them_for_a_plan_that_needs_them_and_at_run_time():
     fake = LiveCuda()
     out = tadapter.apply(_needing_plan(), backend=fake)
     assert fake.settings == ["expandable_segments:True"]
-    assert any(a.startswith("PYTORCH_ALLOC_CONF=expandable_segments:True (and at run time) (the chosen layout")
+    assert any(a.startswith("PYTORCH_ALLOC_CONF=expandable_segments:True (and at run time) (the fit's limits")
                for a in out["applied"])
 
 
@@ -185,3 +208,17 @@ def test_apply_says_it_when_cuda_started_and_they_cannot_be_set():
     tadapter.apply(plan, backend=fake)  # not an error: the plan's own warning names the way out
     assert any("assume torch's expandable segments" in w and "DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0" in w
                for w in plan.warnings)
+
+
+def test_without_them_the_limit_leaves_room_for_the_losss_float32_logits():
+    """Under autocast the output row is bf16 (2 bytes an element), but the loss works on a float32
+    copy of the logits, twice that: the step's largest allocation (gpt2-medium asked for 3.07 GiB of
+    it on the H200 where the rows said 1.53 GiB). The fit reads it from the simulated step."""
+    vocab, batch = 32768, 64
+    model = torch.nn.Sequential(torch.nn.Linear(16, vocab))
+    res = distmem.fit(model, gpus="1x16GiB", global_batch_size=batch, input_shape=(16,), precision="mixed_bfloat16",
+                      pipelines=[1], shardings="none", micro_batches=[batch], estimate="model",
+                      expandable_segments=False)
+    h = res.chosen.heaviest
+    logits32 = batch * vocab * 4
+    assert h.planned_bytes >= (h.allocator_bytes + logits32) * 1.10 - MiB

@@ -2,7 +2,9 @@
 precision and GPU size, the most informative first), how it packs runs on the one GPU, and how it
 judges a run (allocator out of memory, NVML over the rank's part of its GPU, a rejection that would
 have trained) and sums them up."""
+import argparse
 import importlib.util
+import json
 import os
 import sys
 
@@ -127,6 +129,31 @@ def test_the_summary_counts_what_the_issue_asks():
     assert line["figure"] == pytest.approx(2 / 3, abs=1e-3) and line["peer"] == 1.0
 
 
+def test_rules_are_read_from_one_half_of_the_models_and_checked_on_the_other():
+    """The step kernels outside the allocator come from the fit half's models alone; the held-out
+    half is only checked against them (a run above is counted, never folded in); the chosen layouts
+    are counted per allocator, per half."""
+    assert fs.half_of("tv:vgg16") == "fit" and fs.half_of("tv:resnet50") == "held_out"
+
+    def rec(case, model, runs):
+        r = record(case, runs)
+        r["answer"]["params"] = {"model": model}
+        return r
+
+    plain, xs, fsdp2 = spec(), dict(spec(), expandable=True), dict(spec(), shard="fsdp2")
+    recs = [rec("a", "tv:vgg16", [(plain, result(oom=True, error="CUDA out of memory", outside=600 * MiB)),
+                                  (xs, result(outside=762 * MiB))]),
+            rec("b", "tv:vgg16", [(fsdp2, result(outside=828 * MiB))]),
+            rec("c", "tv:resnet50", [(plain, result(outside=770 * MiB)), (xs, result(outside=700 * MiB))])]
+    s = fs.split(recs, bare=694 * MiB)
+    assert s["from_fit_half"] == {"step_kernels_mib": 68.0, "fsdp2_kernels_mib": 66.0}
+    assert s["held_out_above_rule"] == {"runs": 1, "of": 2, "max_mib": 8.0}
+    assert s["fit"]["chosen_default_allocator"] == {"runs": 2, "out_of_memory": 1}  # the FSDP2 run: chosen too
+    assert s["fit"]["chosen_expandable_segments"] == {"runs": 1, "out_of_memory": 0}
+    assert s["held_out"]["models"] == 1 and s["held_out"]["outside_max_mib"] == 770.0
+    assert fs.summarize(recs)["split"]["how"].startswith("by model")
+
+
 def test_runs_follow_the_answer():
     stage = {"first_block": 0, "stop_block": 10, "in_flight": 1, "allocator_bytes": 6 * GiB,
              "planned_bytes": 7 * GiB, "share_bytes": 12 * GiB, "gpu_total_bytes": 16 * GiB, "shared_by": 1}
@@ -150,3 +177,53 @@ def test_skip_done_keeps_the_earlier_cases(tmp_path):
     first = fs.order_cases(fs.all_cases())[0]
     path.write_text('{"case": "%s", "answer": {}, "runs": []}\n' % first.id)
     assert [r["case"] for r in fs.read_records(str(path))] == [first.id]
+
+
+def test_redo_takes_what_counts_against_the_targets_then_new_cases(tmp_path):
+    order = fs.order_cases(fs.all_cases())
+    ok, oom, wrong, err, refused = (c.id for c in order[:5])
+    recs = [record(ok, [(spec(), result()), (spec("best_rejected"), result(oom=True, error="x"))]),
+            record(oom, [(spec(), result(oom=True, error="CUDA out of memory"))]),
+            record(wrong, [(spec(), result()), (spec("mb_up"), result())]),
+            record(err, [(spec(), result(oom=None, error="AssertionError: Attempted step but _scale is None"))]),
+            {"case": refused, "answer": {"family": "timm", "error": "bench: NotImplementedError: aten::_unique2"},
+             "runs": []}]
+    # the chosen layouts that failed first, then the wrong rejections, then what said nothing
+    assert fs.to_redo(recs) == [oom, err, wrong, refused]
+    path = tmp_path / "first.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = argparse.Namespace(only=None, max_cases=0, redo=str(path), new=2)
+    assert [c.id for c in fs.selected(args)] == [oom, err, wrong, refused, order[5].id, order[6].id]
+
+
+def test_summarize_merges_each_cases_latest_run(tmp_path):
+    a, b = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first = [record("x", [(spec(), result(oom=True, error="CUDA out of memory"))]), record("y", [(spec(), result())])]
+    again = dict(record("x", [(spec(), result())]), tag="h200-2")
+    a.write_text("".join(json.dumps(r) + "\n" for r in first))
+    b.write_text(json.dumps(again) + "\n")
+    (tmp_path / "second_summary.json").write_text(json.dumps({"device": "NVIDIA H200", "torch": "2.11", "seconds": 140}))
+    out, summary = tmp_path / "merged.jsonl", tmp_path / "merged_summary.json"
+    assert fs.main(["summarize", str(a), str(b), "--merge-to", str(out), "--summary-out", str(summary)]) == 0
+    merged = fs.read_records(str(out))
+    assert [r["case"] for r in merged] == ["x", "y"] and merged[0].get("tag") == "h200-2"
+    s = json.loads(summary.read_text())
+    assert s["chosen_failed"] == 0 and s["cases"] == 2 and s["device"] == "NVIDIA H200"
+    assert s["cases_by_tag"] == {"h200-2": 1, fs.UNTAGGED: 1}
+    assert [r["cases"] for r in s["runs"]] == [2, 1] and s["runs"][1]["seconds"] == 140
+
+
+def test_a_pipeline_stage_before_the_last_trains_under_float16_loss_scaling():
+    """A stage that does not compute the loss receives its output's gradient scaled by the loss
+    scale; its GradScaler must know the scale to unscale its own gradients (on the H200 the stage's
+    step failed: 'Attempted step but _scale is None', hand:gpt-1b pp4 mixed_float16)."""
+    pytest.importorskip("torch")
+    os.environ[fs.SMOKE_SEQ_ENV] = "8"
+    try:
+        spec_ = {"model": "hand:gpt-125m", "micro_batch": 1, "accumulation": 2, "precision": "mixed_float16",
+                 "shard": "", "world": 1, "pipeline": 2, "schedule": "1f1b", "recompute": False, "first_block": 0,
+                 "stop_block": 3, "blocks": 14, "in_flight": 2, "limit_bytes": 0, "steps": 1}
+        r = fs.gpu_run(spec_, device="cpu")
+    finally:
+        os.environ.pop(fs.SMOKE_SEQ_ENV, None)
+    assert r["oom"] is False and r["error"] is None, r
