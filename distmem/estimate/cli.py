@@ -68,6 +68,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
              f"peak modelled for {est.device}",
              ""]
     parts = est.breakdown()
+    bound = est.bound()
     totals = [
         ("parameters", f"{est.params:,}"),
         ("weights", format_bytes(est.param_bytes)),
@@ -75,6 +76,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
         ("optimizer state", format_bytes(est.optimizer_bytes)),
         (f"activations kept (batch {b})", format_bytes(est.activation_bytes())),
         ("training peak (allocator)", format_bytes(est.peak_bytes)),
+        (f"  {est.bound_text()}", f"high figure {format_bytes(bound.high_bytes)}"),
     ] + [(f"  of which {k}", format_bytes(v)) for k, v in parts.items()] + [
         (f"GPU footprint ({fw}: +{100 * est.estimate_margin:.0f}% estimate margin, cache, context)",
          format_bytes(est.footprint_bytes(fw))),
@@ -82,13 +84,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
     ]
     w = max(len(k) for k, _ in totals)
     lines += [f"{k.ljust(w)}  {v}" for k, v in totals]
-    m = est.measurement or {}
-    if m.get("points"):
-        pts = ", ".join(f"{format_bytes(y)} at batch {b}" for b, y in m["points"])
-        lines += ["", f"measured on {m.get('device')}: {pts} ({m.get('how')}; {m.get('seconds')} s"
-                      f"{', reused' if m.get('reused') else ''}); carried to batch {b} by the '{m.get('rule')}' rule"]
-    elif m.get("fallback"):
-        lines += ["", f"not measured: {m['fallback']}"]
+    lines += _measurement_lines(est)
     if per_layer:
         head = ["#", "layer", "type", "params", "weights", "grads", "optimizer", f"act@{b}", f"out@{b}", "dtype"]
         right = [True, False, False, True, True, True, True, True, True, False]
@@ -103,6 +99,34 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
     if est.warnings:
         lines += ["", f"{len(est.warnings)} warning(s):"] + [f"  {w_}" for w_ in est.warnings]
     return "\n".join(lines)
+
+
+def _measurement_lines(est: Estimate) -> List[str]:
+    """How the figure was made: what was measured (batches, steps, cost), carried or refused, and
+    where its bound comes from."""
+    b = est.batch_size
+    m = est.measurement or {}
+    bound = est.bound()
+    lines = [""]
+    if m.get("points"):
+        steps = m.get("steps") or {}
+        pts = ", ".join(f"{format_bytes(y)} at batch {pb}" + (f" (worst of {len(steps[str(pb)])} steps)"
+                                                               if len(steps.get(str(pb), [])) > 1 else "")
+                        for pb, y in m["points"])
+        lines.append(f"measured on {m.get('device')}: {pts}; cost {m.get('seconds')} s"
+                     f"{' (reused: measured earlier)' if m.get('reused') else ''} ({m.get('how')})")
+        if m.get("at_target"):
+            lines.append(f"batch {b} was measured; other batches are carried from the measured ones by the "
+                         f"'{m.get('rule')}' rule")
+        else:
+            lines.append(f"carried to batch {b} by the '{m.get('rule')}' rule")
+        for nb, why in ((m.get("ladder") or {}).get("not_run") or {}).items():
+            lines.append(f"batch {nb} not run: {why}")
+    elif m.get("fallback"):
+        lines.append(f"not measured: {m['fallback']}")
+    lines.append(f"bound ({bound.source}): {format_bytes(bound.low_bytes)} .. {format_bytes(bound.high_bytes)}, "
+                 f"from {bound.basis}; planners use the high figure")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,13 +8,20 @@ from typing import Any, Dict, Optional, Sequence
 __all__ = ["measure_spec"]
 
 
-def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: Any, options: Dict[str, Any],
+def measure_spec(model: str, framework: str, plan: Dict[str, Any], optimizer: Any, options: Dict[str, Any],
                  input_shape: Optional[Sequence[int]]) -> Dict[str, Any]:
-    """Build ``model`` (a spec) here and return its measured peaks (``keras_steps`` /
-    ``torch_steps``). Keras on CPU counts every buffer, as distmem's TensorFlow adapter sets it up
-    (``TF_CPU_ALLOCATOR_USE_BFC``); torch is built on the GPU with random weights."""
+    """Build ``model`` (a spec) here and return its measured peaks as ``plan`` says (``keras_steps`` /
+    ``torch_steps``). ``optimizer`` and ``options`` come as ``measured.portable`` made them (an
+    optimizer object as its class and configuration) and are rebuilt here. Keras on CPU counts every
+    buffer, as distmem's TensorFlow adapter sets it up (``TF_CPU_ALLOCATOR_USE_BFC``); torch is built
+    on the GPU with random weights."""
+    if framework != "torch":  # before anything imports TensorFlow: it reads them when it loads
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from ..loader import load_model
-    from .measured import MEASURE_STEPS
+    from .measured import MEASURE_STEPS, measure_keras, rebuild
+    optimizer = rebuild(optimizer)
+    options = rebuild(options)
     if framework == "torch":
         import torch
         from ...errors import ConfigError
@@ -24,19 +31,14 @@ def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: 
             raise ConfigError("no CUDA device is visible to the measuring child, and torch's CPU allocator keeps "
                               "no statistics")
         built = load_model(model, input_shape, device="cuda")
-        return torch_step_peaks(built, batches, inputs=lambda b: example_inputs(built, None, input_shape, b,
-                                                                                 options.get("input_dtype")),
+        return torch_step_peaks(built, plan["batches"],
+                                inputs=lambda b: example_inputs(built, None, input_shape, b, options.get("input_dtype")),
                                 optimizer=optimizer, precision=options.get("precision"),
                                 loss=options.get("loss", "auto"), steps=MEASURE_STEPS)
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from .keras_steps import keras_step_peaks
     precision = options.get("precision")
     if precision:
         import tensorflow as tf
         from ..precision import resolve_precision
         tf.keras.mixed_precision.set_global_policy(resolve_precision(precision).name)
     built = load_model(model, input_shape)
-    got = keras_step_peaks(built, batches, optimizer, steps=MEASURE_STEPS, precision=options.get("precision"),
-                           foreign=False)
-    return got
+    return measure_keras(built, plan, optimizer, options, input_shape)

@@ -1,31 +1,55 @@
-"""Real training steps of a Keras model at small batches, measured by TensorFlow's allocator.
+"""Real training steps of a Keras model, measured by TensorFlow's allocator.
 
-The step is the model's own: its forward with ``training=True``, its compiled loss where it has one
-(labels made from each output's shape and the loss's kind: class indices for a sparse loss, values
-in [0, 1) otherwise), else a generic loss that fits any output structure (the mean square of every
-floating output, summed: several outputs, sequences, segmentation maps), the gradient of every
-trainable weight, and the update by a private copy of the optimizer (same class, same
+The step is the model's own: its forward with ``training=True``; a compiled model's own
+``train_step`` (its compiled loss, metrics and ``add_loss`` terms, a custom ``train_step`` too) fed
+labels made from each output's shape and its loss's kind (class indices for a sparse loss, values in
+[0, 1) otherwise); where the compiled loss cannot take such labels, or the model is not compiled, a
+generic loss that fits any output structure (the mean square of every floating output, summed, plus
+the model's own ``losses``): several outputs, sequences, segmentation maps. Then the gradient of
+every trainable weight and the update by a private copy of the optimizer (same class, same
 configuration; loss scaling under ``mixed_float16``, as Keras's ``compile`` adds). It runs on the
-model object itself, in this process, without re-serialising it (a ``Lambda``, a custom layer,
-``tf.recompute_grad`` inside a layer all run as they do in training); the weights are put back
-afterwards, the user's optimizer and compiled state are not touched.
+model object itself, in this process, without re-serialising it (a ``Lambda``, a custom layer, a
+subclassed model, ``tf.recompute_grad`` inside a layer all run as they do in training); the weights
+are put back afterwards, the user's optimizer and compiled state are not touched. The step is traced
+once for any batch (the batch dimension left open, as ``model.fit`` traces it).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ...errors import ConfigError
+from .extrapolate import Ladder
 
-__all__ = ["keras_step_peaks", "keras_device"]
+__all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor"]
 
 
 def keras_device() -> str:
     """The device TensorFlow places a step on here: ``"GPU:0"`` when it has one, else ``"CPU:0"``."""
     import tensorflow as tf
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def keras_allocator_floor(device: str) -> int:
+    """Bytes below which this process's allocator statistics for ``device`` skip a buffer: on a CPU
+    whose allocator is oneDNN's pool rather than TensorFlow's BFC allocator
+    (``TF_CPU_ALLOCATOR_USE_BFC`` unset when TensorFlow started), :data:`TF_CPU_UNCOUNTED_BELOW`;
+    else 0. Found by allocating a 4 KiB tensor and reading whether the statistics saw it (the
+    environment may have changed since TensorFlow read it); the model of the measured device must
+    leave out what the measurement could not see."""
+    if not str(device).upper().startswith("CPU"):
+        return 0
+    import tensorflow as tf
+    from ..keras.kernels import TF_CPU_UNCOUNTED_BELOW
+    info = tf.config.experimental.get_memory_info
+    with tf.device(device):
+        before = int(info(device)["current"])
+        probe = tf.fill([1024], tf.constant(1.0))
+        seen = int(info(device)["current"]) > before
+        del probe
+    return 0 if seen else TF_CPU_UNCOUNTED_BELOW
 
 
 def _losses_of(model, K) -> List[Any]:
@@ -52,28 +76,54 @@ def _loss_name(fn) -> str:
     return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__).lower()
 
 
-def _labels(model, batch: int, fns: Sequence[Any], np) -> List[Any]:
-    rng = np.random.default_rng(1)
-    ys = []
-    for out, fn in zip(model.outputs, fns):
-        shape = [int(d or 1) for d in tuple(out.shape)[1:]]
-        if fn is not None and "sparse" in _loss_name(fn) and shape:
-            ys.append(rng.integers(0, max(1, shape[-1]), [batch] + shape[:-1]).astype("int32"))
+def _label_specs(outputs: Sequence[Any], fns: Sequence[Any], sparse: Optional[bool]) -> List[Any]:
+    """``(shape without the batch, dtype, classes)`` of each output's labels: class indices for a
+    sparse loss (``sparse=None``: as the loss's name says; True/False: forced), values otherwise."""
+    out = []
+    for o, fn in zip(outputs, fns):
+        shape = [int(d or 1) for d in tuple(o.shape)[1:]]
+        use_sparse = ("sparse" in _loss_name(fn)) if sparse is None and fn is not None else bool(sparse)
+        if use_sparse and shape:
+            out.append((shape[:-1], "int32", max(1, shape[-1])))
         else:
-            ys.append(rng.random([batch] + shape, dtype=np.float32))
-    return ys
+            out.append((shape, "float32", 0))
+    return out
 
 
-def _inputs(model, batch: int, np) -> List[Any]:
+def _labels(specs, batch: int, np) -> List[Any]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, classes, [batch] + shape).astype(dtype) if classes else
+            rng.random([batch] + shape, dtype=np.float32) for shape, dtype, classes in specs]
+
+
+def _input_specs(model, input_shape: Optional[Sequence[int]]) -> List[Any]:
+    """``(shape without the batch, dtype)`` of each model input: its ``inputs``, else (a subclassed
+    model) the shape it was built with or ``input_shape``."""
+    ins = list(getattr(model, "inputs", None) or [])
+    if ins:
+        return [([int(d or 1) for d in tuple(t.shape)[1:]], getattr(t.dtype, "name", None) or str(t.dtype))
+                for t in ins]
+    built = getattr(model, "_build_input_shape", None) or getattr(model, "_build_shapes_dict", None)
+    if isinstance(built, dict) and len(built) == 1:
+        built = next(iter(built.values()))
+    if built is not None and not isinstance(built, dict):
+        dims = tuple(getattr(d, "value", d) for d in tuple(built))
+        if dims and all(isinstance(d, int) for d in dims[1:]):
+            return [([int(d) for d in dims[1:]], "float32")]
+    if input_shape:
+        return [([int(d) for d in input_shape], "float32")]
+    raise ConfigError(f"Keras model {getattr(model, 'name', '?')} has no known input shape (a subclassed model "
+                      f"that was not built); call model.build((None, ...)) or pass input_shape=")
+
+
+def _inputs(specs, batch: int, np) -> List[Any]:
     rng = np.random.default_rng(0)
     xs = []
-    for t in model.inputs:
-        shape = [batch] + [int(d or 1) for d in tuple(t.shape)[1:]]
-        dtype = getattr(t.dtype, "name", None) or str(t.dtype)
+    for shape, dtype in specs:
         if "int" in dtype:
-            xs.append(rng.integers(0, 2, shape).astype(dtype))
+            xs.append(rng.integers(0, 2, [batch] + shape).astype(dtype))
         else:
-            xs.append(rng.random(shape, dtype=np.float32).astype(dtype))
+            xs.append(rng.random([batch] + shape, dtype=np.float32).astype(dtype))
     return xs
 
 
@@ -86,27 +136,23 @@ def _optimizer(optimizer: Any, K, scaled: bool):
     return fresh
 
 
-def _step_fn(model, opt, fns, tf):
-    """The training step as a ``tf.function``: forward, loss, gradients, update (scaled where the
-    optimizer scales)."""
+def _signature(specs, tf):
+    """One ``TensorSpec`` per tensor, the batch dimension open: one trace serves every batch."""
+    return [tf.TensorSpec([None] + list(spec[0]), tf.as_dtype(spec[1])) for spec in specs]
+
+
+def _generic_step(model, opt, in_specs, tf):
+    """The training step with a loss that fits any outputs: the mean square of every floating
+    output, summed, plus the model's own ``losses`` (regularisers, ``add_loss``); no labels."""
     variables = model.trainable_variables
 
-    def total_loss(ys, preds):
-        preds = preds if isinstance(preds, (list, tuple)) else [preds]
-        parts = []
-        for y, p, fn in zip(ys, preds, fns):
-            p = tf.cast(p, tf.float32)
-            if fn is None:
-                parts.append(tf.reduce_mean(tf.square(p - y)))
-            else:
-                parts.append(tf.reduce_mean(fn(y, p)))
-        return tf.add_n(parts)
-
-    @tf.function(reduce_retracing=True)
-    def step(xs, ys):
+    def step(xs):
         with tf.GradientTape() as tape:
             preds = model(xs if len(xs) > 1 else xs[0], training=True)
-            loss = total_loss(ys, preds)
+            parts = [tf.reduce_mean(tf.square(tf.cast(p, tf.float32))) for p in tf.nest.flatten(preds)
+                     if getattr(p, "dtype", None) is not None and p.dtype.is_floating]
+            parts += [tf.cast(x, tf.float32) for x in model.losses]
+            loss = tf.add_n(parts)
             if hasattr(opt, "scale_loss"):  # Keras 3 (identity unless it scales)
                 loss = opt.scale_loss(loss)
             elif hasattr(opt, "get_scaled_loss"):  # tf.keras 2's LossScaleOptimizer
@@ -114,25 +160,32 @@ def _step_fn(model, opt, fns, tf):
         grads = tape.gradient(loss, variables)
         if hasattr(opt, "get_unscaled_gradients") and not hasattr(opt, "scale_loss"):
             grads = opt.get_unscaled_gradients(grads)
-        opt.apply_gradients(zip(grads, variables))
+        opt.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
         return loss
-    return step
+    fn = tf.function(step, input_signature=[_signature(in_specs, tf)])
+    return lambda xs, ys: fn(xs)
 
 
-def _own_step(model, opt, tf):
-    """A compiled model's own ``train_step`` (its compiled loss and metrics), with ``opt`` standing in
-    for its optimizer while it runs; None where the model is not compiled."""
+def _compiled(model) -> bool:
     compiled = getattr(model, "_is_compiled", None)  # tf.keras 2
     if compiled is None:
         compiled = getattr(model, "compiled", False)  # Keras 3
-    if not compiled or getattr(model, "loss", None) is None:
-        return None
-    own = model.train_step
+    return bool(compiled)
 
-    @tf.function(reduce_retracing=True)
+
+def _own_step(model, in_specs, label_specs, tf):
+    """A compiled model's own ``train_step`` (its compiled loss, metrics, ``add_loss`` terms, or a
+    ``train_step`` of its own), labels as ``label_specs`` describe them."""
+    own = model.train_step
+    one_in, one_out = len(in_specs) == 1, len(label_specs) == 1
+
     def step(xs, ys):
-        return own((xs if len(xs) > 1 else xs[0], ys if len(ys) > 1 else ys[0]))
-    return step
+        x = xs[0] if one_in else list(xs)
+        if getattr(model, "loss", None) is None:
+            return own((x,))  # the model's own losses only (add_loss)
+        return own((x, ys[0] if one_out else list(ys)))
+    fn = tf.function(step, input_signature=[_signature(in_specs, tf), _signature(label_specs, tf)])
+    return fn
 
 
 @contextlib.contextmanager
@@ -153,37 +206,58 @@ def _standing_in(model, opt):
             pass
 
 
-def keras_step_peaks(model: Any, batches: Sequence[int], optimizer: Any = "adam", *, steps: int = 2,
-                     precision: Any = None, foreign: bool = True) -> Dict[str, Any]:
-    """Allocator peaks of ``steps`` real training steps of ``model`` at each of ``batches`` (the
-    largest per batch, the first step included, as a memory limit must allow), on the device
-    TensorFlow uses here. ``foreign``: subtract what this process held before beyond the model's
-    own weights (another model, earlier tensors), so a model measured inside a busy process reads
-    as in a fresh one. Returns ``{"device", "peaks": {batch: bytes}, "steps": {batch: [...]},
-    "loss", "seconds"}``."""
+def _output_shapes(model, in_specs, np, tf) -> List[Any]:
+    """The model's outputs (anything with ``shape``/``dtype``): its ``outputs``, else (a subclassed
+    model) those of a forward pass at batch 1."""
+    outs = list(getattr(model, "outputs", None) or [])
+    if outs:
+        return outs
+    xs = [tf.constant(a) for a in _inputs(in_specs, 1, np)]
+    return list(tf.nest.flatten(model(xs if len(xs) > 1 else xs[0], training=False)))
+
+
+#: Steps measured at the target batch (the worst kept: TensorFlow's executor order moves one step's
+#: peak by up to ~12% from step to step) and at each other batch of a ladder.
+TARGET_STEPS = 4
+OTHER_STEPS = 2
+
+
+def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps: int = OTHER_STEPS,
+                     target_steps: int = TARGET_STEPS, precision: Any = None, foreign: bool = True,
+                     input_shape: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """Allocator peaks of real training steps of ``model`` on the device TensorFlow uses here, the
+    largest per batch (the first step included, as a memory limit must allow). ``batches``: a
+    :class:`~distmem.estimate.measure.extrapolate.Ladder` (its target batch runs ``target_steps``
+    steps, the others ``steps``; a batch that runs out of memory ends its climb) or a list of
+    batches (``steps`` each). ``foreign``: subtract what this process held before beyond the
+    model's own weights (another model, earlier tensors), so a model measured inside a busy process
+    reads as in a fresh one. Returns ``{"device", "peaks": {batch: bytes}, "steps": {batch: [...]},
+    "loss", "seconds", "floor", "ladder"}``."""
     import numpy as np
     import tensorflow as tf
     K = tf.keras
     t0 = time.time()
     dev = keras_device()
+    ladder = batches if isinstance(batches, Ladder) else None
     info = tf.config.experimental.get_memory_info
     weights = model.get_weights()
     policy = str(getattr(getattr(model, "dtype_policy", None), "name", "") or "")
     scaled = "mixed_float16" in (str(precision or "") or policy) or policy == "mixed_float16"
-    fns = [_loss_fn(l, K) for l in _losses_of(model, K)]
+    fns = [_loss_fn(l, K) for l in _losses_of_any(model, K)]
     # before the optimizer's slots exist: they are the step's, not foreign; garbage collected first,
     # so what is foreign does not shrink under the steps (a peak below it would read as nothing)
     gc.collect()
     other = max(0, int(info(dev)["current"]) - sum(int(w.nbytes) for w in weights)) if foreign else 0
+    peaks: Dict[int, int] = {}
+    per_step: Dict[int, List[int]] = {}
     try:
+        in_specs = _input_specs(model, input_shape)
         opt = _optimizer(optimizer, K, scaled)
         if hasattr(opt, "build"):
             opt.build(model.trainable_variables)
-        step = _own_step(model, opt, tf) or _step_fn(model, opt, fns, tf)
-        peaks: Dict[int, int] = {}
-        per_step: Dict[int, List[int]] = {}
         with _standing_in(model, opt):
-            _run(model, batches, step, fns, steps, dev, other, peaks, per_step, np, tf)
+            loss = _run_any(model, opt, fns, in_specs, ladder, batches, steps, target_steps, dev, other, peaks,
+                            per_step, np, tf)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model whose step cannot run here: said, not hidden
@@ -192,21 +266,112 @@ def keras_step_peaks(model: Any, batches: Sequence[int], optimizer: Any = "adam"
                           f"estimate alone") from None
     finally:
         model.set_weights(weights)
-    loss = "compiled" if any(f is not None for f in fns) else "generic (mean square of every output)"
-    return {"device": dev, "peaks": peaks, "steps": per_step, "loss": loss,
-            "seconds": round(time.time() - t0, 3)}
+    if not peaks:
+        why = "; ".join(f"batch {b}: {w}" for b, w in (ladder.refused.items() if ladder else []))
+        raise ConfigError(f"no training step of Keras model {getattr(model, 'name', '?')} fitted the memory at hand "
+                          f"({why or 'nothing ran'}); give memory_at_hand= or use method='model'")
+    return {"device": dev, "peaks": peaks, "steps": per_step, "loss": loss, "floor": keras_allocator_floor(dev),
+            "ladder": ladder.summary() if ladder else None, "seconds": round(time.time() - t0, 3)}
 
 
-def _run(model, batches, step, fns, steps, dev, other, peaks, per_step, np, tf) -> None:
+def _losses_of_any(model, K) -> List[Any]:
+    """:func:`_losses_of` for a model whose outputs may be unknown yet (a subclassed model)."""
+    if getattr(model, "outputs", None):
+        return _losses_of(model, K)
+    loss = getattr(model, "loss", None)
+    return [loss if not isinstance(loss, (list, tuple, dict)) else None]
+
+
+def _run_any(model, opt, fns, in_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
+             np, tf) -> str:
+    """Run the ladder (or batches) with the first step that runs: the model's compiled step with
+    labels as its loss names them, then with class indices, then with values, then the generic loss.
+    Returns which one ran."""
+    tried: List[str] = []
+    candidates = []
+    if _compiled(model) and (getattr(model, "loss", None) is not None or getattr(model, "losses", None)):
+        outs = _output_shapes(model, in_specs, np, tf)
+        fns = fns if len(fns) == len(outs) else [fns[0] if fns else None] * len(outs)
+        for sparse, what in ((None, "compiled"), (True, "compiled, class-index labels"),
+                             (False, "compiled, value labels")):
+            specs = _label_specs(outs, fns, sparse)
+            if any(specs == c[1] for c in candidates):
+                continue
+            candidates.append((what, specs))
+    candidates.append(("generic (mean square of every output)", None))
+    for what, specs in candidates:
+        step = _own_step(model, in_specs, specs, tf) if specs is not None else _generic_step(model, opt, in_specs, tf)
+        try:
+            _run(step, in_specs, specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step, np, tf)
+            return what if not tried else f"{what}; not {', '.join(tried)}"
+        except tf.errors.ResourceExhaustedError:
+            raise
+        except (tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
+            if peaks:  # it ran before: this is not about the labels
+                raise
+            tried.append(f"{what} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+    raise ConfigError("no training step ran: " + "; ".join(tried))
+
+
+def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
+         np, tf) -> None:
     info = tf.config.experimental.get_memory_info
-    for b in batches:
-        xs = [tf.constant(a) for a in _inputs(model, int(b), np)]
-        ys = [tf.constant(a) for a in _labels(model, int(b), fns, np)]
-        seen = []
-        for _ in range(max(1, steps)):
-            tf.config.experimental.reset_memory_stats(dev)
-            step(xs, ys)
-            seen.append(max(0, int(info(dev)["peak"]) - other))
+    todo = list(batches) if ladder is None else None
+    while True:
+        b = ladder.next() if ladder is not None else (todo.pop(0) if todo else None)
+        if b is None:
+            return
+        xs = [tf.constant(a) for a in _inputs(in_specs, int(b), np)]
+        ys = [tf.constant(a) for a in _labels(label_specs, int(b), np)] if label_specs is not None else []
+        n = target_steps if ladder is not None and int(b) == ladder.target else steps
+        seen: List[int] = []
+        try:
+            for _ in range(max(1, n)):
+                tf.config.experimental.reset_memory_stats(dev)
+                step(xs, ys)
+                seen.append(max(0, int(info(dev)["peak"]) - other))
+        except tf.errors.ResourceExhaustedError as exc:
+            if ladder is None:
+                raise
+            ladder.failed(int(b), f"out of memory ({str(exc).splitlines()[0][:160]})")
+            del xs, ys
+            gc.collect()
+            continue
         per_step[int(b)] = seen
         peaks[int(b)] = max(seen)
+        if ladder is not None:
+            ladder.record(int(b), peaks[int(b)])
         del xs, ys
+
+
+def keras_ladder(model: Any, target: int, optimizer: Any, *, precision: Any = None,
+                 memory_given: Optional[int] = None) -> Ladder:
+    """The :class:`~distmem.estimate.measure.extrapolate.Ladder` for measuring ``model`` at
+    ``target`` here: the memory at hand on the device TensorFlow uses, and the analytic model's
+    high figure there (its held-out worst under-estimate added) until something is measured; a
+    model the analytic path cannot read (a subclassed one) is tried at the target."""
+    import warnings
+
+    from ..keras import estimate_keras
+    from ..table import path_margin
+    from .memory import memory_at_hand
+    dev = keras_device()
+    memory, where = memory_at_hand(dev, memory_given)
+    if memory <= 0:
+        memory, where = 2 ** 62, f"unknown ({where})"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prior = estimate_keras(model, batch_size=target, optimizer=optimizer, precision=precision,
+                                   device="cpu" if dev.upper().startswith("CPU") else "gpu",
+                                   allocator_floor=keras_allocator_floor(dev))
+        under = path_margin("keras", "modelled").under
+
+        def predict_high(b: int) -> int:
+            return int(prior.train_bytes(b) * (1 + under))
+    except ConfigError:
+        def predict_high(b: int) -> int:
+            return 0
+    ladder = Ladder(target, memory, predict_high)
+    ladder.memory_source = where
+    return ladder

@@ -58,7 +58,9 @@ def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = 
         opts = dict(estimate_options)
         if device is not None:
             opts["device"] = device
-        est = est_mod.estimate(loaded, batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
+        # a spec is measured by a child that rebuilds it under each precision; a live model as it is
+        est = est_mod.estimate(model if isinstance(model, str) and method != "model" else loaded,
+                               batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
                                precision=prec, method=method, **opts)
         out[prec] = EstimateCosts(est)
     return out

@@ -212,6 +212,15 @@ class EstimateCosts(Costs):
             peak = int(detail["peak"])
             phase = str(detail.get("phase", "backward"))
             parts = {k: int(v) for k, v in self.est.breakdown(int(mb)).items()}
+            # priced at the estimate's high figure (DESIGN: no figure without a bound), never below
+            # what the model holds whatever the batch
+            bound = self.est.bound(int(mb)) if hasattr(self.est, "bound") else None
+            high = max(int(bound.high_bytes) if bound is not None else peak, int(self.est.state_floor)
+                       if hasattr(self.est, "state_floor") else 0)
+            if high > peak:
+                source = bound.source if bound is not None else "modelled"
+                parts[f"estimate uncertainty ({source})"] = high - peak
+                peak = high
             if accumulate:
                 grad_bytes = int(self.est.grad_bytes)
                 transient = self.largest_gradient
