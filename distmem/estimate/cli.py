@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 
 from ..errors import DistmemError
 from ..units import format_bytes
-from .loader import framework_of, load_model, parse_shape
+from .loader import load_model, parse_shape
 from .optimizers import OPTIMIZER_NAMES
 from .table import Estimate
 
@@ -44,13 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose allocator the peak models: gpu (default) or cpu (TensorFlow's CPU "
                              "allocator statistics, as the accuracy benchmark measures)")
     parser.add_argument("--method", default="auto", choices=("auto", "measure", "model"),
-                        help="auto (default): run real training steps at two small batches on the device the job "
-                             "will use (GPU, else CPU for Keras; torch needs a GPU) and carry them to the batch with "
-                             "the model, or the model alone where nothing can run (said); measure: measure or fail; "
-                             "model: never run the model (Keras analytic, torch simulated on the meta device)")
+                        help="auto (default): run real training steps on the device the job will use (GPU, else "
+                             "CPU for Keras; torch needs a GPU) - Keras at the batch itself where it fits the memory "
+                             "at hand, torch at two small batches carried by the model - or the model alone where "
+                             "nothing can run (said); measure: measure or fail; model: never run the model (Keras "
+                             "analytic, torch simulated on the meta device)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="Keras: also run a few small-batch training steps of a copy of the model on CPU and "
-                             "add what the analytic estimate missed (the hybrid method; takes seconds)")
+                        help="superseded by the measured path, kept as its alias: --method measure (the model's own "
+                             "steps, its compiled loss or one that fits any output, custom layers included)")
     parser.add_argument("--per-layer", action="store_true", help="print one row per layer")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -158,19 +159,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, shape, precision) -> Estimate:
-    from . import estimate, estimate_keras
-    if args.calibrate:  # the older hybrid, on the analytic model
-        model = load_model(args.model, shape)
-        if framework_of(model) == "torch":
-            raise DistmemError("--calibrate is for Keras models; use --method measure for a torch module")
-        return estimate_keras(model, batch_size=args.batch_size, optimizer=args.optimizer, precision=precision,
-                              device="cpu" if args.device == "cpu" else "gpu", calibrate=True, name=args.model)
+    from . import estimate
+    method = "measure" if args.calibrate else args.method
+    if args.calibrate and args.method == "model":
+        raise DistmemError("--calibrate measures the model's steps (it is --method measure); it cannot go with "
+                           "--method model, which never runs the model")
     torch_spec = args.model.partition(":")[0].lower() in ("torchvision", "tv", "hf", "huggingface", "transformers")
     device = None if args.device is None else ("cpu" if args.device == "cpu" else ("cuda" if torch_spec else "gpu"))
     options = {"precision": precision, "name": args.model}
     if device is not None:
         options["device"] = device
-    return estimate(args.model, args.batch_size, args.optimizer, input_shape=shape, method=args.method, **options)
+    return estimate(args.model, args.batch_size, args.optimizer, input_shape=shape, method=method, **options)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -244,7 +244,7 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     policy = str(getattr(getattr(model, "dtype_policy", None), "name", "") or "")
     scaled = "mixed_float16" in (str(precision or "") or policy) or policy == "mixed_float16"
     fns = [_loss_fn(l, K) for l in _losses_of_any(model, K)]
-    # before the optimizer's slots exist: they are the step's, not foreign; garbage collected first,
+    # before the optimizer's slots exist: they are the steps', not foreign; garbage collected first,
     # so what is foreign does not shrink under the steps (a peak below it would read as nothing)
     gc.collect()
     other = max(0, int(info(dev)["current"]) - sum(int(w.nbytes) for w in weights)) if foreign else 0
@@ -252,9 +252,9 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     per_step: Dict[int, List[int]] = {}
     try:
         in_specs = _input_specs(model, input_shape)
+        # not built here: the first step creates the optimizer's slots, as the job's first step does
+        # (their initial values are in flight then: that step is often the worst)
         opt = _optimizer(optimizer, K, scaled)
-        if hasattr(opt, "build"):
-            opt.build(model.trainable_variables)
         with _standing_in(model, opt):
             loss = _run_any(model, opt, fns, in_specs, ladder, batches, steps, target_steps, dev, other, peaks,
                             per_step, np, tf)
