@@ -21,7 +21,7 @@ from ..optimizers import (keras_decays_weights, keras_early_update_temporaries, 
                           keras_update_temporaries)
 from ..precision import Precision, dtype_bytes, resolve_precision
 from ..table import Estimate
-from .access import all_weights, dtype_name, model_io, numel, tensor_key, tensor_shape, trainable_weights
+from .access import all_weights, dtype_name, model_io, numel, tensor_shape, trainable_weights
 from .graph import Builder, policy_precision
 from .kernels import CONV_KINDS, compute16, onednn_has_16bit, tf_cpu_uncounted_below
 from .rules import KERAS_UPDATE_OVERLAP, LOSS_KEPT_FACTOR
@@ -34,7 +34,7 @@ def _add_loss(b: Builder, model) -> int:
     gradient. Returns its row."""
     g = b.g
     _, model_outs = model_io(model)
-    out_ids = [b.ids[tensor_key(t)] for t in model_outs]
+    out_ids = [b.ids[b.key(t)] for t in model_outs]
     loss_row = len(b.rows)
     numel_out = sum(int(numel(tensor_shape(t)[1:])) for t in model_outs)
     loss_keep = g.add(LOSS_KEPT_FACTOR * numel_out * 4)

@@ -152,16 +152,16 @@ def physical_interval(points: Sequence[Tuple[int, int]], batch: int, floor: int 
 class Ladder:
     """The batches one measurement runs, in the order it runs them (pure; the caller runs the steps).
 
-    The plan: the target batch first where the model predicts its step fits ``memory_bytes``, then
+    Where the model's high figure for the target batch fits ``memory_bytes``: the target first, then
     a quarter and a half of it (the target runs first, as in a fresh process: TensorFlow's BFC
-    allocator left fragmented by smaller batches reads up to ~15% higher at a later one). Where the
-    target is not predicted to fit: ``top`` = the largest ``target / 2**k`` that is, then ``top / 4``,
-    ``top / 2`` and ``top`` (distinct, at least 1), smallest first, so that each later one is
-    predicted from the peaks already measured (the least-squares line through two or more,
-    ``y x b / b1`` — the most one point allows — from one) before it runs. A batch predicted not to fit, or that ran out of memory
-    (:meth:`failed`), ends the climb, and smaller batches are added below until ``points`` were
-    measured or batch 1 was. ``predict_high(b)``: the model's high figure, used until something is
-    measured.
+    allocator left fragmented by smaller batches reads up to ~15% higher at a later one). Elsewhere
+    it climbs: ``top`` = the largest ``target / 2**k`` the model's figure allows, then ``top / 4``,
+    ``top / 2``, ``top`` smallest first, then doubling while the peaks measured so far predict the
+    next fits (their least-squares line with :data:`CARRY_TOLERANCE` added; ``y x b / b1``, the most
+    one point allows, from one), the target itself included. A batch predicted not to fit, or that
+    ran out of memory (:meth:`failed`), ends the climb, and smaller batches are added below until
+    ``points`` were measured or batch 1 was. ``predict_high(b)``: the model's high figure, used until
+    something is measured.
     """
 
     def __init__(self, target: int, memory_bytes: int, predict_high: Callable[[int], int], points: int = 3):
@@ -170,18 +170,17 @@ class Ladder:
         self.points = max(1, int(points))
         self.peaks: Dict[int, int] = {}
         self.refused: Dict[int, str] = {}
-        top = self.target
-        while top > 1 and int(predict_high(top)) > self.memory:
-            refused = top
-            top //= 2
-            self.refused.setdefault(refused, f"the model's high figure {int(predict_high(refused)):,} B exceeds "
-                                             f"the {self.memory:,} B at hand")
-        self.todo: List[int] = sorted({max(1, top // 4), max(1, top // 2), top})
-        if top == self.target:
-            self.todo = [top] + self.todo[:-1]
         self._prior = predict_high
         #: where ``memory_bytes`` comes from, in words
         self.memory_source = ""
+        top = self.target
+        while top > 1 and int(predict_high(top)) > self.memory:
+            self.refused[top] = f"the model's high figure {int(predict_high(top)):,} B exceeds the {self.memory:,} B at hand"
+            top //= 2
+        self.climbing = top < self.target
+        self.todo: List[int] = sorted({max(1, top // 4), max(1, top // 2), top})
+        if not self.climbing:
+            self.todo = [top] + self.todo[:-1]
 
     def predict(self, batch: int) -> int:
         """The high figure expected at ``batch`` from what was measured (the model's before)."""
@@ -191,20 +190,27 @@ class Ladder:
         if len(pts) == 1:
             b, y = pts[0]
             return int(y * max(1.0, batch / b))
-        alpha, beta = least_squares(pts)
+        alpha, beta = least_squares(pts[-3:])
         return int(max(alpha + beta * batch, max(y for _, y in pts)) * (1 + CARRY_TOLERANCE))
 
     def next(self) -> Optional[int]:
         """The next batch to run, or None when the measurement is complete."""
-        while self.todo:
+        while True:
+            if not self.todo and self.climbing and self.peaks:
+                b = min(2 * max(self.peaks), self.target)
+                if b in self.peaks or b <= max(self.peaks):
+                    return None
+                self.todo = [b]
+            if not self.todo:
+                return None
             b = self.todo[0]
             if self.peaks and self.predict(b) > self.memory:
-                self.refused[b] = f"predicted {self.predict(b):,} B from the peaks measured, over the " \
-                                  f"{self.memory:,} B at hand"
+                self.refused[b] = (f"predicted {self.predict(b):,} B from the peaks measured, over the "
+                                   f"{self.memory:,} B at hand")
                 self._stop_climbing()
                 continue
+            self.refused.pop(b, None)
             return b
-        return None
 
     def record(self, batch: int, peak: int) -> None:
         self.peaks[int(batch)] = int(peak)
@@ -217,11 +223,12 @@ class Ladder:
         self._stop_climbing()
 
     def _stop_climbing(self) -> None:
+        self.climbing = False
         self.todo = []
-        low = min(list(self.peaks) + list(self.refused) + [self.target])
+        low = min(list(self.peaks) + [b for b in self.refused if b not in self.peaks] + [self.target])
         b = low // 2
         while len(self.peaks) + len(self.todo) < self.points and b >= 1:
-            if b not in self.peaks and b not in self.refused:
+            if b not in self.peaks:
                 self.todo.append(b)
             b //= 2
         self.todo.sort()

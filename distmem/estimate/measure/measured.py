@@ -292,7 +292,8 @@ class _Carry:
         self.measured = dict(self.points)
         self.modelled = [(b, y, int(prior.train_bytes(b))) for b, y in self.points]
         self.rule = CARRY_RULE[fw] if len(self.points) >= 3 else RULE[fw]
-        self.terms = residual_terms(self.modelled, self.rule)
+        # the three largest: the affine law holds best nearest the target (BFC regions at tiny batches)
+        self.terms = residual_terms(self.modelled[-3:] if len(self.points) >= 3 else self.modelled, self.rule)
         self.moved = prior is not target
         self.on = str(got["device"])
         self.notes: Dict[int, str] = {}
@@ -317,7 +318,7 @@ class _Carry:
             value = extrapolate(self.terms, int(self.prior.train_bytes(batch)), batch)
             lo, hi = physical_interval(self.points, batch, self.prior.state_floor)
             if not lo <= value <= hi:
-                alpha, beta = least_squares(self.points)
+                alpha, beta = least_squares(self.points[-3:])
                 line = min(max(int(round(alpha + beta * batch)), lo), hi)
                 pts = ", ".join(f"{format_bytes(y)} at batch {b}" for b, y in self.points)
                 note = (f"the '{self.rule}' carry to batch {batch} gives {format_bytes(max(value, 0))}, outside "
