@@ -30,6 +30,8 @@ class Builder:
         self._depth = 0
         #: layers without a rule that were read as what their call applies
         self.unrolled: List[str] = []
+        #: layers without a rule whose kept tensors were read from their traced gradient
+        self.traced: List[str] = []
         self.rows: List[LayerEstimate] = []
         self.row_of_layer: Dict[int, int] = {}
         self.layer_objs: List[Any] = []
@@ -121,7 +123,7 @@ class Builder:
                 continue
             if self._unroll(layer, node, prefix, ins, outs):
                 continue
-            self.add_node(layer, prefix + layer.name, ins, outs)
+            self.add_node(layer, prefix + layer.name, ins, outs, node)
 
     def _unroll(self, layer, node, prefix: str, ins, outs) -> bool:
         """A layer without a rule of its own (a custom layer, a Lambda) inlined as the layers and ops
@@ -161,15 +163,36 @@ class Builder:
                          [s for s, _ in out_info], [s for _, s in in_info], [s for _, s in out_info])
         return rule_for(layer, node, self.prec, self.device).note.startswith("no sizing rule")
 
-    def add_node(self, layer, name: str, ins, outs) -> None:
+    def _traced_rule(self, layer, node, ins, rule) -> None:
+        """The fallback replaced by what TensorFlow's traced gradient of the call reads (``traced``)."""
+        from .traced import traced_keeps
+        from .unroll import _call_arguments
+        args, kwargs = _call_arguments(node) if node is not None else (None, None)
+        if args is None:
+            return
+        import tensorflow as tf
+        got = traced_keeps(layer, args, kwargs, ins, tf)
+        if got is None:
+            return
+        rule.keep_in, rule.keep_out = set(got["keep_in"]), set(got["keep_out"])
+        rule.kept_extra = list(got["kept_extra"])
+        rule.temps = [got["temp"]] if got["temp"] else []
+        rule.backward_temps = [got["backward_temp"]] if got["backward_temp"] else []
+        rule.note = ""
+        self.traced.append(layer.name)
+
+    def add_node(self, layer, name: str, ins, outs, node=None) -> None:
         in_ids = [self.tid(t) for t in ins]
         in_sizes, in_shapes = zip(*[self.tensor_bytes(t) for t in ins]) if ins else ((), ())
         out_info = [self.tensor_bytes(t) for t in outs]
         out_sizes = [s for s, _ in out_info]
         out_shapes = [s for _, s in out_info]
+        keras_node = node
         node = LayerNode(name, layer, in_ids, list(range(len(outs))), list(in_sizes), out_sizes, list(in_shapes),
-                     out_shapes)
+                         out_shapes)
         rule = rule_for(layer, node, self.prec, self.device)
+        if rule.note.startswith("no sizing rule"):
+            self._traced_rule(layer, keras_node, ins, rule)
         out_ids = []
         for j, t in enumerate(outs):
             k = self.key(t)
