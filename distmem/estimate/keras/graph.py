@@ -161,7 +161,8 @@ class Builder:
             return False
         node = LayerNode(layer.name, layer, list(range(len(ins))), list(range(len(outs))), [s for s, _ in in_info],
                          [s for s, _ in out_info], [s for _, s in in_info], [s for _, s in out_info])
-        return rule_for(layer, node, self.prec, self.device).note.startswith("no sizing rule")
+        rule = rule_for(layer, node, self.prec, self.device)
+        return rule.note.startswith("no sizing rule") and not rule.trace
 
     def _traced_rule(self, layer, node, ins, rule) -> None:
         """The fallback replaced by what TensorFlow's traced gradient of the call reads (``traced``)."""

@@ -5,7 +5,8 @@ weights) are traced into a graph at batch 1 and 2 — traced, never run — and 
 that an op of the gradient consumes are what TensorFlow keeps for the backward pass: the same
 question the per-type rules answer by hand, asked of TensorFlow itself. Inputs among them are kept
 inputs, the call's outputs kept outputs, the others kept buffers of their own; the largest forward
-tensor not kept is the call's temporary, the largest gradient tensor its backward's. What grows
+tensor not kept is the call's temporary, the largest set of gradient tensors one op reads (an AddN
+summing a tensor's many readers' gradients) its backward's. What grows
 with the batch (batch 2 minus batch 1) is per sample; weights read by the gradient are counted
 with the weights, not here.
 
@@ -19,7 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["traced_keeps"]
 
-_GRAD_PREFIXES = ("gradient_tape/", "gradients/")
+#: ops whose outputs are no buffer of the step (variables, constants, the inputs)
+_NOT_BUFFERS = ("ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "Shape", "Identity")
 
 #: (layer class, input specs, configuration) -> what it keeps: a model of fifty identical custom
 #: blocks is traced once
@@ -60,17 +62,32 @@ def _trace(layer, in_specs: Sequence[Tuple[Tuple[int, ...], str]], structure, ba
             outs = [o for o in tf.nest.flatten(out) if hasattr(o, "dtype") and o.dtype.is_floating]
             loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs])
         targets = [x for x in xs if x.dtype.is_floating] + list(layer.trainable_weights)
-        found["inputs"], found["outputs"] = list(xs), outs
+        found["inputs"], found["outputs"], found["loss"] = list(xs), outs, loss
         return tape.gradient(loss, targets, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     graph = tf.function(step, autograph=False).get_concrete_function(*specs).graph
-    return graph, found["inputs"], found["outputs"]
+    return graph, found["inputs"], found["outputs"], found["loss"]
 
 
-def _kept(graph, inputs, outputs) -> Tuple[List[int], List[int], List[int], int, int]:
+def _forward_ops(loss) -> set:
+    """The ops the loss depends on: the call's forward (everything else is its gradient)."""
+    seen, todo = set(), [loss.op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return seen
+
+
+def _kept(graph, inputs, outputs, loss) -> Tuple[List[int], List[int], List[int], int, int]:
     """(bytes of each kept input, of each kept output, of each other kept forward tensor, largest
     unkept forward tensor, largest gradient tensor)."""
+    forward = _forward_ops(loss)
+
     def is_grad(op) -> bool:
-        return op.name.startswith(_GRAD_PREFIXES)
+        return op not in forward and op.type not in _NOT_BUFFERS
     in_names = [t.name for t in inputs]
     out_names = [t.name for t in outputs]
     kept_names = set()
@@ -79,16 +96,17 @@ def _kept(graph, inputs, outputs) -> Tuple[List[int], List[int], List[int], int,
         if not is_grad(op):
             continue
         for t in op.inputs:
-            if not is_grad(t.op) and t.op.type not in ("ReadVariableOp", "Const", "VarHandleOp", "Placeholder") \
-                    or t.name in in_names:
+            if t.op in forward and t.op.type not in _NOT_BUFFERS or t.name in in_names:
                 kept_names.add(t.name)
         for t in op.outputs:
             grad_largest = max(grad_largest, _nbytes(t) or 0)
+        # gradients summed by one op (AddN over a tensor's many readers) are all alive until it runs
+        grad_largest = max(grad_largest, sum(_nbytes(t) or 0 for t in op.inputs if is_grad(t.op)))
     keep_in = [(_nbytes(t) or 0) if t.name in kept_names else -1 for t in inputs]
     keep_out = [(_nbytes(t) or 0) if t.name in kept_names else -1 for t in outputs]
     extra, temp = [], 0
     for op in graph.get_operations():
-        if is_grad(op) or op.type in ("ReadVariableOp", "Const", "VarHandleOp", "Placeholder", "Identity"):
+        if op not in forward or op.type in _NOT_BUFFERS:
             continue
         for t in op.outputs:
             n = _nbytes(t)
@@ -140,8 +158,8 @@ def _traced(layer, node_args, node_kwargs, ids, in_specs, tf) -> Optional[Dict[s
     try:
         got = []
         for batch in (1, 2):
-            graph, inputs, outputs = _trace(layer, in_specs, structure, batch, tf)
-            got.append(_kept(graph, inputs, outputs))
+            graph, inputs, outputs, loss = _trace(layer, in_specs, structure, batch, tf)
+            got.append(_kept(graph, inputs, outputs, loss))
     except Exception:  # noqa: BLE001 - a call that cannot be traced: the caller keeps the fallback
         return None
     finally:
