@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
 from .extrapolate import Ladder
@@ -52,15 +52,13 @@ def keras_allocator_floor(device: str) -> int:
     return 0 if seen else TF_CPU_UNCOUNTED_BELOW
 
 
-def _losses_of(model, K) -> List[Any]:
-    """One loss per output: the compiled one (a name, object, function, list or dict), or None."""
-    names = list(getattr(model, "output_names", None) or [])
-    n = len(model.outputs)
-    loss = getattr(model, "loss", None)
+def _losses_of(loss, names: Sequence[str], n: int) -> List[Any]:
+    """One loss per output (``names``: each output's name, in the order the labels go): the compiled
+    one (a name, object, function, list or dict), or None."""
     if loss is None:
         return [None] * n
     if isinstance(loss, dict):
-        return [loss.get(nm) for nm in names] if names else list(loss.values())[:n]
+        return [loss.get(nm) for nm in names]
     if isinstance(loss, (list, tuple)):
         return list(loss) + [None] * (n - len(loss))
     return [loss] * n
@@ -173,17 +171,18 @@ def _compiled(model) -> bool:
     return bool(compiled)
 
 
-def _own_step(model, in_specs, label_specs, tf):
+def _own_step(model, in_specs, label_specs, structure, tf):
     """A compiled model's own ``train_step`` (its compiled loss, metrics, ``add_loss`` terms, or a
-    ``train_step`` of its own), labels as ``label_specs`` describe them."""
+    ``train_step`` of its own), labels as ``label_specs`` describe them, nested as the model's
+    outputs are (``structure``: a dict of outputs gets a dict of labels)."""
     own = model.train_step
-    one_in, one_out = len(in_specs) == 1, len(label_specs) == 1
+    one_in = len(in_specs) == 1
 
     def step(xs, ys):
         x = xs[0] if one_in else list(xs)
         if getattr(model, "loss", None) is None:
             return own((x,))  # the model's own losses only (add_loss)
-        return own((x, ys[0] if one_out else list(ys)))
+        return own((x, tf.nest.pack_sequence_as(structure, list(ys))))
     fn = tf.function(step, input_signature=[_signature(in_specs, tf), _signature(label_specs, tf)])
     return fn
 
@@ -206,14 +205,26 @@ def _standing_in(model, opt):
             pass
 
 
-def _output_shapes(model, in_specs, np, tf) -> List[Any]:
-    """The model's outputs (anything with ``shape``/``dtype``): its ``outputs``, else (a subclassed
-    model) those of a forward pass at batch 1."""
-    outs = list(getattr(model, "outputs", None) or [])
-    if outs:
-        return outs
-    xs = [tf.constant(a) for a in _inputs(in_specs, 1, np)]
-    return list(tf.nest.flatten(model(xs if len(xs) > 1 else xs[0], training=False)))
+def _outputs(model, in_specs, np, tf) -> Tuple[Any, List[Any], List[str]]:
+    """``(structure, flat outputs, their names)``: the model's outputs as its call nests them (a
+    dict of named outputs, a list, one tensor) — read from its graph, else (a subclassed model) from
+    a forward pass at batch 1 — flattened in the order ``tf.nest`` packs them back."""
+    struct = getattr(model, "_nested_outputs", None)  # tf.keras 2 functional
+    if struct is None:
+        struct = getattr(model, "_outputs_struct", None)  # Keras 3 functional
+    if struct is None and getattr(model, "outputs", None):
+        outs = list(model.outputs)
+        struct = outs if len(outs) > 1 else outs[0]
+    if struct is None:
+        xs = [tf.constant(a) for a in _inputs(in_specs, 1, np)]
+        struct = model(xs if len(xs) > 1 else xs[0], training=False)
+    flat = list(tf.nest.flatten(struct))
+    if isinstance(struct, dict):
+        names = sorted(struct)
+    else:
+        names = list(getattr(model, "output_names", None) or [])
+        names = names if len(names) == len(flat) else [str(i) for i in range(len(flat))]
+    return struct, flat, names
 
 
 #: Steps measured at the target batch (the worst kept: TensorFlow's executor order moves one step's
@@ -243,7 +254,6 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     weights = model.get_weights()
     policy = str(getattr(getattr(model, "dtype_policy", None), "name", "") or "")
     scaled = "mixed_float16" in (str(precision or "") or policy) or policy == "mixed_float16"
-    fns = [_loss_fn(l, K) for l in _losses_of_any(model, K)]
     # before the optimizer's slots exist: they are the steps', not foreign; garbage collected first,
     # so what is foreign does not shrink under the steps (a peak below it would read as nothing)
     gc.collect()
@@ -256,8 +266,8 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
         # (their initial values are in flight then: that step is often the worst)
         opt = _optimizer(optimizer, K, scaled)
         with _standing_in(model, opt):
-            loss = _run_any(model, opt, fns, in_specs, ladder, batches, steps, target_steps, dev, other, peaks,
-                            per_step, np, tf)
+            loss = _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks,
+                            per_step, np, K, tf)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model whose step cannot run here: said, not hidden
@@ -274,33 +284,26 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
             "ladder": ladder.summary() if ladder else None, "seconds": round(time.time() - t0, 3)}
 
 
-def _losses_of_any(model, K) -> List[Any]:
-    """:func:`_losses_of` for a model whose outputs may be unknown yet (a subclassed model)."""
-    if getattr(model, "outputs", None):
-        return _losses_of(model, K)
-    loss = getattr(model, "loss", None)
-    return [loss if not isinstance(loss, (list, tuple, dict)) else None]
-
-
-def _run_any(model, opt, fns, in_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
-             np, tf) -> str:
+def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
+             np, K, tf) -> str:
     """Run the ladder (or batches) with the first step that runs: the model's compiled step with
     labels as its loss names them, then with class indices, then with values, then the generic loss.
     Returns which one ran."""
     tried: List[str] = []
     candidates = []
     if _compiled(model) and (getattr(model, "loss", None) is not None or getattr(model, "losses", None)):
-        outs = _output_shapes(model, in_specs, np, tf)
-        fns = fns if len(fns) == len(outs) else [fns[0] if fns else None] * len(outs)
+        struct, outs, names = _outputs(model, in_specs, np, tf)
+        fns = [_loss_fn(x, K) for x in _losses_of(getattr(model, "loss", None), names, len(outs))]
         for sparse, what in ((None, "compiled"), (True, "compiled, class-index labels"),
                              (False, "compiled, value labels")):
             specs = _label_specs(outs, fns, sparse)
             if any(specs == c[1] for c in candidates):
                 continue
-            candidates.append((what, specs))
-    candidates.append(("generic (mean square of every output)", None))
-    for what, specs in candidates:
-        step = _own_step(model, in_specs, specs, tf) if specs is not None else _generic_step(model, opt, in_specs, tf)
+            candidates.append((what, specs, struct))
+    candidates.append(("generic (mean square of every output)", None, None))
+    for what, specs, struct in candidates:
+        step = _own_step(model, in_specs, specs, struct, tf) if specs is not None else \
+            _generic_step(model, opt, in_specs, tf)
         try:
             _run(step, in_specs, specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step, np, tf)
             return what if not tried else f"{what}; not {', '.join(tried)}"
@@ -309,8 +312,15 @@ def _run_any(model, opt, fns, in_specs, ladder, batches, steps, target_steps, de
         except (tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
             if peaks:  # it ran before: this is not about the labels
                 raise
-            tried.append(f"{what} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            tried.append(f"{what} ({type(exc).__name__}: {_first_line(exc)})")
     raise ConfigError("no training step ran: " + "; ".join(tried))
+
+
+def _first_line(exc: Exception) -> str:
+    """The line of a TensorFlow error that says what went wrong (not "in user code:")."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("in user code", "File ", "return ", "raise "))]
+    return (useful[-1] if useful else (lines[0] if lines else type(exc).__name__))[:160]
 
 
 def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
@@ -323,25 +333,30 @@ def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev,
             return
         xs = [tf.constant(a) for a in _inputs(in_specs, int(b), np)]
         ys = [tf.constant(a) for a in _labels(label_specs, int(b), np)] if label_specs is not None else []
+        # the batch comes from an iterator, as model.fit and train_on_batch feed it: the element the
+        # iterator hands the step is the step's
+        batches_of = iter(tf.data.Dataset.from_tensors((tuple(xs), tuple(ys))).repeat())
         n = target_steps if ladder is not None and int(b) == ladder.target else steps
         seen: List[int] = []
         try:
             for _ in range(max(1, n)):
                 tf.config.experimental.reset_memory_stats(dev)
-                step(xs, ys)
+                x_, y_ = next(batches_of)
+                step(list(x_), list(y_))
+                del x_, y_
                 seen.append(max(0, int(info(dev)["peak"]) - other))
         except tf.errors.ResourceExhaustedError as exc:
             if ladder is None:
                 raise
             ladder.failed(int(b), f"out of memory ({str(exc).splitlines()[0][:160]})")
-            del xs, ys
+            del xs, ys, batches_of
             gc.collect()
             continue
         per_step[int(b)] = seen
         peaks[int(b)] = max(seen)
         if ladder is not None:
             ladder.record(int(b), peaks[int(b)])
-        del xs, ys
+        del xs, ys, batches_of
 
 
 def keras_ladder(model: Any, target: int, optimizer: Any, *, precision: Any = None,
