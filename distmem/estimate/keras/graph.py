@@ -12,7 +12,7 @@ from ..table import LayerEstimate
 from .access import (dtype_name, graph_nodes, is_graph_model, tensor_key, layer_of, model_io, node_inputs,
                      node_outputs, numel, tensor_shape, trainable_weights)
 from .rules import LayerNode, rule_for
-from .unroll import MAX_DEPTH, keras_package, unrolled
+from .unroll import MAX_DEPTH, call_arguments, keras_package, unrolled
 
 __all__ = ["Builder", "policy_precision"]
 
@@ -167,8 +167,7 @@ class Builder:
     def _traced_rule(self, layer, node, ins, rule) -> None:
         """The fallback replaced by what TensorFlow's traced gradient of the call reads (``traced``)."""
         from .traced import traced_keeps
-        from .unroll import _call_arguments
-        args, kwargs = _call_arguments(node) if node is not None else (None, None)
+        args, kwargs = call_arguments(node) if node is not None else (None, None)
         if args is None:
             return
         import tensorflow as tf

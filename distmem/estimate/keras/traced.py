@@ -153,17 +153,15 @@ def _traced(layer, node_args, node_kwargs, ids, in_specs, tf) -> Optional[Dict[s
             return v
         kwargs = {k: swap(v) for k, v in (node_kwargs or {}).items() if not (k == "mask" and v is None)}
         return [swap(a) for a in node_args], kwargs
-    from .unroll import _layers_within, _restore, _snapshot
-    saved = _snapshot(_layers_within(layer))
+    from .unroll import left_as_it_was
     try:
         got = []
-        for batch in (1, 2):
-            graph, inputs, outputs, loss = _trace(layer, in_specs, structure, batch, tf)
-            got.append(_kept(graph, inputs, outputs, loss))
+        with left_as_it_was(layer):
+            for batch in (1, 2):
+                graph, inputs, outputs, loss = _trace(layer, in_specs, structure, batch, tf)
+                got.append(_kept(graph, inputs, outputs, loss))
     except Exception:  # noqa: BLE001 - a call that cannot be traced: the caller keeps the fallback
         return None
-    finally:
-        _restore(saved)
     (in1, out1, extra1, temp1, g1), (in2, out2, extra2, temp2, g2) = got
     if len(extra1) != len(extra2):
         return None  # the graph changed with the batch: not one layer's rule

@@ -10,12 +10,13 @@ real values), the caller keeps the fallback rule.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, List, Optional, Tuple
 
 from .access import flatten, model_io, node_inputs
 
-__all__ = ["unrolled", "keras_package", "MAX_DEPTH"]
+__all__ = ["unrolled", "keras_package", "call_arguments", "left_as_it_was", "MAX_DEPTH"]
 
 #: How deep custom layers inside custom layers are read.
 MAX_DEPTH = 4
@@ -66,7 +67,19 @@ def _restore(saved) -> None:
         lst[:] = items
 
 
-def _call_arguments(node):
+@contextlib.contextmanager
+def left_as_it_was(layer):
+    """Whatever a symbolic or traced call of ``layer`` adds to it and the layers within it (nodes,
+    losses, metrics) is taken off again when the block ends."""
+    saved = _snapshot(_layers_within(layer))
+    try:
+        yield
+    finally:
+        _restore(saved)
+
+
+def call_arguments(node):
+    """A layer node's call arguments ``(args, kwargs)`` as Keras recorded them (None, None where not)."""
     args = getattr(node, "call_args", None)  # tf.keras 2
     if args is not None:
         return list(args), dict(getattr(node, "call_kwargs", None) or {})
@@ -79,7 +92,7 @@ def _call_arguments(node):
 def unrolled(layer, node, K) -> Optional[Tuple[Any, list]]:
     """``(functional model of what the layer's call does, its inputs in the order of the node's
     input tensors)``, or None where the call cannot be read so."""
-    args, kwargs = _call_arguments(node)
+    args, kwargs = call_arguments(node)
     if args is None:
         return None
     outer = node_inputs(node)
@@ -99,7 +112,6 @@ def unrolled(layer, node, K) -> Optional[Tuple[Any, list]]:
         if isinstance(x, dict):
             return {k: swap(v) for k, v in x.items()}
         return x
-    saved = _snapshot(_layers_within(layer))
     try:
         new_args = [swap(a) for a in args]
         new_kwargs = {k: swap(v) for k, v in kwargs.items() if k != "mask" or v is not None}
@@ -108,19 +120,18 @@ def unrolled(layer, node, K) -> Optional[Tuple[Any, list]]:
                 new_kwargs["training"] = True
         except (TypeError, ValueError):
             pass
-        out = layer.call(*new_args, **new_kwargs)
-        inputs = [fresh[id(t)] for t in outer if id(t) in fresh]
-        if len(inputs) != len(outer):
-            return None
-        outs = flatten(out)
-        if not outs or not all(hasattr(o, "_keras_history") or type(o).__name__ == "KerasTensor" for o in outs):
-            return None
-        sub = K.Model(inputs, outs if len(outs) > 1 else outs[0])
+        with left_as_it_was(layer):  # the graph is built while the call's nodes are on its layers
+            out = layer.call(*new_args, **new_kwargs)
+            inputs = [fresh[id(t)] for t in outer if id(t) in fresh]
+            if len(inputs) != len(outer):
+                return None
+            outs = flatten(out)
+            if not outs or not all(hasattr(o, "_keras_history") or type(o).__name__ == "KerasTensor" for o in outs):
+                return None
+            sub = K.Model(inputs, outs if len(outs) > 1 else outs[0])
         ins, _ = model_io(sub)
         if len(ins) != len(inputs):
             return None
         return sub, ins
     except Exception:  # noqa: BLE001 - a call that cannot run symbolically: the caller keeps the fallback
         return None
-    finally:
-        _restore(saved)

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...errors import ConfigError
 from .extrapolate import Ladder
 
-__all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor"]
+__all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor", "TARGET_STEPS", "OTHER_STEPS"]
 
 
 def keras_device() -> str:
@@ -360,36 +360,3 @@ def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev,
         if ladder is not None:
             ladder.record(int(b), peaks[int(b)])
         del xs, ys, batches_of
-
-
-def keras_ladder(model: Any, target: int, optimizer: Any, *, precision: Any = None,
-                 memory_given: Optional[int] = None) -> Ladder:
-    """The :class:`~distmem.estimate.measure.extrapolate.Ladder` for measuring ``model`` at
-    ``target`` here: the memory at hand on the device TensorFlow uses, and the analytic model's
-    high figure there (its held-out worst under-estimate added) until something is measured; a
-    model the analytic path cannot read (a subclassed one) is tried at the target."""
-    import warnings
-
-    from ..keras import estimate_keras
-    from ..table import path_margin
-    from .memory import memory_at_hand
-    dev = keras_device()
-    memory, where = memory_at_hand(dev, memory_given)
-    if memory <= 0:
-        memory, where = 2 ** 62, f"unknown ({where})"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            prior = estimate_keras(model, batch_size=target, optimizer=optimizer, precision=precision,
-                                   device="cpu" if dev.upper().startswith("CPU") else "gpu",
-                                   allocator_floor=keras_allocator_floor(dev))
-        under = path_margin("keras", "modelled").under
-
-        def predict_high(b: int) -> int:
-            return int(prior.train_bytes(b) * (1 + under))
-    except ConfigError:
-        def predict_high(b: int) -> int:
-            return 0
-    ladder = Ladder(target, memory, predict_high)
-    ladder.memory_source = where
-    return ladder

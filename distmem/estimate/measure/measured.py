@@ -18,7 +18,7 @@ from .extrapolate import (RULE, extrapolate, least_squares, measure_batches, phy
                           residual_terms)
 
 __all__ = ["METHODS", "MEASURE_STEPS", "CARRY_RULE", "PLANS", "measured_estimate", "measure", "with_measurement",
-           "portable", "rebuild"]
+           "portable", "rebuild", "keras_ladder"]
 
 METHODS = ("auto", "measure", "model")
 
@@ -202,7 +202,7 @@ def measure(framework: str, model: Any, spec: Optional[str], plan: Dict[str, Any
 def measure_keras(model: Any, plan: Dict[str, Any], optimizer: Any, opts: Dict[str, Any],
                   input_shape: Any) -> Dict[str, Any]:
     """A Keras model's steps as ``plan`` says, here (in this process or the measuring child)."""
-    from .keras_steps import keras_ladder, keras_step_peaks
+    from .keras_steps import keras_step_peaks
     precision = opts.get("precision")
     if precision:
         from ..keras.graph import policy_precision
@@ -454,3 +454,37 @@ def _rows(rows: List[LayerEstimate], ratio: float) -> List[LayerEstimate]:
         return list(rows)
     return [replace(r, activation_bytes_per_sample=max(0, int(round(r.activation_bytes_per_sample * ratio))),
                     activation_fixed_bytes=r.activation_fixed_bytes) for r in rows]
+
+
+def keras_ladder(model: Any, target: int, optimizer: Any, *, precision: Any = None,
+                 memory_given: Optional[int] = None) -> Ladder:
+    """The :class:`~distmem.estimate.measure.extrapolate.Ladder` for measuring ``model`` at
+    ``target`` here: the memory at hand on the device TensorFlow uses, and the analytic model's
+    high figure there (its held-out worst under-estimate added) until something is measured; a
+    model the analytic path cannot read (a subclassed one) is tried at the target."""
+    import warnings
+
+    from ..keras import estimate_keras
+    from .extrapolate import Ladder
+    from .keras_steps import keras_allocator_floor, keras_device
+    from .memory import memory_at_hand
+    dev = keras_device()
+    memory, where = memory_at_hand(dev, memory_given)
+    if memory <= 0:
+        memory, where = 2 ** 62, f"unknown ({where})"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prior = estimate_keras(model, batch_size=target, optimizer=optimizer, precision=precision,
+                                   device="cpu" if dev.upper().startswith("CPU") else "gpu",
+                                   allocator_floor=keras_allocator_floor(dev))
+        under = path_margin("keras", "modelled").under
+
+        def predict_high(b: int) -> int:
+            return int(prior.train_bytes(b) * (1 + under))
+    except ConfigError:
+        def predict_high(b: int) -> int:
+            return 0
+    ladder = Ladder(target, memory, predict_high)
+    ladder.memory_source = where
+    return ladder

@@ -106,7 +106,7 @@ def test_a_layer_whose_call_applies_tensorflow_ops_is_read_from_its_traced_gradi
     keeps x and sigmoid(x); exp(x) keeps its output; x + 1 keeps nothing."""
     from distmem.estimate.keras.access import node_inputs
     from distmem.estimate.keras.traced import traced_keeps
-    from distmem.estimate.keras.unroll import _call_arguments
+    from distmem.estimate.keras.unroll import call_arguments
     K, L = tf.keras, tf.keras.layers
 
     class Swish(L.Layer):
@@ -126,7 +126,7 @@ def test_a_layer_whose_call_applies_tensorflow_ops_is_read_from_its_traced_gradi
     got = []
     for out in outs:
         layer, node = out._keras_history[0], out._keras_history[0]._inbound_nodes[0]
-        args, kwargs = _call_arguments(node)
+        args, kwargs = call_arguments(node)
         got.append(traced_keeps(layer, args, kwargs, node_inputs(node), tf))
     swish, exp, shift = got
     assert swish["keep_in"] == [0] and swish["kept_extra"] == [64 * 4]
