@@ -94,6 +94,7 @@ def _estimate_row(est, seconds: float) -> Dict[str, Any]:
             "method": est.method, "seconds": round(seconds, 2), "warnings": list(est.warnings),
             "points": m.get("points"), "point_steps": m.get("steps"), "measure_seconds": m.get("seconds"),
             "ladder": m.get("ladder"), "loss": m.get("loss"), "refused": m.get("refused"),
+            "modelled": m.get("modelled"), "modelled_target": est.peak_detail().get("modelled_peak"),
             "fallback": m.get("fallback"), "calibration": est.calibration}
 
 

@@ -157,8 +157,8 @@ class Ladder:
     allocator left fragmented by smaller batches reads up to ~15% higher at a later one). Elsewhere
     it climbs: ``top`` = the largest ``target / 2**k`` the model's figure allows, then ``top / 4``,
     ``top / 2``, ``top`` smallest first, then doubling while the peaks measured so far predict the
-    next fits (their least-squares line with :data:`CARRY_TOLERANCE` added; ``y x b / b1``, the most
-    one point allows, from one), the target itself included. A batch predicted not to fit, or that
+    next fits (their least-squares line with :data:`CARRY_TOLERANCE` added; from one point, the
+    model's growth, at most ``y x b / b1``), the target itself included. A batch predicted not to fit, or that
     ran out of memory (:meth:`failed`), ends the climb, and smaller batches are added below until
     ``points`` were measured or batch 1 was. ``predict_high(b)``: the model's high figure, used until
     something is measured.
@@ -188,8 +188,10 @@ class Ladder:
         if not pts:
             return int(self._prior(batch))
         if len(pts) == 1:
+            # the model's growth from the measured batch, within what one point allows (y x b / b1)
             b, y = pts[0]
-            return int(y * max(1.0, batch / b))
+            grow = self._prior(batch) / max(1, self._prior(b)) if self._prior(b) else batch / b
+            return int(y * max(1.0, min(batch / b, grow)) * (1 + CARRY_TOLERANCE))
         alpha, beta = least_squares(pts[-3:])
         return int(max(alpha + beta * batch, max(y for _, y in pts)) * (1 + CARRY_TOLERANCE))
 
