@@ -35,7 +35,7 @@ import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["RULES", "RULE", "residual_terms", "extrapolate", "measure_batches", "held_out_errors", "Ladder",
-           "physical_interval", "least_squares", "CARRY_TOLERANCE"]
+           "physical_interval", "least_squares", "CARRY_TOLERANCE", "LADDER_SAFETY"]
 
 RULES = ("offset", "linear", "ratio", "scale", "blend", "measured", "model", "lsq", "lsq_offset")
 
@@ -47,6 +47,10 @@ RULE = {"keras": "scale", "torch": "blend"}
 #: is refused: TensorFlow's executor moves one step's peak by up to ~12% from run to run, and a
 #: BFC region that doubles adds its own step.
 CARRY_TOLERANCE = 0.25
+
+#: What the ladder adds to a predicted peak before it runs a batch (the memory at hand is already a
+#: share of what is free: half the host's available memory, 90% of a GPU's free memory).
+LADDER_SAFETY = 0.10
 
 
 def measure_batches(batch_size: int) -> Tuple[int, ...]:
@@ -157,7 +161,7 @@ class Ladder:
     allocator left fragmented by smaller batches reads up to ~15% higher at a later one). Elsewhere
     it climbs: ``top`` = the largest ``target / 2**k`` the model's figure allows, then ``top / 4``,
     ``top / 2``, ``top`` smallest first, then doubling while the peaks measured so far predict the
-    next fits (their least-squares line with :data:`CARRY_TOLERANCE` added; from one point, the
+    next fits (their least-squares line with :data:`LADDER_SAFETY` added; from one point, the
     model's growth, at most ``y x b / b1``), the target itself included. A batch predicted not to fit, or that
     ran out of memory (:meth:`failed`), ends the climb, and smaller batches are added below until
     ``points`` were measured or batch 1 was. ``predict_high(b)``: the model's high figure, used until
@@ -191,9 +195,9 @@ class Ladder:
             # the model's growth from the measured batch, within what one point allows (y x b / b1)
             b, y = pts[0]
             grow = self._prior(batch) / max(1, self._prior(b)) if self._prior(b) else batch / b
-            return int(y * max(1.0, min(batch / b, grow)) * (1 + CARRY_TOLERANCE))
+            return int(y * max(1.0, min(batch / b, grow)) * (1 + LADDER_SAFETY))
         alpha, beta = least_squares(pts[-3:])
-        return int(max(alpha + beta * batch, max(y for _, y in pts)) * (1 + CARRY_TOLERANCE))
+        return int(max(alpha + beta * batch, max(y for _, y in pts)) * (1 + LADDER_SAFETY))
 
     def next(self) -> Optional[int]:
         """The next batch to run, or None when the measurement is complete."""
