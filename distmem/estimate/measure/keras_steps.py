@@ -183,7 +183,11 @@ def _own_step(model, in_specs, label_specs, structure, tf):
         if getattr(model, "loss", None) is None:
             return own((x,))  # the model's own losses only (add_loss)
         return own((x, tf.nest.pack_sequence_as(structure, list(ys))))
-    fn = tf.function(step, input_signature=[_signature(in_specs, tf), _signature(label_specs, tf)])
+    # compiled as the model's own train function is: Keras 3 compiles it with XLA where it can
+    # (jit_compile="auto" on a GPU), whose buffers are not the graph executor's
+    jit = bool(getattr(model, "jit_compile", None) or getattr(model, "_jit_compile", None))
+    fn = tf.function(step, input_signature=[_signature(in_specs, tf), _signature(label_specs, tf)],
+                     jit_compile=jit or None)
     return fn
 
 
