@@ -208,3 +208,61 @@ def test_an_optimizer_object_reaches_the_measuring_child_as_its_configuration(ml
     assert "child process" in est.measurement["how"]
     with pytest.raises(ConfigError, match="loss=.*cannot be sent"):
         portable(lambda y, p: y, "loss")
+
+
+# ------------------------------------------------------------------ what cannot be measured is carried
+
+def _convnet(K):
+    L = K.layers
+    inp = K.Input((32, 32, 3))
+    h = L.Conv2D(32, 3, padding="same", activation="relu")(inp)
+    h = L.Conv2D(32, 3, padding="same", activation="relu")(h)
+    model = K.Model(inp, L.Dense(10)(L.GlobalAveragePooling2D()(h)))
+    model.compile("adam", K.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_target_that_does_not_fit_is_carried_from_three_batches_that_do(monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    from distmem.estimate import estimate
+    monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
+    model = _convnet(tf.keras)
+    at_target = estimate(model, 32, "adam", method="measure", device="cpu")
+    peak32 = at_target.peak_bytes
+    assert at_target.bound().source == "measured" and at_target.measurement["at_target"]
+    carried = estimate(model, 32, "adam", method="measure", device="cpu", memory_at_hand=int(peak32 * 0.7))
+    m = carried.measurement
+    assert not m["at_target"] and carried.bound().source == "carried" and len(m["points"]) >= 3
+    assert "32" in m["ladder"]["not_run"] and max(b for b, _ in m["points"]) < 32
+    assert all(y <= peak32 * 0.7 * 1.25 for _, y in m["points"])  # nothing ran beyond the memory at hand
+    # the carry lands near the figure measured at the target, inside its own bound
+    assert 0.8 <= carried.peak_bytes / peak32 <= 1.25
+    bd = carried.bound()
+    assert bd.low_bytes <= peak32 <= bd.high_bytes
+
+
+def test_a_subclassed_model_is_measured_without_a_layer_graph(monkeypatch):
+    """No layer graph to model: the table has its weights, the figure is measured."""
+    tf = pytest.importorskip("tensorflow")
+    from distmem.estimate import estimate
+    monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
+    K, L = tf.keras, tf.keras.layers
+
+    class Net(K.Model):
+        def __init__(self):
+            super().__init__()
+            self.c = L.Conv2D(16, 3, padding="same", activation="relu")
+            self.pool = L.GlobalAveragePooling2D()
+            self.head = L.Dense(4)
+
+        def call(self, x, training=False):
+            return self.head(self.pool(self.c(x)))
+    net = Net()
+    net(tf.zeros((1, 16, 16, 3)))
+    net.compile("sgd", "mse")
+    est = estimate(net, 8, "sgd", method="measure", device="cpu", input_shape=(16, 16, 3))
+    assert est.method == "measured" and est.bound().source == "measured"
+    assert est.params == 3 * 3 * 3 * 16 + 16 + 16 * 4 + 4
+    assert est.peak_bytes > est.state_floor and est.measurement["loss"].startswith("compiled")
+    with pytest.raises(ConfigError):
+        estimate(net, 8, "sgd", method="model", device="cpu")
