@@ -1,6 +1,6 @@
 """Which rule carries measured Keras peaks to a batch that was not measured: chosen on the fit half of
 ``keras_heldout.py`` (its ``carried`` parts: the peaks measured at the batches that fit 3/4 of the
-reference), reported on the held half. A diagnostic behind ``measure.measured.CARRY_RULE``: it replays
+reference), reported on the held half. A diagnostic behind ``measure.carry.CARRY_RULE``: it replays
 the rules (``measure.extrapolate``) on the recorded points and the model's figures at them, so it
 quotes no product figure of its own (the README quotes ``keras_heldout.py``'s carried part).
 

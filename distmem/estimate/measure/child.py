@@ -19,7 +19,8 @@ def measure_spec(model: str, framework: str, plan: Dict[str, Any], optimizer: An
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from ..loader import load_model
-    from .measured import MEASURE_STEPS, measure_keras, rebuild
+    from .measured import MEASURE_STEPS, measure_keras
+    from .portable import rebuild
     optimizer = rebuild(optimizer)
     options = rebuild(options)
     if framework == "torch":

@@ -117,7 +117,7 @@ def _table(peak_fn, framework="keras"):
 def test_a_carry_the_measured_points_cannot_hold_is_refused_with_both_figures():
     """Issue 37's MLP: the model counted nearly nothing at the small batches (a prior of 1 byte where
     1.4 MiB was measured), so the 'scale' rule carried a ratio of ~10^6 to the target: 2.1 TiB."""
-    from distmem.estimate.measure.measured import with_measurement
+    from distmem.estimate.measure.carry import with_measurement
     prior = _table(lambda b: 1 if b < 16 else 1_600_000)
     got = {"device": "CPU:0", "points": [[4, 1_250_000], [8, 1_450_000]], "steps": {}, "floor": 0}
     with pytest.warns(UserWarning, match="refused"):
@@ -131,7 +131,7 @@ def test_a_carry_the_measured_points_cannot_hold_is_refused_with_both_figures():
 
 
 def test_every_estimate_carries_its_bound_and_a_measured_one_is_never_below_the_state():
-    from distmem.estimate.measure.measured import with_measurement
+    from distmem.estimate.measure.carry import with_measurement
     model = _table(lambda b: 1200 + 100 * b)
     got = {"device": "CPU:0", "points": [[4, 1000], [8, 1100], [16, 1300]], "steps": {}, "floor": 0}
     est = with_measurement(model, model, got)
@@ -196,7 +196,7 @@ def test_an_optimizer_object_reaches_the_measuring_child_as_its_configuration(ml
     "cannot pickle 'weakref.ReferenceType'": the live optimizer was handed to the child."""
     import tensorflow as tf
     from distmem.estimate import estimate
-    from distmem.estimate.measure.measured import portable, rebuild
+    from distmem.estimate.measure.portable import portable, rebuild
     monkeypatch.syspath_prepend(str(mlp))
     monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
     opt = tf.keras.optimizers.Adam(learning_rate=0.01, amsgrad=True)
