@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from . import session, settings
 from .apply import adapter, detect_framework
 from .comm import get_comm, resolve_timeout, set_comm
-from .console import say
+from .console import say, say_back
 from .discover import gpus as discover_gpus
 from .discover import identity, runtime
 from .errors import ConfigError, DistmemError, DoesNotFitError
@@ -123,6 +123,18 @@ def plan_from_env(strategy: str = "data", framework: Optional[str] = None, *, me
                              from_report, from_margin))
 
 
+def plan_for_exec(wrapper: str, strategy: str = "data", **kwargs: Any) -> Plan:
+    """The plan :func:`init` will make in the command that the launcher wrapper ``wrapper``
+    (``"distmem-exec"``) is about to exec, made in the wrapper: :func:`plan_from_env`'s arguments and
+    answer. The wrapper is the rank's own process until the exec (the pid the launcher watches), so
+    from now on this process starts no transport - an ``MPI_Init`` here would be the rank's, and the
+    command's own would then fail - and meets the other wrappers of its host in a layout exchange of
+    their own (:func:`distmem.discover.layout.leave` ends it before the exec): the command's
+    ``init()`` meets its peers afresh, never a wrapper's record under its own pid."""
+    session.wrapper = wrapper
+    return plan_from_env(strategy, **kwargs)
+
+
 def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str = "auto",
          reserve: Any = None, limit: Any = None, overhead: Any = None, foreign: Any = 0,
          fleet: Optional[str] = None, enforce: str = "framework", verbose: bool = True, estimate: Optional[str] = None,
@@ -183,8 +195,16 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     fw_adapter = adapter(fw)
     # Read before planning (the estimator may build a model): what the framework started on its own.
     live = None if session.was_reset else fw_adapter.started()
+    # (read whatever a reset said: a torch that started CUDA cannot take the setting however the plan is applied)
+    fixed_allocator = _allocator_fixed(fw, strategy, strategy_options, fw_adapter.started())
+    if fixed_allocator:
+        strategy_options = dict(strategy_options, expandable_segments=False)
     plan = _planned(_request(strategy, fw, memory, reserve, limit, overhead, foreign, fleet, estimate, strategy_options,
                              from_report, from_margin))
+    if fixed_allocator:
+        plan.warnings.append("CUDA started before init() and this torch cannot change its allocator settings at run "
+                             "time, so expandable segments cannot be set for this job: the fit left each limit room "
+                             "for the largest single allocation instead")
     inv = session.state.inventory
     assert inv is not None  # set by _planned
     plan.warnings.extend(foreign_warnings(plan, inv, os.getpid()))
@@ -200,7 +220,10 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
         if late is not None:
             raise late
     prepared = fw_adapter.prepare(plan)
-    applied: Dict[str, Any] = {"framework": fw, "applied": [], "dry_run": not inv.real}
+    # what the framework reads when it starts, set for the job in a dry run too (torch: the allocator
+    # settings the plan needs); said with the rest
+    applied: Dict[str, Any] = {"framework": fw, "applied": list(prepared) if fw == "torch" else [],
+                               "dry_run": not inv.real}
     if applying:
         applied = fw_adapter.apply(plan)
         applied["dry_run"] = not inv.real
@@ -217,6 +240,17 @@ def init(strategy: str = "data", framework: Optional[str] = None, *, memory: str
     if settings.fail_fast() if fail_fast is None else fail_fast:
         _start_heartbeat(verbose)
     return plan
+
+
+def _allocator_fixed(fw: str, strategy: str, options: Dict[str, Any], live: Any) -> bool:
+    """Whether a torch job planned by ``strategy="auto"`` can no longer be given expandable segments
+    (CUDA started before ``init()`` on a torch that cannot change allocator settings at run time),
+    so its fit must leave room for the largest block instead."""
+    if fw != "torch" or strategy != "auto" or live is None or "expandable_segments" in options:
+        return False
+    from .apply import torch as torch_adapter
+
+    return not torch_adapter.allocator_settable()
 
 
 def _same_call_again(asked: Dict[str, Any]) -> Optional[Plan]:
@@ -247,6 +281,7 @@ def _say_applied(plan: Plan, applied: Dict[str, Any], fw: str, real: bool, from_
     where = f"{fw}: {'; '.join(done)}" if done else ("dry run, nothing applied" if not real
                                                       else f"{fw}: nothing to apply")
     say(f"[distmem rank {mine.rank}] {mine.describe()} ({where})")
+    say_back(f"[distmem rank {mine.rank}]")  # sizes given in decimal units, said back once
     if from_report:
         from .plan.from_report import describe_changes
 
@@ -271,7 +306,18 @@ def _start_heartbeat(verbose: bool = True) -> None:
         comm = None  # no transport yet: torchrun's store, or off (the heartbeat says so)
     if comm is not None and comm.size <= 1:
         comm = None
-    heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose)
+    hb = heartbeat.start(topo.rank, topo.size, topo.host, comm, verbose=verbose, local_size=topo.local_size)
+    if hb is not None and settings.postmortem():
+        stop = hb.on_death
+
+        def record_then_stop(death: Any) -> None:
+            # what this rank held when another failed: the post-mortem compares the failed rank with it
+            from .guard.oom import record_stopped
+
+            record_stopped(death.line())
+            stop(death)
+
+        hb.on_death = record_then_stop
 
 
 def current_plan() -> Optional[Plan]:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["run", "argv", "environment", "package_root", "import_folders"]
+__all__ = ["run", "argv", "environment", "package_root", "import_folders", "working_folder_entries"]
 
 #: Runs first in every child: drops the entry ``-c`` put at ``sys.path[0]`` (none under ``-P`` /
 #: ``PYTHONSAFEPATH``) and any relative one, puts distmem's folder first and the extra folders last,
@@ -89,17 +89,37 @@ def run(*, module: Optional[str] = None, code: Optional[str] = None, args: Seque
                           env=environment(env), **options)
 
 
+def working_folder_entries(path: Optional[Sequence[str]] = None) -> List[str]:
+    """The entries of ``path`` (default ``sys.path``) that mean the working folder without the user
+    having put it there: ``""`` and relative entries (``python -c``, ``PYTHONPATH=.``), and the
+    working folder itself unless the user's ``PYTHONPATH`` names it by its absolute path
+    (``python -m`` puts it first). A user's own module is never searched for there."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = ""
+    named = {os.path.normpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.isabs(p)}
+    return [p for p in (sys.path if path is None else path) if not p or not os.path.isabs(p)
+            or (os.path.normpath(p) == cwd and cwd not in named)]
+
+
 def import_folders(*modules: str) -> List[str]:
     """The folders this process would import each top-level module of ``modules`` from (``a.b`` ->
-    the folder that holds ``a``), found without importing anything; names it cannot find are left
-    out. For a child that must import the same user module as this process."""
+    the folder that holds ``a``), found without importing anything and never in the working folder
+    (:func:`working_folder_entries`); names it cannot find are left out. For a child that must
+    import the same user module as this process."""
+    import importlib.machinery
+
     out: List[str] = []
+    hidden = working_folder_entries()
+    search = [p for p in sys.path if p not in hidden]
     for name in modules:
         top = (name or "").strip().partition(".")[0]
         if not top.isidentifier():
             continue
         try:
-            spec = importlib.util.find_spec(top)
+            spec = (importlib.util.find_spec(top) if top in sys.modules
+                    else importlib.machinery.PathFinder.find_spec(top, search))
         except (ImportError, ValueError, AttributeError):
             continue
         if spec is None:

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import IO, List, Optional, Sequence
+import warnings
+from typing import IO, Any, List, Optional, Sequence
 
 from . import settings
+from .units import said_back
 
-__all__ = ["say", "echo", "text_table"]
+__all__ = ["say", "say_back", "progress", "show_progress", "echo", "text_table", "format_warning"]
+
+_progress: Optional[str] = None  # the command whose stages are said (None: a library call, silent)
 
 
 def say(msg: str, *, always: bool = False, file: Optional[IO[str]] = None,
@@ -31,6 +35,33 @@ def say(msg: str, *, always: bool = False, file: Optional[IO[str]] = None,
         out.flush()
     except (OSError, ValueError):  # a closed pipe must not break training
         pass
+
+
+def say_back(prefix: Optional[str] = None) -> None:
+    """Say every decimal size read since the last call (:func:`distmem.units.said_back`), one line
+    each after ``prefix`` (default: the running command's name, else ``distmem``):
+    ``distmem plan: --gpus '2x16G': 16G = 16.0e9 B = 14.9 GiB ...``. Each door calls it once it has
+    read its inputs, before its result, so a size means the same, said the same way, wherever it
+    was given."""
+    head = prefix or _progress or "distmem"
+    for line in said_back():
+        say(f"{head}{' ' if head.endswith(']') else ': '}{line}")
+
+
+def show_progress(prefix: Optional[str]) -> None:
+    """Say the stages of long work (:func:`progress`) after ``prefix`` from now on (``None``: stop).
+    The command line turns it on for the command it runs; a library call stays silent."""
+    global _progress
+    _progress = prefix
+
+
+def progress(msg: str) -> None:
+    """One line on stderr as a stage of long work begins (``distmem fit: estimating torchvision:resnet50
+    in float32 (1 of 2)``), where a command turned it on (:func:`show_progress`); stdout stays the
+    result's alone, so ``--json`` output is still clean. ``DISTMEM_QUIET=1`` silences it."""
+    if _progress is not None:
+        say_back(_progress)  # what was read is said before the work it sizes
+        say(f"{_progress}: {msg}")
 
 
 def echo(text: str = "", *, file: Optional[IO[str]] = None) -> None:
@@ -59,3 +90,22 @@ def text_table(head: Sequence[str], rows: Sequence[Sequence[object]], right: Opt
     if rule:
         out.append(line(["-" * w for w in widths]))
     return out + [line(r) for r in cells[1:]]
+
+
+_python_format = warnings.formatwarning
+
+
+def format_warning(message: Any, category: Any, filename: str, lineno: int, line: Optional[str] = None) -> str:
+    """:func:`warnings.formatwarning` for distmem's own warnings (their text starts with ``distmem``,
+    as every one distmem raises does): one line, ``warning: distmem.estimate: not measured (...)``,
+    without the file, line and source line Python adds, which name distmem's code, not the
+    user's. Any other warning is formatted as before (the formatter in place when distmem was
+    imported)."""
+    text = str(message)
+    if text.startswith("distmem"):
+        return "warning: " + " ".join(text.split()) + "\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
+if getattr(warnings.formatwarning, "__module__", None) != __name__:
+    warnings.formatwarning = format_warning

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 __all__ = ["OVERHEAD_BYTES", "RESERVE", "LIMIT_HEADROOM", "TORCH_CACHE_HEADROOM", "TF_GPU_ALLOCATOR_HEADROOM",
            "headroom", "MIN_LIMIT_BYTES", "MAX_LIMIT_BYTES", "FROM_REPORT_MARGIN", "FRAGMENTATION_MIN_BYTES",
-           "FOREIGN_MIN_BYTES"]
+           "FOREIGN_MIN_BYTES", "IMBALANCE_RATIO", "FRAGMENTATION_TIE", "GROWTH_MIN_STEPS", "GROWTH_MIN_BYTES",
+           "OUTSIDE_MIN_BYTES"]
 
 _MiB = 1024**2
 
@@ -66,3 +67,22 @@ FRAGMENTATION_MIN_BYTES = 64 * _MiB
 #: Another process's memory on a rank's GPU is named as a cause only above this many bytes the plan
 #: did not reserve (a monitoring agent's context is a few MiB).
 FOREIGN_MIN_BYTES = 64 * _MiB
+
+#: A rank whose step needed this many times the median of its peers' (the other ranks of its
+#: pipeline stage) is out of balance with them: uneven data, a longer sequence, another stage's
+#: layers. Below it the ranks differ by what steps normally differ by.
+IMBALANCE_RATIO = 1.5
+
+#: A largest free block within this fraction of the request is a tie with it (the allocator's
+#: rounding and block splitting), not fragmentation.
+FRAGMENTATION_TIE = 0.05
+
+#: Memory is said to grow from step to step only over at least this many steps' starts, by at least
+#: this many bytes in all: a step's allocator caches and lazily built state settle within a step or two.
+GROWTH_MIN_STEPS = 4
+GROWTH_MIN_BYTES = 64 * _MiB
+
+#: A process's memory outside its allocator (NVML's bytes for it - its allocator's pool) beyond the
+#: plan's per-process overhead is named as a cause only above this many bytes in all: the overhead's
+#: own spread (cuBLAS/cuDNN handles, lazily loaded kernels) stays below it.
+OUTSIDE_MIN_BYTES = 256 * _MiB

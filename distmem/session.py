@@ -44,6 +44,12 @@ state = Session()
 #: framework itself). Tests of that check run in a fresh process.
 was_reset = False
 
+#: The launcher wrapper this process is (``"distmem-exec"``), set by :func:`distmem.api.plan_for_exec`
+#: and never unset: the process is the rank's own until it execs the command (the pid the launcher
+#: watches), so it starts no transport (:func:`distmem.comm.get_comm`) and exchanges its layout apart
+#: from the command's (:func:`distmem.discover.layout.exchange`). None in every other process.
+wrapper: Optional[str] = None
+
 
 def current_plan() -> Optional["Plan"]:
     """The plan ``distmem.init()`` applied in this process, or None before ``init()``."""

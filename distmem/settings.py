@@ -24,6 +24,7 @@ variable                               meaning
 ``DISTMEM_POSTMORTEM``                 ``0``: write no out-of-memory record (default ``1``: every rank writes one)
 ``DISTMEM_RUN_DIR``                    the run folder: OOM records go to ``RUN_DIR/oom/`` (default: the report's folder, else runs/last)
 ``DISTMEM_FAIL_FAST``                  ``1`` (default) / ``0``: every rank stops within seconds when one dies
+``DISTMEM_HEARTBEAT_SECRET``           the fail-fast heartbeat's secret (the same on every rank, 16+ characters; default: the transport's, else the user's key file)
 ``DISTMEM_CAP_*``                      the native cap's settings, written by ``distmem-exec``
 =====================================  ==========================================================
 """
@@ -35,14 +36,15 @@ from typing import Mapping, Optional
 from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
-           "layout_dir", "layout_timeout", "launch_timeout", "flag", "postmortem", "run_dir", "fail_fast", "positive_seconds", "validate", "MEMORY_MODES", "VARIABLES",
-           "MAX_SECONDS"]
+           "layout_dir", "layout_timeout", "launch_timeout", "flag", "torch_expandable_segments",
+           "TORCH_ALLOC_CONF_VARS", "postmortem", "run_dir", "fail_fast", "heartbeat_secret", "positive_seconds",
+           "validate", "MEMORY_MODES", "VARIABLES", "MAX_SECONDS"]
 
 MEMORY_MODES = ("auto", "growth", "limit")
 VARIABLES = ("DISTMEM_TIMEOUT", "DISTMEM_FLEET", "DISTMEM_LIMIT", "DISTMEM_MEMORY", "DISTMEM_OVERHEAD",
              "DISTMEM_REPORT", "DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_COMM", "DISTMEM_LAYOUT_DIR",
              "DISTMEM_LAYOUT_TIMEOUT", "DISTMEM_LAUNCH_TIMEOUT", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS",
-             "DISTMEM_POSTMORTEM", "DISTMEM_RUN_DIR", "DISTMEM_FAIL_FAST")
+             "DISTMEM_POSTMORTEM", "DISTMEM_RUN_DIR", "DISTMEM_FAIL_FAST", "DISTMEM_HEARTBEAT_SECRET")
 
 
 def raw(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -90,6 +92,27 @@ def flag(name: str, env: Optional[Mapping[str, str]] = None) -> Optional[bool]:
     if low in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={text!r} is not a yes/no value; use 1 or 0")
+
+
+#: The variables torch reads its allocator settings from (``PYTORCH_ALLOC_CONF`` since 2.9,
+#: ``PYTORCH_CUDA_ALLOC_CONF`` before and still honoured), the newer first.
+TORCH_ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def torch_expandable_segments(env: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """The user's own word on torch's expandable segments: ``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``, else
+    an ``expandable_segments:True/False`` item they put in ``PYTORCH_ALLOC_CONF`` or
+    ``PYTORCH_CUDA_ALLOC_CONF``; None when they said nothing (distmem may then set them where a
+    plan needs them)."""
+    given = flag("DISTMEM_TORCH_EXPANDABLE_SEGMENTS", env)
+    if given is not None:
+        return given
+    for var in TORCH_ALLOC_CONF_VARS:
+        for item in (raw(var, env) or "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip().lower() in ("true", "1")
+    return None
 
 
 def timeout(env: Optional[Mapping[str, str]] = None) -> float:
@@ -163,6 +186,18 @@ def run_dir(env: Optional[Mapping[str, str]] = None) -> str:
     return os.path.abspath(text)
 
 
+def heartbeat_secret(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``DISTMEM_HEARTBEAT_SECRET``: the fail-fast heartbeat's secret where the job's transport is not
+    up at ``init()`` (see :mod:`distmem.comm.heartbeat_trust`): the same text on every rank, at least
+    16 characters (e.g. ``python -c 'import secrets; print(secrets.token_hex(16))'``); None when unset."""
+    text = raw("DISTMEM_HEARTBEAT_SECRET", env)
+    if text is not None and len(text) < 16:
+        raise ConfigError(f"DISTMEM_HEARTBEAT_SECRET has {len(text)} characters; give at least 16 random ones, the "
+                          "same on every rank (e.g. export DISTMEM_HEARTBEAT_SECRET=$(python -c 'import secrets; "
+                          "print(secrets.token_hex(16))'))")
+    return text
+
+
 def fail_fast(env: Optional[Mapping[str, str]] = None) -> bool:
     """``DISTMEM_FAIL_FAST``: ``1`` (default) starts the heartbeat at ``init()`` (every rank stops within
     seconds of another's death, see :mod:`distmem.comm.heartbeat`); ``0`` leaves it off."""
@@ -190,6 +225,7 @@ def validate(env: Optional[Mapping[str, str]] = None) -> None:
     for name in ("DISTMEM_QUIET", "DISTMEM_PLAIN", "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "DISTMEM_CAP_VERBOSE",
                  "DISTMEM_POSTMORTEM", "DISTMEM_FAIL_FAST"):
         flag(name, env)
+    heartbeat_secret(env)
     from .units import check_size
 
     text = limit(env)

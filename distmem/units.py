@@ -6,17 +6,25 @@ fractions of a given total where the caller allows it. A number written as text 
 number: ``"0.5"`` is the fraction 0.5 and ``"1234"`` 1234 bytes, in arguments, CLI flags and
 ``DISTMEM_*`` variables alike. Every size is bounded: at most :data:`MAX_BYTES` (2**63 - 1, what
 a signed 64-bit byte count - the C cap's, CUDA's, the kernel's - can hold), never NaN or infinite.
+
+A decimal unit (``k``, ``M``, ``G``, ``T``, with or without ``B``) is read as powers of 1000 and said
+back once: every reading is kept, and :func:`said_back` hands each door (the command line, ``init()``,
+``distmem-exec``) the line it shows, ``--gpus '2x16G': 16G = 16.0e9 B = 14.9 GiB``, so a user who
+meant GiB sees the difference before it matters. Ratios (headroom, a margin) are read by
+:func:`parse_ratio` under one rule: ``"10%"`` or ``0.1``; a bare number above 1 is refused, since
+``10`` for 10% would mean +1000%.
 """
 from __future__ import annotations
 
 import math
 import re
-from typing import Optional, Union
+import threading
+from typing import Dict, List, Optional, Union
 
 from .errors import ConfigError
 
-__all__ = ["parse_bytes", "check_size", "format_bytes", "to_mib_floor", "plural", "KiB", "MiB", "GiB", "TiB",
-           "SizeLike", "MAX_BYTES", "TOO_LARGE"]
+__all__ = ["parse_bytes", "check_size", "parse_ratio", "said_back", "format_bytes", "to_mib_floor", "plural", "KiB",
+           "MiB", "GiB", "TiB", "SizeLike", "MAX_BYTES", "TOO_LARGE"]
 
 KiB = 1024
 MiB = 1024**2
@@ -47,6 +55,8 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB,
 }
+#: The decimal units, by power of 1000: said back when read (see :func:`said_back`).
+_DECIMAL = {"k": 1, "kb": 1, "m": 2, "mb": 2, "g": 3, "gb": 3, "t": 4, "tb": 4}
 _NUMBER_RE = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
 
@@ -85,6 +95,11 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
             raise ConfigError(f"{what}: a size must be a finite non-negative number, got {given!r}")
         if value <= 0 and allow_fraction:
             raise ConfigError(f"{what}: a fraction must lie in (0, 1], got {value}")
+        if value < 1024 and not value.is_integer():
+            # a number without a unit is bytes: 0.5 or 2.5 bytes is a fraction or GiB meant, never read as 0 or 2
+            share = f"for {value:.0%} of each GPU write '{value * 100:g}%' where a share is taken, " if value < 1 else ""
+            raise ConfigError(f"{what}: {given!r} is not a whole number of bytes (a number without a unit is bytes); "
+                              f"{share}for {value:g} GiB write '{value:g}GiB'")
         return _bounded(value, what, given)
     if not isinstance(value, str):
         raise ConfigError(f"{what}: expected a size such as 6GiB, 512MB or 45%, got {type(value).__name__} {value!r}")
@@ -103,7 +118,68 @@ def parse_bytes(value: SizeLike, *, total: Optional[int] = None, what: str = "si
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{what}: cannot read {value!r} as a size; write e.g. '6GiB', '512MB', "
                           "'1.5TiB', a number of bytes, or a percentage such as '45%'")
-    return _bounded(float(m.group(1)) * _UNITS[m.group(2).lower()], what, value)
+    n = _bounded(float(m.group(1)) * _UNITS[m.group(2).lower()], what, value)
+    power = _DECIMAL.get(m.group(2).lower())
+    if power:
+        _note_decimal(text, m.group(1), m.group(2), power, n, what)
+    return n
+
+
+_lock = threading.Lock()
+_read: Dict[str, str] = {}  # text -> its line, every decimal size read in this process
+_pending: List[str] = []  # lines not yet handed to a door
+
+
+def _note_decimal(text: str, number: str, unit: str, power: int, n: int, what: str) -> None:
+    key = text.replace(" ", "").lower()
+    with _lock:
+        if key in _read:
+            return
+        binary = unit[0].upper() + "iB" if unit[0].lower() != "k" else "KiB"
+        line = (f"{what}: {text} = {float(number)!r}e{3 * power} B = {format_bytes(n)} ({unit} is decimal, "
+                f"1000^{power}; {number}{binary} is {number} x 1024^{power})")
+        _read[key] = line
+        _pending.append(line)
+
+
+def said_back() -> List[str]:
+    """The decimal sizes read since the last call, one line each, each text once per process
+    (``--gpus '2x16G': 16G = 16.0e9 B = 14.9 GiB (G is decimal, 1000^3; 16GiB is 16 x 1024^3)``).
+    Every door that reads sizes shows them: the command line on stderr before its result,
+    ``init()`` beside the rank's plan; ``DISTMEM_QUIET=1`` drops them with every other line."""
+    with _lock:
+        out = list(_pending)
+        _pending.clear()
+    return out
+
+
+def parse_ratio(value: object, *, what: str, upper: float = 10.0, default_hint: str = "0.1") -> float:
+    """``value`` as a ratio in [0, ``upper``]: ``"10%"``, ``"0.1"`` or ``0.1`` (0 keeps the figure).
+
+    One rule for every ratio (headroom, a margin): a bare number above 1 is refused, not read as
+    +100 x itself - ``10`` meant as 10% would be +1000% - with both readings in the message; a
+    ratio above 1 is written as a percentage (``"150%"``). ConfigError naming ``what`` otherwise."""
+    text = value.strip() if isinstance(value, str) else None
+    ratio: Optional[float] = None
+    percent = bool(text and text.endswith("%"))
+    try:
+        if percent:
+            ratio = float(text[:-1]) / 100.0  # type: ignore[index]
+        elif text is not None:
+            ratio = float(text)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            ratio = float(value)
+    except ValueError:
+        ratio = None
+    shown = value if isinstance(value, str) else repr(value)
+    if ratio is not None and math.isfinite(ratio) and ratio > 1 and not percent:
+        raise ConfigError(f"{what}={shown}: a ratio above 1 is read as {ratio * 100:g}%, which looks like a "
+                          f"percentage given as a number; for {ratio:g}% write '{ratio:g}%' (or {ratio / 100:g}), "
+                          f"for {ratio * 100:g}% write '{ratio * 100:g}%'")
+    if ratio is None or not math.isfinite(ratio) or not 0 <= ratio <= upper:
+        raise ConfigError(f"{what}={shown}: give a percentage such as '10%' (0% to {upper * 100:g}%) or a ratio "
+                          f"such as {default_hint}; 0 keeps the figure as it is")
+    return ratio
 
 
 def check_size(value: SizeLike, *, what: str = "size", allow_fraction: bool = False,

@@ -17,7 +17,9 @@ the CPU) with the loop the estimate assumes (``out = model(x); loss = crit(out, 
 At the end each rank's CUDA allocator peak is held against its planned demand: rank 0 prints one
 line per rank and, with ``--check PCT``, exits 1 when a rank's peak is more than PCT% off. Without
 a GPU the plan is computed (against DISTMEM_FLEET when set), the model trains on the CPU, and the
-check says it has no peak to hold (torch's CPU allocator keeps no statistics).
+check says it has no peak to hold (torch's CPU allocator keeps no statistics). Without a GPU and
+without DISTMEM_FLEET the plan is made against one 16 GiB GPU (``--fleet`` to name another), so
+``torchrun --nproc_per_node 2 examples/ddp_train.py`` runs on any machine.
 """
 import argparse
 import os
@@ -28,6 +30,7 @@ from distmem.cli.checks import at_least, parse_example, positive_number, run_exa
 from distmem.console import echo  # noqa: E402
 
 import distmem  # noqa: E402
+from distmem import settings  # noqa: E402
 from distmem.units import format_bytes  # noqa: E402
 
 
@@ -47,7 +50,15 @@ def parse_args():
     p.add_argument("--out", default=None, help="rank 0 writes every rank's peak, demand and limit here (JSON)")
     p.add_argument("--timeout", type=positive_number, default=None,
                    help="seconds a collective or the final exchange waits for every rank (default 300 / 60)")
+    p.add_argument("--fleet", default=None, metavar="FLEET",
+                   help="GPUs to plan against where this machine has none (a dry run; ignored where NVML finds GPUs): "
+                        f"default DISTMEM_FLEET, else {CPU_FLEET}")
     return parse_example(p)
+
+
+#: The fleet a machine without GPUs plans against (what the README's H200 runs had): the plan is
+#: made and printed as on a GPU node, nothing is applied, and the model trains on the CPU over Gloo.
+CPU_FLEET = "1x16GiB"
 
 
 def build(width, depth, device):
@@ -69,7 +80,9 @@ def main():
     import torch
 
     meta = build(args.width, args.depth, "meta")
-    plan = distmem.init(strategy="auto", framework="torch", model=meta, global_batch_size=batch,
+    # strategy="auto" holds layouts against GPUs: without any here, against a declared fleet
+    fleet = args.fleet or settings.fleet() or CPU_FLEET
+    plan = distmem.init(strategy="auto", framework="torch", model=meta, global_batch_size=batch, fleet=fleet,
                         input_shape=(args.width,), optimizer="adamw", precision="float32", pipelines=[1],
                         shardings="none", wrapper="ddp_bucket_view" if args.bucket_view else "ddp", micro_batches=[batch // size], estimate=args.estimate)
     mine = plan.mine

@@ -42,3 +42,48 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.horovod)
         if os.sep + "mpi" + os.sep in path:
             item.add_marker(pytest.mark.mpi)
+
+
+# ---------------------------------------------------------------- the "nobody else's job" contract
+# Every Python process the suite starts (the mpirun, horovodrun and torchrun launches, the examples,
+# the CLI commands, distmem's own children) runs under tests/contract/hook.py's audit hook, put there
+# by a sitecustomize first on PYTHONPATH; after each test, what its processes recorded is held to
+# tests/contract/contract.py (no unchecked file work in a folder another user can write, no socket
+# on every interface, nothing imported from the working folder, no Python child that is not
+# isolated). DISTMEM_CONTRACT=0 turns it off.
+sys.path.insert(0, os.path.join(ROOT, "tests", "contract"))
+import contract as _contract  # noqa: E402
+import hook as _contract_hook  # noqa: E402
+
+_contract_made = []
+if os.environ.get("DISTMEM_CONTRACT", "1") != "0" and not os.environ.get("DISTMEM_CONTRACT_RECORDS"):
+    import tempfile as _tempfile
+
+    _base = _tempfile.mkdtemp(prefix="distmem-contract-")
+    _contract_made.append(_base)
+    os.environ["DISTMEM_CONTRACT_RECORDS"] = os.path.join(_base, "records")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [_contract_hook.site_folder(os.path.join(_base, "site"), os.environ["DISTMEM_CONTRACT_RECORDS"])]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+@pytest.fixture(autouse=True)
+def nobody_elses_job():
+    """Hold what this test's processes did to the contract (tests/contract/contract.py)."""
+    folder = os.environ.get("DISTMEM_CONTRACT_RECORDS")
+    before = set(os.listdir(folder)) if folder and os.path.isdir(folder) else set()
+    yield
+    if not folder or not os.path.isdir(folder):
+        return
+    bad = _contract.violations(_contract.read(folder, sorted(set(os.listdir(folder)) - before)))
+    if bad:
+        pytest.fail("the 'nobody else's job' contract (docs/security.md, tests/contract) was broken:\n  "
+                    + "\n  ".join(bad[:20]), pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's records go with it (each test's were checked when it ended)."""
+    import shutil
+
+    for base in _contract_made:
+        shutil.rmtree(base, ignore_errors=True)

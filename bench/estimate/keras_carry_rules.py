@@ -4,6 +4,9 @@ reference), reported on the held half. A diagnostic behind ``measure.carry.CARRY
 the rules (``measure.extrapolate``) on the recorded points and the model's figures at them, so it
 quotes no product figure of its own (the README quotes ``keras_heldout.py``'s carried part).
 
+distmem-bench: internal - it replays the carry rules of the measured path (``measure.extrapolate``)
+on recorded points to choose among them; the product's carried figures are ``keras_heldout.py``'s.
+
     python bench/estimate/keras_carry_rules.py bench/results/estimate_keras_heldout_tf215.jsonl
 """
 from __future__ import annotations

@@ -3,6 +3,9 @@
 half; it reads the estimator's internals — its replay graph — which is why it quotes no product
 figure: the README quotes ``keras_heldout.py`` only).
 
+distmem-bench: internal - it sets the analytic model's own replay (its graph, the BFC model) beside
+TensorFlow's allocator log, buffer by buffer, to find what a rule misses.
+
 A child process trains the case for a few steps with TensorFlow's BFC allocator logging every
 request (``TF_CPP_VMODULE=bfc_allocator=3``); the live buffers at the worst step's peak are set
 beside those of the estimate's own replay at its peak, by size: what TensorFlow held that the

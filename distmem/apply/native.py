@@ -304,7 +304,7 @@ def require_active(cap_bytes: Optional[int] = None, device: Optional[int] = None
         raise NativeCapError(f"the native cap on GPU {dev} is {format_bytes(have)} ({have} bytes, {ENV_CAP}="
                              f"{st['spec']!r}; {origin}) but the plan gives this rank {format_bytes(cap_bytes)} "
                              f"({cap_bytes} bytes). Pass distmem-exec the same strategy and options as init() "
-                             f"(e.g. distmem-exec --strategy pipeline -o stages=4 -- ...), so both come from one "
+                             f"(e.g. distmem-exec --strategy pipeline -o stages=9GiB,7GiB -- ...), so both come from one "
                              f"plan, or set {ENV_CAP}={cap_bytes}")
     return st
 

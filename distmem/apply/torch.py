@@ -32,8 +32,8 @@ from .. import session, settings
 from ..errors import ConfigError, DistmemError, TooLateError
 from ..units import MiB, format_bytes
 
-__all__ = ["apply", "stats", "reset_peak", "device", "started", "too_late", "TorchCuda", "set_backend", "to_fraction",
-           "TOO_LATE_HINT", "OVERHEAD_TOLERANCE"]
+__all__ = ["apply", "prepare", "stats", "reset_peak", "device", "started", "too_late", "TorchCuda", "set_backend",
+           "to_fraction", "plan_needs_expandable", "allocator_settable", "TOO_LATE_HINT", "OVERHEAD_TOLERANCE"]
 
 TOO_LATE_HINT = ("call distmem.init(framework='torch') right after the imports, before anything starts CUDA "
                  "(a tensor or module on 'cuda', .cuda(), torch.cuda.set_device, torch.cuda.mem_get_info, "
@@ -47,7 +47,7 @@ OVERHEAD_TOLERANCE = 128 * MiB
 
 #: Allocator setting distmem may write, and the environment variables PyTorch reads it from
 #: (``PYTORCH_ALLOC_CONF`` since 2.9; ``PYTORCH_CUDA_ALLOC_CONF`` before, still honoured).
-_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_CONF_VARS = settings.TORCH_ALLOC_CONF_VARS
 
 # Limits set by apply(), by CUDA ordinal, for stats(): {"limit_bytes", "fraction", "total_bytes"}.
 _applied: Dict[int, Dict[str, Any]] = {}
@@ -95,6 +95,12 @@ class TorchCuda:
 
     def set_memory_fraction(self, fraction: float, index: int) -> None:
         self.cuda.set_per_process_memory_fraction(float(fraction), index)
+
+    def device_total(self, index: int) -> int:
+        """The device's own total (``cudaGetDeviceProperties``' ``totalGlobalMem``, ``cuDeviceTotalMem``):
+        equal to ``mem_get_info``'s total (150109880320 bytes on an H200), except under distmem's
+        native cap, which rewrites ``cuMemGetInfo`` alone."""
+        return int(self.cuda.get_device_properties(index).total_memory)
 
     def memory_stats(self, index: int) -> Dict[str, Any]:
         return dict(self.cuda.memory_stats(index))
@@ -150,6 +156,57 @@ def _too_late(what: str, live: str, planned: str) -> TooLateError:
                         f"planned {planned}; {TOO_LATE_HINT}")
 
 
+def plan_needs_expandable(plan: Any) -> bool:
+    """Whether ``plan``'s limits hold only with torch's expandable segments (``strategy="auto"``: the
+    chosen layout's largest allocation is larger than its limit's headroom, ``FitResult.expandable_segments``)."""
+    fit = (getattr(plan, "extras", None) or {}).get("fit") or {}
+    return bool(fit.get("expandable_segments"))
+
+
+_WHY_FIT = ("the chosen layout's largest allocation is larger than its limit's headroom: without them torch's "
+            "caching allocator can strand a block that size and run out below the limit")
+
+
+def _torch_version() -> str:
+    """This torch's version without importing it (``prepare`` runs before anything imports torch)."""
+    mod = sys.modules.get("torch")
+    if mod is not None:
+        return str(getattr(mod, "__version__", "0.0"))
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:  # noqa: BLE001 - not installed: the older variable name
+        return "0.0"
+
+
+def prepare(plan: Any = None) -> List[str]:
+    """Before CUDA starts, in dry runs too: the allocator settings ``plan`` needs. Where the plan's
+    limits hold only with expandable segments and the user said nothing about them
+    (``DISTMEM_TORCH_EXPANDABLE_SEGMENTS``, an ``expandable_segments`` item of their own), set
+    ``expandable_segments:True`` in the variable this torch reads, merged with what is there; the
+    line returned says so. A process that already started CUDA is told in the line (``apply`` then
+    sets them at run time, for the segments still to come)."""
+    if plan is None or not plan_needs_expandable(plan) or settings.torch_expandable_segments() is not None:
+        return []
+    name = _write_conf(True, _torch_version())
+    line = f"{name}={os.environ[name]} ({_WHY_FIT})"
+    if started() is not None:
+        line += "; CUDA had already started in this process: segments made before keep their kind"
+    return [line]
+
+
+def allocator_settable(*, backend: Any = None) -> bool:
+    """Whether allocator settings set now still take effect: CUDA has not started, or this torch
+    changes them at run time (``torch.cuda.memory._set_allocator_settings``)."""
+    if started(backend=backend) is None:
+        return True
+    b = backend if backend is not None else _default_backend()
+    if isinstance(b, TorchCuda):
+        return getattr(b.cuda.memory, "_set_allocator_settings", None) is not None
+    return callable(getattr(b, "set_allocator_settings", None))
+
+
 def _want_expandable(explicit: Optional[bool]) -> Optional[bool]:
     if explicit is not None:
         return bool(explicit)
@@ -173,12 +230,20 @@ def _conf_var(version: str) -> str:
     return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 9) else "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def _set_expandable(want: bool, backend: Any, initialised: bool) -> str:
+def _write_conf(want: bool, version: str) -> str:
+    """Put ``expandable_segments:True/False`` in the variable this torch reads, the user's other
+    settings there kept; returns the variable's name."""
     item = f"expandable_segments:{'True' if want else 'False'}"
-    name = _conf_var(getattr(backend, "version", "0.0"))
+    name = _conf_var(version)
     parts = [p.strip() for p in os.environ.get(name, "").split(",")
              if p.strip() and not p.strip().startswith("expandable_segments")]
     os.environ[name] = ",".join(parts + [item])
+    return name
+
+
+def _set_expandable(want: bool, backend: Any, initialised: bool) -> str:
+    item = f"expandable_segments:{'True' if want else 'False'}"
+    name = _write_conf(want, getattr(backend, "version", "0.0"))
     # The allocator may have parsed its settings when torch was imported; set them at run time too.
     try:
         live = backend.set_allocator_settings(item)
@@ -256,7 +321,14 @@ def apply(plan: Any, *, backend: Any = None, expandable_segments: Optional[bool]
                             f"context(s) on {', '.join(f'cuda:{i}' for i in stray)}",
                             ", ".join(f"cuda:{i}" for i in groups))
     want = _want_expandable(expandable_segments)
-    if want is not None:
+    if want is None and plan_needs_expandable(plan) and settings.torch_expandable_segments() is None:
+        # the plan's limits hold only with them, and the user said nothing: set them for the job
+        try:
+            actions.append(_set_expandable(True, b, initialised) + f" ({_WHY_FIT})")
+        except TooLateError as exc:
+            plan.warnings.append(f"the plan's limits assume torch's expandable segments, but {exc}; plan with "
+                                 "DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0 (limits with room for the largest block)")
+    elif want is not None:
         actions.append(_set_expandable(want, b, initialised))
     if not b.available():
         note = (f"torch {getattr(b, 'version', '?')} sees no CUDA device (a CPU-only build, or "
@@ -296,10 +368,15 @@ def _limit_device(plan: Any, idx: int, group: list, b: Any, initialised: bool, a
             raise _too_late(f"limit cuda:{idx} to {format_bytes(planned)}",
                             f"the caching allocator already holds {format_bytes(reserved)}",
                             f"{format_bytes(planned)}")
+    # torch takes its fraction of what cuMemGetInfo reports (the cap, under distmem's native cap);
+    # whether the GPU holds k ranks is a question about the device itself.
     fraction = to_fraction(planned, total)
     b.set_memory_fraction(fraction, idx)
     limit = int(fraction * total)
+    device, capped = _device_total(b, idx, total)
     info.update(enforced=True, total_bytes=total, free_bytes=free, fraction=fraction, limit_bytes=limit)
+    if capped:
+        info["device_total_bytes"] = device
     _applied[idx] = {"limit_bytes": limit, "fraction": fraction, "total_bytes": total}
     line = f"cuda:{idx}: hard limit {format_bytes(planned)} = {fraction:.6f} of {format_bytes(total)}"
     if len(group) > 1:
@@ -307,18 +384,34 @@ def _limit_device(plan: Any, idx: int, group: list, b: Any, initialised: bool, a
                  f"{[s.label or s.planned_bytes for s in group]} share this one limit)")
     actions.append(line)
     if planned > total:
-        plan.warnings.append(f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA "
-                             "reports, so the limit is the whole device; lower limit= or reserve=")
+        plan.warnings.append(
+            f"GPU {idx}: planned {format_bytes(planned)} exceeds the native cap of {format_bytes(total)} "
+            "(DISTMEM_CAP_BYTES), so the limit is the cap; launch with distmem-exec's cap from the same plan "
+            "(no --cap) or lower limit=" if capped else
+            f"GPU {idx}: planned {format_bytes(planned)} exceeds the {format_bytes(total)} CUDA reports, so the "
+            "limit is the whole device; lower limit= or reserve=")
     k = max(s.shared_by for s in group)
     need = k * (planned + plan.overhead_bytes)
-    if k > 1 and need > total:
+    if k > 1 and need > device:
         plan.warnings.append(
             f"GPU {idx}: {k} ranks x (limit {format_bytes(planned)} + per-process overhead "
             f"{format_bytes(plan.overhead_bytes)}) = {format_bytes(need)}, but CUDA reports a total of "
-            f"{format_bytes(total)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
-            f"run out {format_bytes(need - total)} below its share; pass reserve= at least "
-            f"{format_bytes(plan.reserve_bytes + need - total)}")
+            f"{format_bytes(device)} (NVML's total is larger by what the driver keeps): the last rank to grow can "
+            f"run out {format_bytes(need - device)} below its share; pass reserve= at least "
+            f"{format_bytes(plan.reserve_bytes + need - device)}")
     return info
+
+
+def _device_total(b: Any, idx: int, reported: int) -> Tuple[int, bool]:
+    """(CUDA's total of device ``idx``, whether distmem's native cap is what ``mem_get_info`` reported):
+    under the cap ``cuMemGetInfo`` says min(device, cap), so the device's own total is asked for."""
+    from . import native
+
+    st = native.status(idx)
+    if not st["active"] or st["cap_bytes"] is None or reported > st["cap_bytes"]:
+        return reported, False
+    device = max(int(b.device_total(idx)), reported)
+    return device, device > reported
 
 
 def started(*, backend: Any = None) -> Optional[List[int]]:

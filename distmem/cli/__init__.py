@@ -13,6 +13,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
+from ..console import say_back, show_progress
 from ..errors import DistmemError
 from .checks import did_you_mean, stop_children
 
@@ -84,6 +85,102 @@ def _say(line: str) -> None:
         pass
 
 
+#: Modules whose Python warnings a command does not show: a framework's deprecations and notices
+#: about its own internals are not the user's to act on (distmem's own warnings are still shown).
+FRAMEWORK_MODULES = r"(tensorflow|tf_keras|keras|absl|h5py|google\.protobuf|jax|flatbuffers)(\.|$)"
+
+
+def _quiet_frameworks() -> None:
+    """No framework chatter in a command's output: TensorFlow's C++ start-up log (oneDNN, CPU
+    features; its errors still show) and absl's are turned down before any framework is imported
+    here - in this process and in the children it starts (the variables are inherited) - unless
+    the user set them; TensorFlow's Python logger says errors only; its Python warnings are not shown."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    import logging
+    import warnings
+
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=FRAMEWORK_MODULES)
+    if not any(isinstance(f, _QuietStart) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietStart("tensorflow"))
+
+
+#: Lines a framework's C++ start-up writes to stderr before its logging honours
+#: TF_CPP_MIN_LOG_LEVEL (TensorFlow 2.16+ logs through absl, whose messages before
+#: ``absl::InitializeLog()`` all go to stderr): absl's notice, and INFO / WARNING lines in absl's
+#: and in TensorFlow's own format. Errors (``E``, ``F``) and anything else pass.
+_START_UP = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\) is called"
+                       r"|[IW]\d{4} [\d:.]+ +\d+ \S+:\d+\] "
+                       r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] \S+:\d+\] "
+                       r"|To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags)")
+
+
+class _QuietStart:
+    """A finder that lets ``name`` import as usual, with what its start-up writes on file
+    descriptor 2 kept aside and written back without the lines :data:`_START_UP` matches; where
+    TF_CPP_MIN_LOG_LEVEL asks for INFO lines (0), nothing is held back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once, and the real finders answer
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("", "0"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: object) -> None:
+            with _stderr_without(_START_UP):
+                run(module)  # type: ignore[arg-type]
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+class _stderr_without:
+    """File descriptor 2 into a temporary file for the block; then its lines back, less ``pattern``'s."""
+
+    def __init__(self, pattern: "re.Pattern[str]") -> None:
+        self.pattern = pattern
+
+    def __enter__(self) -> None:
+        import tempfile
+
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        self.saved = os.dup(2)
+        self.file = tempfile.TemporaryFile()
+        os.dup2(self.file.fileno(), 2)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.seek(0)
+        kept = [ln for ln in self.file.read().decode(errors="replace").splitlines(keepends=True)
+                if not self.pattern.match(ln)]
+        self.file.close()
+        if kept:
+            try:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+
 _NEGATIVE = re.compile(r"^-[0-9.]")
 
 
@@ -128,7 +225,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 2
-        return int(args._run(args) or 0)
+        _quiet_frameworks()
+        show_progress(name)
+        try:
+            return int(args._run(args) or 0)
+        finally:
+            show_progress(None)
+            say_back(name)  # sizes read in decimal units, said before the error line or after the result
     except DistmemError as exc:
         _say(f"{name}: error: {exc}")  # the API's own words: every door says the same
         return 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import grp
-import json
 import os
 import shlex
 import shutil
@@ -16,23 +15,87 @@ from ..apply.native import (ENV_CAP, ENV_DEVICE, ENV_GPU_BUDGET, ENV_GROUP, ENV_
                             LIBRARY_NAME, CapLike, NativeCapError, caps_from_plan, launch_env, parse_cap)
 from ..apply.native_launch import check_budget_folder, check_command, confirm_loads
 from ..console import say
+from ..discover import layout
 from ..errors import ConfigError, DistmemError
+from ..plan import get, names
+from ..plan.request import REQUEST_ARGUMENTS
+from .request_args import add_request_arguments, flag_of, strategy_options
 
-__all__ = ["main", "plan_for_exec"]
+__all__ = ["main", "plan_for_exec", "exec_options"]
 
 
-def _option_value(text: str) -> Any:
+#: ``-o`` keys that are the request's own arguments (``init()``'s keywords beside the strategy's options).
+_REQUEST_KEYS = tuple(k for k in REQUEST_ARGUMENTS if k != "strategy")
+#: Where an init() keyword's flag is not --KEY.
+_FLAGS = {"from_report": "--from", "fleet": "--fleet"}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # noqa: D401 - argparse's hook: a ConfigError, not an exit
+        raise _Refused(message)
+
+
+def exec_options(strategy: str, items: Sequence[str]) -> Dict[str, Any]:
+    """``-o KEY=VALUE`` items as ``init()``'s keyword arguments for ``strategy``, read by the parser of
+    ``distmem plan``'s flags (:func:`~distmem.cli.request_args.add_request_arguments`, then each strategy
+    option's own reader, :func:`~distmem.cli.request_args.strategy_options`): ``-o stages=9GiB,7GiB`` is
+    ``--stages 9GiB,7GiB``, ``-o num_stages=4`` is ``--num-stages 4``, ``-o from_report=R`` is ``--from R``;
+    a switch (``--recompute``) takes true or false. ConfigError naming the item and the remedy else."""
+    chosen = get(strategy)
+    mine = {f.name: f for f in chosen.fields()}
+    every = {f.name: f for n in names() for f in _fields(n)}
+    argv, request = ["--strategy", strategy], []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"-o {item!r} is not KEY=VALUE; e.g. -o reserve=1GiB or -o num_stages=4")
+        f = mine.get(key) or every.get(key)
+        if key in _REQUEST_KEYS and key not in mine:
+            request.append(key)
+            f = None
+        elif f is None:
+            known = [n for n, g in mine.items() if g.metadata.get("cli", True)]
+            raise ConfigError(f"-o {item}: {key} is not an option of --strategy {strategy} (its options: "
+                              f"{', '.join(known) or 'none'}) nor an argument of init() ({', '.join(_REQUEST_KEYS)})")
+        elif not f.metadata.get("cli", True):
+            raise ConfigError(f"-o {item}: {key} is given in Python only (init({key}=...)), not on a command line")
+        flag = _FLAGS.get(key, flag_of(key))
+        if f is not None and f.metadata.get("flag"):
+            if value.lower() not in _TRUE + _FALSE:
+                raise ConfigError(f"-o {item}: {key} is a switch ({flag}); give {key}=true or {key}=false")
+            argv += [flag] if value.lower() in _TRUE else []
+        else:
+            argv.append(f"{flag}={value}")
+    parser = _Parser(prog="distmem-exec -o", add_help=False)
+    add_request_arguments(parser, argv, job=False)
     try:
-        return json.loads(text)
-    except ValueError:
-        return text
+        args = parser.parse_args(argv)
+    except _Refused as exc:
+        raise ConfigError(f"-o: {exc} (-o KEY=VALUE reads VALUE as distmem plan reads --KEY)") from None
+    given = {k: getattr(args, "gpus" if k == "fleet" else k) for k in request}
+    return {**given, **strategy_options(chosen, args)}
+
+
+def _fields(name: str) -> List[Any]:
+    try:
+        return get(name).fields()
+    except ConfigError:  # a strategy this build cannot load takes no options here
+        return []
 
 
 def plan_for_exec(options: Dict[str, Any]) -> Any:
-    """The job's plan from the launcher environment (``distmem.plan_from_env``), for the cap."""
-    from ..api import plan_from_env
+    """The job's plan from the launcher environment, as ``init()`` will make it in the command
+    (:func:`distmem.api.plan_for_exec`: this process starts no transport and meets the other
+    wrappers of its host apart from the commands)."""
+    from ..api import plan_for_exec as planned
 
-    return plan_from_env(**options)
+    return planned("distmem-exec", **options)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,8 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="data", help="plan strategy, as in distmem.init (default: data)")
     p.add_argument("--fleet", help="declared GPUs for a machine without them, e.g. 4x16GiB")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a planner option, as keyword arguments of distmem.init (repeatable); VALUE is read "
-                        "as JSON when it parses, else as text")
+                   help="a planner option, as keyword arguments of distmem.init (repeatable); VALUE is read as "
+                        "distmem plan reads the flag of that name: -o num_stages=4, -o stages=9GiB,7GiB, "
+                        "-o reserve=1GiB, -o recompute=true")
     p.add_argument("--gpu-budget", help="also hold all of this user's capped processes on each GPU together below "
                                         f"this size (sets {ENV_GPU_BUDGET}; a table in /dev/shm only you can use)")
     p.add_argument("--gpu-budget-group", metavar="GROUP",
@@ -105,14 +169,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cap: CapLike = args.cap
             where = f"--cap {args.cap}"
         else:
-            options: Dict[str, Any] = {"strategy": args.strategy}
+            options: Dict[str, Any] = {"strategy": args.strategy, **exec_options(args.strategy, args.option)}
             if args.fleet:
                 options["fleet"] = args.fleet
-            for item in args.option:
-                key, sep, value = item.partition("=")
-                if not sep or not key:
-                    raise NativeCapError(f"-o {item!r} is not KEY=VALUE; e.g. -o reserve=1GiB")
-                options[key.strip()] = _option_value(value.strip())
             plan = plan_for_exec(options)
             caps = caps_from_plan(plan)
             if not caps:
@@ -168,6 +227,7 @@ def _group_id(group: str) -> int:
 
 
 def _exec(command: List[str], env: Dict[str, str]) -> int:
+    layout.leave()  # no exit handler runs at exec: the command's pid must not keep this process's records
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from .. import defaults, settings
+from ..console import say_back
 from ..discover.runtime import FRAMEWORK_ALIASES, FRAMEWORKS
 from ..errors import ConfigError
 from .checks import at_least, did_you_mean
@@ -66,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shardings", default="auto", metavar="LIST",
                    help="sharded data parallel to try beside replicated state: auto (zero1,zero2,fsdp2,"
                         "fsdp2_keep), none, or a comma list of them (default auto)")
+    p.add_argument("--units", default=None, metavar="CLASS,...|PATH,...",
+                   help="FSDP2 units as fully_shard is applied: module class names (LlamaDecoderLayer) or module paths "
+                        "(model.layers.0); 'root' for none (default: the model's repeated block)")
     p.add_argument("--recompute", choices=["auto", "on", "off"], default="auto",
                    help="activation recomputation in pipelines (default: try both)")
     p.add_argument("--headroom", default=None,
@@ -132,6 +136,10 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
                                 foreign=args.foreign, nccl_buffsize=args.nccl_buffsize, top=args.top,
                                 rejected=args.rejected, fixed_local_size=args.ranks_per_host,
                                 shardings=args.shardings)
+    if args.units is not None:
+        if args.layers:
+            raise ConfigError("--units names the modules of --model; with --layers each layer is one FSDP2 unit")
+        opts["units"] = args.units
     from ..plan.fit.solve import shard_choices
 
     shard_choices(args.shardings)  # a bad name refused before any model is loaded
@@ -155,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the estimator's own warnings are summarised in the result
         result = fit(**_options(args))
+    say_back()  # the sizes read in decimal units, before the layouts they sized
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=str))
     else:

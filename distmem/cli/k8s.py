@@ -108,6 +108,12 @@ def manifests(plan: Plan, *, sharing: str = "whole", name: str = "distmem-train"
     per_rank = sharing != "whole"
     # Every rank recomputes the plan in its pod: give it the overhead the plan assumed.
     env: List[Dict[str, str]] = [{"name": "DISTMEM_OVERHEAD", "value": _limit_env(plan.overhead_bytes)}]
+    from ..apply.torch import plan_needs_expandable
+
+    if plan_needs_expandable(plan):
+        # the plan's limits hold only with torch's expandable segments: every rank's init() sets them
+        # before CUDA starts (said here, so the job's own launch line carries it to every rank)
+        env.append({"name": "DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "value": "1"})
     limits: Dict[str, Any] = {}
     objects: List[Dict[str, Any]] = []
     if sharing == "whole":

@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Optional, Sequence
 
+from ..console import say_back
 from ..units import format_bytes, plural
 from .request_args import add_request_arguments, request_from_args
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_k8s_arguments(args)  # before the plan: a name Kubernetes refuses is no reason to plan
     plan = request_from_args(args).plan()
+    say_back()  # the sizes read in decimal units, before the plan they sized
     if args.emit == "k8s":
         from .k8s import emit_k8s
 
@@ -67,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
         given = "each stage's bytes as given in --stages" if pipe.get("source") == "stages" else "each stage's demand"
         print(f"limits: {given} + {pipe['headroom']:.0%} headroom for the allocator's cache, in whole MiB "
               f"(--headroom 0 keeps the figures as they are)")
+    shard = plan.extras.get("sharded") or {}
+    if shard:
+        mp = ", ".join(f"{k} {shard[k]}" for k in ("param_dtype", "reduce_dtype") if shard.get(k))
+        print(f"sharded: {shard['sharding']} over {shard['degree']} ({plural(shard['groups'], 'shard group')})"
+              + (f"; FSDP2 units: {shard['units']}" if shard.get("units") and str(shard['sharding']).startswith("fsdp2")
+                 else "") + (f"; {mp}" if mp else ""))
     for a in plan.allocations[:256]:
         extra = ""
         if a.demand_bytes is not None:

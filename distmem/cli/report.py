@@ -16,7 +16,10 @@ from typing import Any, Dict
 
 from ..errors import ConfigError
 from ..units import plural
-from ..report.sinks import plot, print_report, prometheus, read_json
+from ..report.aggregate import Report
+from ..report.sinks import plot, print_report, prometheus
+from ..report.sinks.files import read_report_dict
+from ..report.sinks.png import plot_format
 from .checks import input_file, output_file
 
 __all__ = ["add_arguments", "run"]
@@ -24,7 +27,8 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a report JSON written by distmem.report(path=...) or MemoryReport(path=...)")
-    p.add_argument("--plot", metavar="PNG", help="draw per-rank bars and the timeline to this PNG")
+    p.add_argument("--plot", metavar="FILE", help="draw per-rank bars and the timeline to this picture; its extension "
+                                                  "names the format (.png, .svg, .pdf, .jpg...)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--prometheus", metavar="PROM", help="write a Prometheus text file (node_exporter textfile "
                                                         "collector), atomically")
@@ -68,20 +72,16 @@ def _check_ranks(path: str, data: Dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     input_file(args.file, "report file")
     if args.plot:
+        plot_format(args.plot, "--plot")  # the extension names the format: refused before the work
         output_file(args.plot, "--plot")
     if args.prometheus:
         output_file(args.prometheus, "--prometheus")
     labels = _labels(args.label)
+    raw = read_report_dict(args.file)  # checked: no link, no FIFO, bounded, this user's in a shared folder
+    _check_ranks(args.file, raw)
     try:
-        with open(args.file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except ValueError:
-        raw = None  # read_json says why
-    if isinstance(raw, dict) and "world_size" in raw:
-        _check_ranks(args.file, raw)
-    try:
-        rep = read_json(args.file)
-    except (TypeError, KeyError, AttributeError) as exc:
+        rep = Report.from_dict(raw)
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
         raise ConfigError(f"report file {args.file!r} is not a report distmem can read ({type(exc).__name__}: "
                           f"{exc}); write it again with distmem.report(path=...)") from None
     if args.json:

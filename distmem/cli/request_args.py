@@ -76,8 +76,8 @@ def add_request_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[st
     p.add_argument("--from", dest="from_report", default=None, metavar="REPORT",
                    help="plan from the last run: its report (runs/last/report.json) or run folder; each rank's limit "
                         "is its observed peak (what it needed where it ran out) + --from-margin")
-    p.add_argument("--from-margin", dest="from_margin", type=float, default=None, metavar="RATIO",
-                   help="the margin over the last run's peak (default 0.1: 10%%)")
+    p.add_argument("--from-margin", dest="from_margin", default=None, metavar="PCT",
+                   help="the margin over the last run's peak: 10%% or 0.1 (default 10%%)")
     offered = set()
     try:
         mine = get(chosen)

@@ -6,7 +6,9 @@
     distmem top runs/x/ --json                        # the model as JSON
 
 PATH: report / timeline JSON files, Prometheus textfiles (``.prom``), or folders holding them (names
-starting with a dot are skipped: atomic writes' temporary files). Each refresh stats every file and
+starting with a dot are skipped: atomic writes' temporary files). Rows merge by job and rank; in a
+folder another user can write, only this user's own files are read (another user's are named,
+never shown as this job's), and every text from a file is shown with its control characters escaped. Each refresh stats every file and
 reads only those whose modification time or size changed. Keys: q quit, s sort (rank, peak,
 current, peak/plan, host), r reverse, h collapse hosts, j/k (or arrows) scroll, p pause. Colours
 on a terminal: red above the plan, yellow within 10% of it, new warnings yellow.
@@ -22,8 +24,11 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
+from .. import untrusted
 from ..errors import ConfigError
 from ..report.live import SORTS, LiveJob, ViewState, render
+from ..report.sinks.files import MAX_REPORT_BYTES
+from ..untrusted import printable
 
 __all__ = ["add_arguments", "run", "Watcher"]
 
@@ -44,7 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class Watcher:
-    """The files behind the view; :meth:`poll` re-reads only those whose (mtime, size) changed."""
+    """The files behind the view; :meth:`poll` re-reads only those whose (mtime, size) changed. Each
+    is read with the checks of :mod:`distmem.untrusted`: never through a link, never blocking on a
+    FIFO, at most :data:`MAX_REPORT_BYTES`, and in a folder another user can write only this user's
+    own files (another user's is named among the errors, not shown as this job's)."""
 
     def __init__(self, paths: List[str]):
         for p in paths:
@@ -54,16 +62,15 @@ class Watcher:
         self.paths = paths
         self.stamps: Dict[str, Tuple[int, int]] = {}
         self.reads = 0
+        self.others: Dict[str, List[str]] = {}  # folder -> names that are not .json/.prom (for the 'nothing found' line)
 
     def files(self) -> List[str]:
         out: List[str] = []
         for p in self.paths:
             if os.path.isdir(p):
                 try:
-                    with os.scandir(p) as it:
-                        for e in it:
-                            if not e.name.startswith(".") and e.name.endswith((".json", ".prom")) and e.is_file():
-                                out.append(e.path)
+                    with untrusted.folder(p, follow=True) as f:
+                        out += [os.path.join(p, n) for n in f.names() if _wanted(n)]
                 except OSError:
                     continue
             else:
@@ -73,29 +80,72 @@ class Watcher:
     def poll(self, job: LiveJob) -> int:
         """Read what changed into ``job``; the number of files read."""
         n = 0
-        present = set()
-        for path in self.files():
-            present.add(path)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            stamp = (st.st_mtime_ns, st.st_size)
-            if self.stamps.get(path) == stamp:
-                continue
-            try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            self.stamps[path] = stamp
-            job.update(path, text)
-            n += 1
+        present: set = set()
+        for p in self.paths:
+            if os.path.isdir(p):
+                try:
+                    with untrusted.folder(p, follow=True) as f:
+                        names = f.names()
+                        self.others[p] = [x for x in names if not _wanted(x) and not x.startswith(".")]
+                        for name in names:
+                            if not _wanted(name):
+                                continue
+                            path = os.path.join(p, name)
+                            present.add(path)
+                            n += self._take(job, path, lambda nm=name: os.stat(nm, dir_fd=f.fd, follow_symlinks=False),
+                                            lambda nm=name: f.read(nm, max_bytes=MAX_REPORT_BYTES, what="the file"))
+                except OSError as exc:
+                    job.errors[p] = f"the folder cannot be read ({exc.strerror or exc})"
+            else:
+                present.add(p)
+                n += self._take(job, p, lambda path=p: os.stat(path, follow_symlinks=False),
+                                lambda path=p: untrusted.read_bytes(path, max_bytes=MAX_REPORT_BYTES, what="the file"))
         for gone in set(self.stamps) - present:
             self.stamps.pop(gone)
             job.forget(gone)
         self.reads += n
         return n
+
+    def _take(self, job: LiveJob, path: str, stat_of, read) -> int:
+        try:
+            st = stat_of()
+        except OSError:
+            return 0
+        stamp = (st.st_mtime_ns, st.st_size)
+        if self.stamps.get(path) == stamp:
+            return 0
+        self.stamps[path] = stamp
+        try:
+            data = read()
+        except untrusted.Unsafe as exc:
+            job.forget(path)
+            job.errors[path] = exc.why
+            return 0
+        except OSError:
+            self.stamps.pop(path, None)
+            return 0
+        job.update(path, data.decode("utf-8", errors="replace"), owner=st.st_uid)
+        return 1
+
+
+def _wanted(name: str) -> bool:
+    return not name.startswith(".") and name.endswith((".json", ".prom"))
+
+
+def _nothing_found(watcher: Watcher, job: LiveJob, paths: List[str]) -> str:
+    """What was found where no report was, and why each is not one."""
+    if job.errors:
+        why = "; ".join(f"{printable(os.path.basename(src), 80)}: {printable(err, 160)}"
+                        for src, err in sorted(job.errors.items())[:5])
+        more = f" (and {len(job.errors) - 5} more)" if len(job.errors) > 5 else ""
+        return (f"no distmem report in {', '.join(paths)}: {len(job.errors)} file(s) ending in .json or .prom, none "
+                f"a report of this user's: {why}{more}; give the files ReportEvery(path=..., prometheus=...) or "
+                "distmem.report(path=...) writes")
+    others = [n for names in watcher.others.values() for n in names]
+    seen = (f" (it holds {len(others)} other file(s), e.g. {', '.join(printable(n, 60) for n in others[:3])})"
+            if others else " (it is empty)")
+    return (f"no report file found in {', '.join(paths)}: nothing ending in .json or .prom{seen}; is the job writing "
+            "them (ReportEvery(path=..., prometheus=...))?")
 
 
 def _once(job: LiveJob, state: ViewState, color: bool) -> None:
@@ -126,8 +176,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.once or not tty:
         if not job.by_source:
-            raise ConfigError(f"no report file found in {', '.join(args.paths)} (nothing ending in .json or .prom); "
-                              "is the job writing them (ReportEvery(path=..., prometheus=...))?")
+            raise ConfigError(_nothing_found(watcher, job, args.paths))
         _once(job, state, color)
         return 0
     return _live(watcher, job, state, color, args.interval, args.duration)

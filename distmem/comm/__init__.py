@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from .. import settings
+from .. import session, settings
 from ..discover import runtime
 from ..errors import ConfigError
 from .base import (REDUCE_OPS, Comm, CommFlags, FlagReducer, PostedFlags, SingleComm, SingleFlags, check_op, mpi_launched,
@@ -54,6 +54,10 @@ def get_comm() -> Comm:
     """The transport for this process, detected once and cached."""
     if _current["comm"] is not None:
         return _current["comm"]
+    if session.wrapper:
+        raise ConfigError(f"this process is {session.wrapper}, the rank's own process until it execs the command: "
+                          "it starts no transport (an MPI_Init here would be the rank's, and the command's own would "
+                          "then fail); the command's init() gathers")
     comm: Comm
     if mpi_launched() and settings.comm() in ("auto", "mpi"):
         try:

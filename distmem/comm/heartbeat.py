@@ -12,23 +12,37 @@ the ranks of the same host, while the kernel closes a dead process's sockets on 
 hub sees the connection end within a round trip of the death, however the process died; a host
 that vanishes (power, network) or a stopped process is caught by silence instead: no beat for
 :data:`SILENCE_SECONDS` (or ``DISTMEM_TIMEOUT`` when longer) - long, since a beat needs the GIL and a
-long native call that holds it must not end a healthy job. A rank that ends on an unhandled exception sends its cause first (``sys.excepthook``), a
-rank that ends cleanly says goodbye (``atexit``) and is no death.
+long native call that holds it must not end a healthy job.
+
+A rank that ends on an unhandled exception sends its cause first - from ``sys.excepthook``, and,
+where something replaced that hook, from the interpreter's first shutdown step
+(``threading``'s exit hooks, before any ``atexit`` handler: before MPI's finalisation, Horovod's
+shutdown, a framework's own exit work, in which the rank may wait on the others) - and the hub
+declares it at once; a rank that ends cleanly says goodbye (``atexit``) and is no death.
 
 On a death the hub tells every rank (``dead``: rank, host, cause); each prints one line::
 
     distmem: rank 3 (host h) died (killed: ...); stopping this rank
 
-aborts the job's communicators where the framework allows it (torch.distributed NCCL's abort;
-Horovod's shutdown; MPI_Abort), each bounded by :data:`ABORT_SECONDS`, and leaves with
-:data:`EXIT_STATUS`. Rank 0's own death ends every connection at once: the others stop the same
-way.
+(its text with every control character escaped: no rank's text drives a terminal), aborts the
+job's communicators where the framework allows it (torch.distributed NCCL's abort; Horovod's
+shutdown; MPI_Abort), each bounded by :data:`ABORT_SECONDS`, and leaves with :data:`EXIT_STATUS`.
+Rank 0's own death ends every connection at once: the others stop the same way.
 
-Rendezvous (where the hub listens, and a random token that every connection must present): through
-the job's transport when one is up at ``init()`` (one all-gather), else through the launcher's own
-store before the framework's init: torchrun's agent store (``MASTER_ADDR``/``MASTER_PORT``) before
-``torch.distributed``, horovodrun's rendezvous server (``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``)
-before ``hvd.init()``; else the heartbeat does not start and says so. Every wait is bounded by
+Nobody else's job: a connection proves it knows the job's key before the hub parses one byte of
+it (a fixed-size challenge-response, :mod:`distmem.comm.heartbeat_trust`, which also says where the
+key comes from per launcher: never from a store another user can read), at most
+:data:`~distmem.comm.heartbeat_trust.MAX_PENDING` connections wait for their handshake, each at most
+:data:`~distmem.comm.heartbeat_trust.HANDSHAKE_SECONDS`; after it, lines are bounded
+(:data:`MAX_LINE`); the hub listens on the address the job's ranks use (loopback on one host), and
+nothing a connection sends - authenticated or not - can end its thread.
+
+Rendezvous (where the hub listens, and what proves a connection is the job's): through the job's
+transport when one is up at ``init()`` (one all-gather, two on several hosts), else through the
+launcher's own store before the framework's init - torchrun's agent store
+(``MASTER_ADDR``/``MASTER_PORT``) before ``torch.distributed``, horovodrun's rendezvous server
+(``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``) before ``hvd.init()`` - holding only the address, a
+nonce and a MAC; else the heartbeat does not start and says so. Every wait is bounded by
 ``DISTMEM_TIMEOUT``. Elastic Horovod (``HOROVOD_ELASTIC=1``) recovers from a lost rank itself: no
 heartbeat there.
 
@@ -48,13 +62,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import settings
 from ..console import say
+from ..untrusted import printable
+from . import heartbeat_meet as meet
+from . import heartbeat_trust as trust
 
-__all__ = ["Death", "Heartbeat", "start", "stop", "current", "rendezvous_info", "EXIT_STATUS", "ABORT_SECONDS",
-           "BEAT_SECONDS", "SILENCE_SECONDS", "MPI_ABORT_GRACE", "CONSEQUENCE_SECONDS", "KILLED", "abort_communicators"]
+__all__ = ["Death", "Heartbeat", "start", "stop", "current", "EXIT_STATUS", "ABORT_SECONDS",
+           "BEAT_SECONDS", "SILENCE_SECONDS", "MPI_ABORT_GRACE", "CONSEQUENCE_SECONDS", "KILLED", "MAX_LINE",
+           "abort_communicators"]
 
 log = logging.getLogger("distmem")
 
@@ -68,14 +86,21 @@ BEAT_SECONDS = 0.5
 SILENCE_SECONDS = 60.0
 #: a hub refusing connections on every address this long has ended (it listens before its port is sent)
 HUB_GONE_SECONDS = 3.0
+#: The longest line an authenticated connection may send (a message is a few dozen bytes).
+MAX_LINE = 4096
 
 
 class _HubGone(Exception):
     """Rank 0's heartbeat no longer listens: it ended before this rank connected."""
+
+
+class _NotTheHub(Exception):
+    """What answered at the hub's address did not prove it holds the job's key."""
+
+
 #: The cause when a connection ends without a goodbye or an exception: nothing in the process ran.
 KILLED = ("died (killed: its heartbeat connection closed with no exit record - SIGKILL, the kernel's OOM "
           "killer or a crash)")
-_MAX_LINE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -86,7 +111,8 @@ class Death:
     cause: str
 
     def line(self) -> str:
-        return f"distmem: rank {self.rank} (host {self.host}) {self.cause}; stopping this rank"
+        return (f"distmem: rank {self.rank} (host {printable(self.host, 100)}) {printable(self.cause, 500)}; "
+                "stopping this rank")
 
     def to_dict(self) -> Dict[str, Any]:
         return {"t": "dead", "rank": self.rank, "host": self.host, "cause": self.cause}
@@ -96,30 +122,43 @@ def _send(sock: socket.socket, msg: Dict[str, Any]) -> bool:
     try:
         sock.sendall((json.dumps(msg) + "\n").encode())
         return True
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
 class _Lines:
-    """Newline-delimited JSON messages from one socket (a partial line waits for its end)."""
+    """Newline-delimited JSON messages from one authenticated socket: each line at most
+    :data:`MAX_LINE` bytes (a longer one is dropped whole), each message a JSON object or nothing."""
 
     def __init__(self) -> None:
         self.buf = b""
+        self.skipping = False
 
     def feed(self, data: bytes) -> List[Dict[str, Any]]:
         self.buf += data
-        if len(self.buf) > _MAX_LINE:
-            self.buf = b""
-            return [{"t": "garbage"}]
-        out = []
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
+        out: List[Dict[str, Any]] = []
+        while True:
+            end = self.buf.find(b"\n")
+            if end < 0:
+                if len(self.buf) > MAX_LINE:
+                    self.buf, self.skipping = b"", True  # the rest of an overlong line is dropped too
+                return out
+            line, self.buf = self.buf[:end], self.buf[end + 1:]
+            if self.skipping:
+                self.skipping = False
+                continue
+            if len(line) > MAX_LINE:
+                continue
             try:
                 msg = json.loads(line)
-            except ValueError:
-                msg = {"t": "garbage"}
-            out.append(msg if isinstance(msg, dict) else {"t": "garbage"})
-        return out
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(msg, dict):
+                out.append(msg)
+
+
+def _text(value: Any, limit: int) -> str:
+    return printable(value if isinstance(value, str) else "?", limit)
 
 
 def abort_communicators() -> List[str]:
@@ -192,28 +231,40 @@ def _stop_rank(death: Death, exit_now: Callable[[int], None]) -> None:
     exit_now(EXIT_STATUS)
 
 
+class _Pending:
+    """A connection the hub accepted that has not finished the handshake."""
+
+    __slots__ = ("nonce", "buf", "deadline")
+
+    def __init__(self, nonce: bytes, deadline: float):
+        self.nonce, self.buf, self.deadline = nonce, b"", deadline
+
+
 class Heartbeat:
     """One rank's side of the heartbeat: the hub on rank 0, a connection to it elsewhere.
 
-    ``info`` is rank 0's :func:`rendezvous_info` (``host``, ``addrs``, ``port``, ``token``); rank 0
-    passes its own ``server`` socket. ``on_death`` runs on the heartbeat's thread (default: print
-    the line, abort the communicators, ``os._exit``)."""
+    ``info`` is rank 0's address: ``host``, ``addrs`` (tried in order), ``port``; ``key`` the job's
+    heartbeat key (:mod:`distmem.comm.heartbeat_trust`). Rank 0 passes its listening sockets
+    (``servers``, :func:`listen`). ``on_death`` runs on the heartbeat's thread (default: print the
+    line, abort the communicators, ``os._exit``)."""
 
-    def __init__(self, rank: int, size: int, host: str, info: Dict[str, Any],
-                 server: Optional[socket.socket] = None, silence: Optional[float] = None,
+    def __init__(self, rank: int, size: int, host: str, info: Dict[str, Any], key: bytes,
+                 servers: Optional[Sequence[socket.socket]] = None, silence: Optional[float] = None,
                  on_death: Optional[Callable[[Death], None]] = None):
         self.rank, self.size, self.host = rank, size, host
-        self.info = info
+        self.info, self.key = info, key
         self.silence = max(SILENCE_SECONDS, settings.timeout()) if silence is None else silence
         self.on_death = on_death or (lambda d: _stop_rank(d, os._exit))
-        self.server = server
+        self.servers: List[socket.socket] = list(servers or [])
         self.death: Optional[Death] = None
         self.died = threading.Event()  #: set once a death is known (before ``on_death`` runs)
+        self.dropped = 0  #: connections the hub dropped before or at the handshake (strangers, late ones)
         self._lock = threading.Lock()
         self._closing = False
         self._failed = False
         self._sock: Optional[socket.socket] = None
         self._clients: Dict[socket.socket, Dict[str, Any]] = {}
+        self._pending: Dict[socket.socket, _Pending] = {}
         self._gone: Dict[int, str] = {}  # rank -> "bye" | "dead" (hub)
         self._thread: Optional[threading.Thread] = None
 
@@ -224,8 +275,9 @@ class Heartbeat:
         must have connected within ``join_timeout`` (default ``timeout``)."""
         self.join_timeout = timeout if join_timeout is None else join_timeout
         if self.rank == 0:
-            assert self.server is not None
-            self.server.setblocking(False)
+            assert self.servers
+            for server in self.servers:
+                server.setblocking(False)
             self._thread = threading.Thread(target=self._hub, name="distmem-heartbeat-hub", daemon=True)
         else:
             try:
@@ -236,8 +288,7 @@ class Heartbeat:
                 self._closing = True
                 log.warning("distmem: %s", exc)
                 return self
-            _send(self._sock, {"t": "hello", "token": self.info["token"], "rank": self.rank, "host": self.host,
-                               "pid": os.getpid()})
+            _send(self._sock, {"t": "hi", "host": self.host})
             self._thread = threading.Thread(target=self._client, name="distmem-heartbeat", daemon=True)
         self._thread.start()
         os.register_at_fork(after_in_child=self._forget_in_child)
@@ -248,32 +299,52 @@ class Heartbeat:
         # A forked child (a data loader worker) must not hold this rank's connection open after the
         # rank dies: the hub would never see it end.
         self._closing = True
-        for s in [self._sock, self.server, *self._clients]:
+        for s in [self._sock, *self.servers, *self._clients, *self._pending]:
             if s is not None:
                 try:
                     s.close()
                 except OSError:
                     pass
 
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        """Prove this rank holds the job's key, and that the other end is rank 0's hub (the key's proof)."""
+        sock.settimeout(max(0.1, min(trust.HANDSHAKE_SECONDS, deadline - time.monotonic())))
+        got = _recv_exactly(sock, trust.CHALLENGE_BYTES)
+        server_nonce = trust.read_challenge(got)
+        if server_nonce is None:
+            raise _NotTheHub("what answered is not a distmem heartbeat")
+        mine = secrets.token_bytes(trust.NONCE_BYTES)
+        sock.sendall(trust.hello(self.key, server_nonce, self.rank, os.getpid(), mine))
+        try:
+            answer = _recv_exactly(sock, trust.PROOF_BYTES)
+        except ConnectionResetError:
+            raise _NotTheHub("the hub refused this rank's hello: its key is not the job's (another "
+                             "DISTMEM_HEARTBEAT_SECRET or key file than rank 0's?), or rank "
+                             f"{self.rank} is connected already") from None
+        if not trust.check_proof(self.key, mine, server_nonce, answer):
+            raise _NotTheHub("what answered does not hold the job's heartbeat key")
+
     def _connect(self, timeout: float) -> socket.socket:
         deadline = time.monotonic() + timeout
-        addrs: List[str] = list(self.info["addrs"])
-        if self.info.get("host") == self.host:
-            addrs = ["127.0.0.1"] + addrs
+        addrs: List[str] = [str(a) for a in self.info["addrs"]]
         errors = []
         refused_since: Optional[float] = None
         while True:
             refused = True
             for addr in addrs:
+                sock = None
                 try:
                     sock = socket.create_connection((addr, int(self.info["port"])),
                                                     timeout=max(0.1, min(2.0, deadline - time.monotonic())))
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._handshake(sock, deadline)
                     sock.settimeout(2.0)
                     return sock
-                except OSError as exc:
+                except (OSError, _NotTheHub) as exc:
                     refused = refused and isinstance(exc, ConnectionRefusedError)
                     errors.append(f"{addr}: {exc}")
+                    if sock is not None:
+                        sock.close()
             now = time.monotonic()
             refused_since = (refused_since or now) if refused else None
             if refused_since is not None and now - refused_since > HUB_GONE_SECONDS:
@@ -303,8 +374,11 @@ class Heartbeat:
                     s.close()
                 except OSError:
                     pass
-            if self.server is not None:
-                self.server.close()
+            for s in [*self.servers, *self._pending]:
+                try:
+                    s.close()
+                except OSError:
+                    pass
         elif self._sock is not None and not self._failed:
             _send(self._sock, {"t": "bye"})
             try:
@@ -313,7 +387,7 @@ class Heartbeat:
                 pass
 
     def failed(self, cause: str) -> None:
-        """This rank ends on an exception: tell the others why before the connection closes."""
+        """This rank ends on an exception: tell the others why, now (the hub declares it at once)."""
         with self._lock:
             if self._closing or self._failed:
                 return
@@ -337,70 +411,126 @@ class Heartbeat:
             except OSError:
                 pass
 
+    def _drop(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError, OSError):
+            pass
+        if self._pending.pop(conn, None) is not None:
+            self.dropped += 1
+        self._clients.pop(conn, None)
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def _accept(self, sel: selectors.BaseSelector, server: socket.socket, now: float) -> None:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        if len(self._pending) >= trust.MAX_PENDING:  # the oldest waits no longer: strangers cannot fill the hub
+            oldest = min(self._pending, key=lambda c: self._pending[c].deadline)
+            self._drop(sel, oldest)
+        nonce = secrets.token_bytes(trust.NONCE_BYTES)
+        try:
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.send(trust.challenge(nonce))  # a few bytes into an empty buffer: never blocks
+        except OSError:
+            conn.close()
+            return
+        self._pending[conn] = _Pending(nonce, now + trust.HANDSHAKE_SECONDS)
+        sel.register(conn, selectors.EVENT_READ, "pending")
+
+    def _hear_pending(self, sel: selectors.BaseSelector, conn: socket.socket, joined: set) -> None:
+        """Bytes of a connection in its handshake: nothing is parsed before the MAC is right."""
+        p = self._pending[conn]
+        try:
+            data = conn.recv(trust.HELLO_BYTES - len(p.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sel, conn)
+            return
+        p.buf += data
+        if len(p.buf) < trust.HELLO_BYTES:
+            return
+        got = trust.check_hello(self.key, p.nonce, p.buf)
+        rank = got[0] if got is not None else -1
+        if got is None or not 1 <= rank < self.size or any(c.get("rank") == rank for c in self._clients.values()):
+            self._drop(sel, conn)  # not the job's (or a rank already here): gone, and nothing else happens
+            return
+        try:
+            conn.setblocking(True)
+            conn.settimeout(2.0)
+            conn.sendall(trust.proof(self.key, got[2], p.nonce))
+        except OSError:
+            self._drop(sel, conn)
+            return
+        self._pending.pop(conn)
+        self._clients[conn] = {"rank": rank, "pid": got[1], "host": "?", "seen": time.monotonic(), "lines": _Lines()}
+        sel.modify(conn, selectors.EVENT_READ, "client")
+        joined.add(rank)
+
+    def _hear_client(self, sel: selectors.BaseSelector, conn: socket.socket, now: float) -> Optional[Death]:
+        """Messages of an authenticated rank; the death its connection's end or its ``fail`` means."""
+        peer = self._clients[conn]
+        try:
+            data = conn.recv(65536)
+        except OSError:
+            data = b""
+        if data:
+            peer["seen"] = now
+            for msg in peer["lines"].feed(data):
+                kind = msg.get("t")
+                if kind == "bye":
+                    self._gone[peer["rank"]] = "bye"
+                elif kind == "hi":
+                    peer["host"] = _text(msg.get("host"), 100)
+                elif kind == "fail":  # it ends on an exception: declared now, not when its process is gone
+                    return Death(peer["rank"], peer["host"], _text(msg.get("cause"), 400) or "failed")
+            return None
+        self._drop(sel, conn)
+        r = peer["rank"]
+        if self._gone.get(r) == "bye":
+            return None
+        return Death(r, peer["host"], KILLED)
+
     def _hub(self) -> None:
         sel = selectors.DefaultSelector()
-        assert self.server is not None
-        sel.register(self.server, selectors.EVENT_READ, None)
-        parsers: Dict[socket.socket, _Lines] = {}
+        for server in self.servers:
+            sel.register(server, selectors.EVENT_READ, None)
         last_beat = 0.0
-        joined = set()
-        join_by = time.monotonic() + self.join_timeout
+        joined: set = set()
+        join_by: Optional[float] = time.monotonic() + self.join_timeout
         while not self._closing:
             try:
                 events = sel.select(BEAT_SECONDS / 2)
             except (OSError, ValueError):
                 return
             now = time.monotonic()
+            death: Optional[Death] = None
             for key, _ in events:
-                if key.data is None:
-                    try:
-                        conn, _ = self.server.accept()
-                    except OSError:
-                        continue
-                    conn.setblocking(True)
-                    conn.settimeout(2.0)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._clients[conn] = {"rank": None, "seen": now}
-                    parsers[conn] = _Lines()
-                    sel.register(conn, selectors.EVENT_READ, "client")
-                    continue
-                conn = key.fileobj  # type: ignore[assignment]
-                peer = self._clients.get(conn)  # type: ignore[arg-type]
-                if peer is None:
-                    continue
+                conn = key.fileobj
                 try:
-                    data = conn.recv(65536)  # type: ignore[union-attr]
-                except OSError:
-                    data = b""
-                death = None
-                if data:
-                    peer["seen"] = now
-                    for msg in parsers[conn].feed(data):  # type: ignore[index]
-                        kind = msg.get("t")
-                        if peer["rank"] is None:
-                            if kind != "hello" or not secrets.compare_digest(str(msg.get("token", "")),
-                                                                            self.info["token"]):
-                                data = b""  # not one of the job's ranks: drop the connection
-                                break
-                            peer.update(rank=int(msg["rank"]), host=str(msg.get("host", "?")), pid=msg.get("pid"))
-                            joined.add(peer["rank"])
-                        elif kind == "bye":
-                            self._gone[peer["rank"]] = "bye"
-                        elif kind == "fail":
-                            peer["cause"] = str(msg.get("cause", "failed"))[:400]
-                if not data:
-                    sel.unregister(conn)
-                    self._clients.pop(conn, None)  # type: ignore[call-overload]
-                    try:
-                        conn.close()  # type: ignore[union-attr]
-                    except OSError:
-                        pass
-                    r = peer.get("rank")
-                    if r is not None and self._gone.get(r) != "bye":
-                        death = Death(r, peer.get("host", "?"), peer.get("cause") or KILLED)
+                    if key.data is None:
+                        self._accept(sel, conn, now)  # type: ignore[arg-type]
+                    elif conn in self._pending:
+                        self._hear_pending(sel, conn, joined)  # type: ignore[arg-type]
+                    elif conn in self._clients:
+                        death = self._hear_client(sel, conn, now) or death  # type: ignore[arg-type]
+                except Exception:  # noqa: BLE001 - nothing a connection sends may end the hub
+                    log.debug("distmem: heartbeat connection dropped", exc_info=True)
+                    if key.data is not None:
+                        self._drop(sel, conn)  # type: ignore[arg-type]
                 if death is not None:
                     self._declare(death)
                     return
+            for conn in [c for c, p in self._pending.items() if now > p.deadline]:
+                self._drop(sel, conn)  # too slow to prove itself
             if join_by is not None and now > join_by:
                 never = sorted(set(range(1, self.size)) - joined)
                 join_by = None
@@ -411,13 +541,9 @@ class Heartbeat:
             if now - last_beat >= BEAT_SECONDS:
                 last_beat = now
                 for s, peer in list(self._clients.items()):
-                    if peer["rank"] is not None:
-                        _send(s, {"t": "beat"})
+                    _send(s, {"t": "beat"})
                     if now - peer["seen"] > self.silence and self._gone.get(peer["rank"]) != "bye":
-                        r = peer["rank"]
-                        if r is None:
-                            continue
-                        self._declare(Death(r, peer.get("host", "?"),
+                        self._declare(Death(peer["rank"], peer["host"],
                                             f"stopped answering (no heartbeat for {self.silence:.0f} s: its host is "
                                             "down, the network is cut, or the process is stopped)"))
                         return
@@ -459,8 +585,9 @@ class Heartbeat:
                 last_heard = now
                 for msg in parser.feed(data):
                     if msg.get("t") == "dead":
-                        self._client_death(Death(int(msg.get("rank", -1)), str(msg.get("host", "?")),
-                                                 str(msg.get("cause", "died"))[:400]))
+                        rank = msg.get("rank")
+                        self._client_death(Death(rank if isinstance(rank, int) else -1, _text(msg.get("host"), 100),
+                                                 _text(msg.get("cause"), 400) or "died"))
                         return
                     if msg.get("t") == "bye":
                         self._closing = True  # rank 0 ended cleanly: nothing left to watch
@@ -486,133 +613,27 @@ class Heartbeat:
         self.on_death(death)
 
 
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("the hub closed the connection during the handshake")
+        buf += chunk
+    return buf
+
+
 # ---------------------------------------------------------------------- the process's heartbeat
 
 #: ``meetings``: how many times this process has met the others through a launcher's store - the
 #: key's generation, so that a heartbeat started again in the same launch (``distmem.reset()`` then
 #: ``init()``) never reads the earlier hub's info; every rank starts as often (it is collective).
-_state: Dict[str, Any] = {"hb": None, "hook": None, "meetings": 0}
+_state: Dict[str, Any] = {"hb": None, "hook": None, "meetings": 0, "shutdown_hook": False}
 
 
 def current() -> Optional[Heartbeat]:
     """This process's heartbeat, or None when fail fast is not running."""
     return _state["hb"]
-
-
-def _addresses() -> List[str]:
-    """This host's addresses the other hosts may reach it at: the interface of the route towards
-    ``MASTER_ADDR`` (or any outside address: nothing is sent), the host name's addresses, the name."""
-    out: List[str] = []
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((os.environ.get("MASTER_ADDR") or "10.255.255.255", 1))
-        out.append(probe.getsockname()[0])
-    except OSError:
-        pass
-    finally:
-        probe.close()
-    name = socket.gethostname()
-    try:
-        out.extend(socket.gethostbyname_ex(name)[2])
-    except OSError:
-        pass
-    out.append(name)
-    seen: List[str] = []
-    for a in out:
-        if a and not a.startswith("127.") and a not in seen:
-            seen.append(a)
-    return seen
-
-
-def rendezvous_info(host: str) -> Tuple[socket.socket, Dict[str, Any]]:
-    """Rank 0's listening socket (every interface, a port the kernel picks) and what the other ranks
-    need to reach it: ``host``, ``addrs`` (tried in order), ``port`` and a random ``token``."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind(("0.0.0.0", 0))
-    server.listen(1024)
-    return server, {"host": host, "addrs": _addresses(), "port": server.getsockname()[1],
-                    "token": secrets.token_hex(16)}
-
-
-def _exchange(rank: int, size: int, info: Optional[Dict[str, Any]], comm: Any, timeout: float,
-              generation: int = 1) -> Optional[Dict[str, Any]]:
-    """Rank 0's info on every rank: through ``comm`` when given, else torchrun's agent store, else
-    horovodrun's rendezvous server (under a key of this ``generation``); None when none is there."""
-    if comm is not None:
-        rows = comm.allgather(info if rank == 0 else None, timeout)
-        return rows[0]
-    env = os.environ
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT") and env.get("TORCHELASTIC_RUN_ID") is not None:
-        import datetime
-
-        from torch.distributed import TCPStore
-
-        store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout))
-        key = (f"distmem/heartbeat/{env.get('TORCHELASTIC_RUN_ID')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-               f"/{generation}")
-        if rank == 0:
-            store.set(key, json.dumps(info))
-            return info
-        return json.loads(store.get(key))
-    addr, port = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), env.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "")
-    if addr and port.isdigit():
-        return _horovod_store(rank, info, addr, int(port), timeout, generation)
-    return None
-
-
-#: Where rank 0 leaves its info in horovodrun's rendezvous server: a scope of distmem's own (Horovod
-#: clears only the scopes of its host plan - ``global``, ``local_*``, ``cross_*`` - when its ranks
-#: finish their rendezvous; the server lives for the launch, so no earlier launch's key is there).
-HOROVOD_SCOPE = "distmem-heartbeat"
-
-
-def _horovod_store(rank: int, info: Optional[Dict[str, Any]], addr: str, port: int, timeout: float,
-                   generation: int = 1) -> Dict[str, Any]:
-    """Rank 0's info through horovodrun's HTTP key-value store (``PUT``/``GET /scope/key``, 404
-    until set), which serves the launch before ``hvd.init()``. Plain ``http.client``: no proxy from
-    the environment may stand between a rank and its own launcher."""
-    import http.client
-
-    path = f"/{HOROVOD_SCOPE}/hub-{generation}"
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
-        conn = http.client.HTTPConnection(addr, port, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
-        try:
-            if rank == 0:
-                body = json.dumps(info).encode()
-                conn.request("PUT", path, body=body, headers={"Content-Length": str(len(body))})
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status == 200:
-                    assert info is not None
-                    return info
-                last = f"PUT answered {resp.status}"
-            else:
-                conn.request("GET", path)
-                resp = conn.getresponse()
-                data = resp.read()
-                if resp.status == 200:
-                    got = json.loads(data)
-                    if isinstance(got, dict) and {"addrs", "port", "token"} <= set(got):
-                        return got
-                    last = "an answer that is not rank 0's info"
-                else:
-                    last = f"GET answered {resp.status} (rank 0 has not put its info yet)"
-        except (OSError, ValueError, http.client.HTTPException) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        finally:
-            conn.close()
-        if time.monotonic() > deadline:
-            from ..errors import GatherTimeoutError
-
-            raise GatherTimeoutError(
-                f"rank {rank} could not meet rank 0's fail-fast heartbeat through horovodrun's rendezvous server "
-                f"at {addr}:{port} within {timeout:.1f} s ({last}); check that every rank runs distmem.init(), "
-                "or turn fail fast off (init(fail_fast=False) or DISTMEM_FAIL_FAST=0)")
-        time.sleep(0.1)
 
 
 #: An exception that ends a rank waits this long (seconds) for news of a peer's death before it is
@@ -621,23 +642,71 @@ def _horovod_store(rank: int, info: Optional[Dict[str, Any]], addr: str, port: i
 CONSEQUENCE_SECONDS = 1.0
 
 
+def _cause(tp: type, value: Any) -> str:
+    text = str(value).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    return f"failed ({tp.__name__}{': ' + first if first else ''})"
+
+
+def _tell_failure(tp: type, value: Any) -> None:
+    """This rank ends on ``value``: the others hear it now (unless a peer's death came first: then
+    that death is the cause, and this rank's heartbeat thread ends the process)."""
+    hb = current()
+    if hb is None or isinstance(value, SystemExit):
+        return
+    if hb.died.wait(CONSEQUENCE_SECONDS):
+        time.sleep(4 * ABORT_SECONDS)  # the heartbeat's thread prints the line and ends the process
+    hb.failed(_cause(tp, value))
+
+
 def _excepthook(prev: Callable[..., Any]) -> Callable[..., Any]:
     def hook(tp: type, value: BaseException, tb: Any) -> None:
-        hb = current()
-        if hb is not None and hb.died.wait(CONSEQUENCE_SECONDS):
-            time.sleep(4 * ABORT_SECONDS)  # the heartbeat's thread prints the line and ends the process
-        if hb is not None:
-            first = str(value).strip().splitlines()[0][:300] if str(value).strip() else ""
-            hb.failed(f"failed ({tp.__name__}{': ' + first if first else ''})")
-        prev(tp, value, tb)
+        try:
+            _tell_failure(tp, value)
+        finally:
+            prev(tp, value, tb)
 
     return hook
 
 
+def _at_shutdown() -> None:
+    """The interpreter's first shutdown step (``threading``'s exit hooks run before every ``atexit``
+    handler, so before MPI's finalisation and Horovod's shutdown): a rank that ended on an
+    exception whose ``sys.excepthook`` was not ours (replaced after ``init()``) says so now.
+    ``sys.last_value`` is set by the interpreter before it calls whatever hook is installed."""
+    value = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    hb = current()
+    if value is not None and hb is not None and not hb._failed and not hb._closing:
+        _tell_failure(type(value), value)
+
+
+def _install_shutdown_hook() -> None:
+    if _state["shutdown_hook"]:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_at_shutdown)
+        else:  # pragma: no cover - every supported Python has it
+            atexit.register(_at_shutdown)
+        _state["shutdown_hook"] = True
+    except RuntimeError:  # the interpreter is already shutting down
+        pass
+
+
+def _off(rank: int, verbose: bool, msg: str) -> None:
+    if rank == 0 and verbose:
+        say(f"[distmem] {msg}", logger=log)
+    else:
+        log.info("distmem: %s", msg)
+
+
 def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[float] = None,
-          on_death: Optional[Callable[[Death], None]] = None, verbose: bool = True) -> Optional[Heartbeat]:
-    """Start this rank's heartbeat (collective over ``comm`` when given: every rank calls it). Returns
-    it, or None when the job has one rank or no way to meet was found (logged)."""
+          on_death: Optional[Callable[[Death], None]] = None, verbose: bool = True,
+          local_size: Optional[int] = None) -> Optional[Heartbeat]:
+    """Start this rank's heartbeat (collective over ``comm`` when given: every rank calls it).
+    ``local_size``: ranks on this host (all of them: the hub listens on loopback only). Returns it,
+    or None when the job has one rank or no way to meet safely was found (said, with the remedy)."""
     if _state["hb"] is not None:
         return _state["hb"]
     if size <= 1:
@@ -648,33 +717,58 @@ def start(rank: int, size: int, host: str, comm: Any = None, timeout: Optional[f
                  "lost rank itself")
         return None
     timeout = settings.timeout() if timeout is None else timeout
-    server, info = rendezvous_info(host) if rank == 0 else (None, None)
+    single_host = local_size is not None and local_size >= size
+    if comm is None:
+        where = meet.store_kind()
+        if where is None:
+            _off(rank, verbose, "fail fast is off for this job: no transport was up at init() to meet over (call "
+                 "hvd.init() / torch.distributed.init_process_group() before distmem.init(), or launch with mpirun "
+                 "and mpi4py, torchrun or horovodrun)")
+            return None
+        held, why = trust.stored_secret()
+        if held is None:
+            _off(rank, verbose, f"fail fast is off for this job: {why}, and {where} is readable by anyone, so the "
+                 "heartbeat's secret cannot go there; set DISTMEM_HEARTBEAT_SECRET to the same random text on every "
+                 "rank, or call hvd.init() / torch.distributed.init_process_group() before distmem.init()")
+            return None
     _state["meetings"] += 1
+    servers: List[socket.socket] = []
+    info: Optional[Dict[str, Any]] = None
     try:
-        got = _exchange(rank, size, info, comm, timeout, _state["meetings"])
+        peers: List[str] = []
+        if comm is not None and not single_host:
+            # Several hosts: rank 0 listens where the routes to the others leave it (one more all-gather).
+            rows = comm.allgather({"host": host, "addrs": trust.host_addresses()}, timeout)
+            peers = [r["addrs"][0] for r in rows if isinstance(r, dict) and r.get("host") != host and r.get("addrs")]
+        if rank == 0:
+            servers = meet.listen(trust.listen_addresses(single_host, peers))
+            info = {"host": host, "addrs": [s.getsockname()[0] for s in servers], "port": servers[0].getsockname()[1]}
+            if comm is not None:
+                info["key"] = secrets.token_hex(32)  # handed over the transport, never stored
+            else:
+                info["nonce"] = secrets.token_hex(16)
+                info["fp"] = trust.fingerprint(held.secret)
+                info = trust.sign_info(held.secret, info)
+        got = meet.exchange(rank, size, info, comm, timeout, _state["meetings"], None if comm is not None else held.secret)
     except Exception:
-        if server is not None:
-            server.close()
+        for s in servers:
+            s.close()
         raise
-    if got is None:
-        if server is not None:
-            server.close()
-        msg = ("fail fast is off for this job: no transport was up at init() to meet over (call hvd.init() / "
-               "torch.distributed.init_process_group() before distmem.init(), or launch with mpirun and mpi4py, "
-               "torchrun or horovodrun)")
-        if rank == 0 and verbose:
-            say(f"[distmem] {msg}", logger=log)
-        else:
-            log.info("distmem: %s", msg)
+    if got is None:  # the store vanished between the check and the meeting
+        for s in servers:
+            s.close()
+        _off(rank, verbose, "fail fast is off for this job: the launcher's store could not be reached")
         return None
-    # Generous: through torchrun's store rank 0 does not wait for the others at init(), and a rank
+    key = bytes.fromhex(got["key"]) if comm is not None else trust.derive(held.secret, got["nonce"])
+    # Generous: through a launcher's store rank 0 does not wait for the others at init(), and a rank
     # still importing its framework is late, not dead.
-    hb = Heartbeat(rank, size, host, got, server=server, on_death=on_death).start(
+    hb = Heartbeat(rank, size, host, got, key, servers=servers, on_death=on_death).start(
         timeout, join_timeout=max(2 * SILENCE_SECONDS, timeout))
     _state["hb"] = hb
     if _state["hook"] is None:
         _state["hook"] = sys.excepthook
         sys.excepthook = _excepthook(sys.excepthook)
+    _install_shutdown_hook()
     return hb
 
 

@@ -6,7 +6,9 @@ its own GPU, or tell them all the same one. :func:`exchange` shares that among t
 through a node-local folder only this user can use (:mod:`distmem.discover.private`):
 
 * the folder is ``<DISTMEM_LAYOUT_DIR>/distmem-layout-<uid>/<launch>/<host>/``, every level 0700
-  and checked (owner, mode, never a link); ``<launch>`` is :func:`~distmem.discover.identity.job_key`
+  and checked (owner, mode, never a link); where another user made ``distmem-layout-<uid>`` first
+  (or planted a link there), it is refused and the ranks meet in this user's own folder instead
+  (``~/.cache/distmem/layout``, :func:`usable_base`), said once; ``<launch>`` is :func:`~distmem.discover.identity.job_key`
   of the launcher's per-launch ids and, under torchrun, a nonce drawn through its store
   (:func:`~distmem.discover.identity.launch_nonce`): the ranks of one launch agree on it, a later
   launch does not share it;
@@ -37,13 +39,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .. import settings
+from .. import session, settings
 from ..errors import ConfigError, GatherTimeoutError
 from . import private
 from .gpus import MAX_FLEET_GPUS, Gpu, Inventory
 from .identity import Topology, job_key, launch_nonce
 
-__all__ = ["RankView", "Layout", "exchange", "assumed", "single", "live_layouts", "LayoutTimeoutError",
+__all__ = ["RankView", "Layout", "exchange", "assumed", "single", "live_layouts", "leave", "usable_base", "LayoutTimeoutError",
            "RECORD_FORMAT"]
 
 #: The records' format: a record of another format (another distmem version) is never read as one.
@@ -341,18 +343,42 @@ def _leave() -> None:
                 private.remove_empty(parent, name)
         if user is not None:
             os.close(user)
-            try:
-                os.rmdir(os.path.join(base, private.user_folder_name()))
-            except OSError:
-                pass
+            private.remove_user_folder(base)
 
 
 atexit.register(_leave)
+#: The same, for a launcher wrapper (distmem-exec) about to exec its command: no exit handler runs at
+#: exec, and the wrapper's records would otherwise outlive it under the command's pid.
+leave = _leave
 
 
 # --- the exchange ----------------------------------------------------------------------------------
 
 _rounds: Dict[Tuple[str, str, str], int] = {}
+
+
+_said: Dict[str, bool] = {}
+
+
+def usable_base(base: str, local_rank: int = 0) -> str:
+    """``base`` when this user's folder in it is (or can be made) this user's own; where another
+    user took ``distmem-layout-<uid>`` there first (or planted a link), that folder is refused and
+    never used, and the job still runs: every rank of the host meets in this user's own folder
+    instead (:func:`distmem.discover.private.fallback_base`), said once (by local rank 0)."""
+    try:
+        fd = private.open_user_folder(base)
+    except private.ForeignFolder as exc:
+        other = private.fallback_base()
+        if local_rank == 0 and not _said.get(base):
+            _said[base] = True
+            from ..console import say
+            from ..untrusted import printable
+
+            say(f"[distmem] {printable(exc, 600)}. This job's ranks meet in {other} instead (this user's own).")
+        return other
+    if fd is not None:
+        os.close(fd)
+    return base
 
 
 def _launcher_layout(topo: Topology, me: RankView, inv: Inventory) -> Layout:
@@ -374,7 +400,11 @@ def exchange(topo: Topology, inv: Inventory, *, timeout: Optional[float] = None,
     wait = settings.layout_timeout(env) if timeout is None else settings.positive_seconds(timeout, "timeout")
     deadline = time.monotonic() + wait
     key = job_key(env, launch_nonce(env, wait)) or ""
-    base = directory or settings.layout_dir(env)
+    if session.wrapper:
+        # A launcher wrapper (distmem-exec) and the command it execs are one rank under one pid: the
+        # wrappers of a launch meet apart, so no command ever reads a wrapper's record as its peer's.
+        key = f"{key}.{_folder_name(session.wrapper)}"
+    base = usable_base(directory or settings.layout_dir(env), topo.local_rank)
     host = _folder_name(topo.host)
     rnd = _rounds[(base, key, host)] = _rounds.get((base, key, host), 0) + 1
     user, launch, folder, mine = _publish(base, key, host, topo, rnd, _record(topo, me, key, rnd))
@@ -437,19 +467,20 @@ def live_layouts(host: str, directory: Optional[str] = None) -> Dict[str, Layout
     (``distmem doctor`` uses it to name the job's ranks among NVML's processes). Reads only:
     nothing is created, and a folder that is not this user's own gives nothing."""
     out: Dict[str, Layout] = {}
-    try:
-        user = private.open_user_folder(directory or settings.layout_dir(), create=False)
-    except (ConfigError, OSError):
-        return out
-    if user is None:
-        return out
-    try:
-        for key in sorted(os.listdir(user))[:256]:
-            layout = _live_layout(user, key, _folder_name(host))
-            if layout is not None:
-                out[key] = layout
-    finally:
-        os.close(user)
+    for base in (directory or settings.layout_dir(), private.fallback_base()):
+        try:
+            user = private.open_user_folder(base, create=False)
+        except (ConfigError, OSError):
+            continue
+        if user is None:
+            continue
+        try:
+            for key in sorted(os.listdir(user))[:256]:
+                layout = _live_layout(user, key, _folder_name(host))
+                if layout is not None:
+                    out.setdefault(key, layout)
+        finally:
+            os.close(user)
     return out
 
 

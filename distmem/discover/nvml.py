@@ -45,8 +45,9 @@ def nvml_query(func: str | Callable, *args: Any, default: Any = _NA) -> Any:
         if default is _NA:
             raise RuntimeError(_state["error"])
         return default
-    fn = getattr(nvml_handle_module(), func) if isinstance(func, str) else func
     try:
+        # A binding without the function (an older nvidia-ml-py) is "not supported" too.
+        fn = getattr(nvml_handle_module(), func) if isinstance(func, str) else func
         return fn(*args)
     except Exception:  # noqa: BLE001
         if default is _NA:

@@ -34,8 +34,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..errors import ConfigError
 
-__all__ = ["open_user_folder", "open_folder", "write_record", "read_record", "record_name", "list_records",
-           "sweep", "remove_empty", "unlink", "FOLDER_MODE", "RECORD_MODE", "MAX_RECORD_BYTES", "user_folder_name",
+__all__ = ["ForeignFolder", "fallback_base", "open_user_folder", "open_folder", "write_record", "read_record", "record_name", "list_records",
+           "sweep", "remove_empty", "remove_user_folder", "unlink", "FOLDER_MODE", "RECORD_MODE", "MAX_RECORD_BYTES", "user_folder_name",
            "KINDS", "lock_held", "parse_name"]
 
 FOLDER_MODE = 0o700
@@ -62,8 +62,22 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+class ForeignFolder(ConfigError):
+    """A layout folder that is not this user's own (another user's, a link, not a folder): refused;
+    the exchange then meets in this user's own folder elsewhere (:func:`fallback_base`)."""
+
+
+def fallback_base() -> str:
+    """Where this user's layout folder goes when the usual one is taken by another user:
+    ``~/.cache/distmem/layout`` (:func:`distmem.untrusted.home_folder`; every rank of a host has
+    the same home, and its host folder keeps hosts apart where the home is shared)."""
+    from ..untrusted import home_folder
+
+    return home_folder("layout")
+
+
 def _refuse(path: str, why: str) -> ConfigError:
-    return ConfigError(
+    return ForeignFolder(
         f"distmem will not use the layout folder {path}: {why}; the ranks of a job exchange their layout only "
         f"through a folder this user ({_owner(os.geteuid())}) owns and nobody else can write. Remove it (as its "
         "owner or root), or set DISTMEM_LAYOUT_DIR to a folder of your own (e.g. $XDG_RUNTIME_DIR or a folder "
@@ -284,6 +298,25 @@ def sweep(folder: int, depth: int = 2, path: str = "") -> None:
             remove_empty(folder, name)
         elif not stat.S_ISDIR(st.st_mode) and _is_stale(folder, name):
             unlink(folder, name)
+
+
+def remove_user_folder(base: str) -> bool:
+    """Remove this user's folder in ``base`` when it is empty and still this user's own (never a
+    folder someone put at its name); True when it was removed."""
+    try:
+        base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fd = open_folder(base_fd, user_folder_name(), os.path.join(base, user_folder_name()), create=False)
+        if fd is None:
+            return False
+        os.close(fd)
+        return remove_empty(base_fd, user_folder_name())
+    except (ConfigError, OSError):
+        return False
+    finally:
+        os.close(base_fd)
 
 
 def remove_empty(parent: int, name: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from ..console import progress
 from ..errors import ConfigError
 
 from .keras import estimate_keras
@@ -22,10 +23,11 @@ __all__ = ["estimate", "estimate_keras", "estimate_torch", "load_model", "Estima
            "Precision", "resolve_precision"]
 
 
-def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input_shape: Any = None,
+def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "adam", *, input_shape: Any = None,
              method: str = "auto", measurement: Optional[Dict[str, Any]] = None, **options: Any) -> Estimate:
     """Estimate a Keras model, a ``torch.nn.Module`` or a spec (``"keras:ResNet50"``,
-    ``"torchvision:resnet50"``, ``"hf:gpt2"``, ``"module.path:factory"``) at ``batch_size``.
+    ``"torchvision:resnet50"``, ``"hf:gpt2"``, ``"module.path:factory"``) at ``batch_size`` (None:
+    the batch of ``example_input=`` where one is given, else 32).
 
     ``method``: ``"auto"`` (default) measures where it can — Keras: real training steps at
     ``batch_size`` where its step fits the memory at hand (``memory_at_hand=`` bytes, default half
@@ -49,6 +51,10 @@ def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input
     from .measure.measured import METHODS, measured_estimate
     if method not in METHODS:
         raise ConfigError(f"method={method!r}: use one of {', '.join(METHODS)} ('auto' measures where it can)")
+    progress(f"estimating {options.get('name') or (model if isinstance(model, str) else type(model).__name__)} at "
+             f"batch {batch_size}" + (f", {options['precision']}" if options.get("precision") else "")
+             + {"auto": " (a few training steps measured where the hardware allows, else the model)",
+                "measure": " (a few training steps measured)", "model": " (the model alone)"}[method])
     shape = parse_shape(input_shape)
     spec = model if isinstance(model, str) else None
     built: Dict[str, Any] = {}
@@ -60,13 +66,27 @@ def estimate(model: Any, batch_size: int = 32, optimizer: Any = "adam", *, input
     framework = _spec_framework(spec) if spec is not None else framework_of(model)
     if framework is None:  # a factory: what it returns decides
         framework = framework_of(loaded())
+    if batch_size is None and framework == "torch" and options.get("example_input") is not None:
+        from .torch.inputs import example_batch
+        batch_size = example_batch(model if spec is None else None, options["example_input"],
+                                   options.get("batch_dim", 0))
+    batch_size = 32 if batch_size is None else batch_size
 
-    def prior(device: str, allocator_floor: Optional[int] = None) -> Estimate:
+    def prior(device: str, allocator_floor: Optional[int] = None, partial: bool = False) -> Estimate:
         m = loaded()
         opts = {k: v for k, v in options.items() if k != "memory_at_hand"}
         if framework == "torch":
-            return estimate_torch(m, batch_size=batch_size, optimizer=optimizer, input_shape=shape,
-                                  **dict(opts, device="cpu" if device == "cpu" else "cuda"))
+            dev = "cpu" if device == "cpu" else "cuda"
+            try:
+                return estimate_torch(m, batch_size=batch_size, optimizer=optimizer, input_shape=shape,
+                                      **dict(opts, device=dev))
+            except ConfigError as exc:
+                if not partial:
+                    raise ConfigError(f"{exc}; a GPU measures such a model: estimate it where one is visible "
+                                      "(method='auto' or 'measure')") from None
+                from .torch.estimate import state_estimate
+                return state_estimate(m, batch_size=batch_size, optimizer=optimizer, device=dev,
+                                      precision=options.get("precision"), name=options.get("name"), why=str(exc))
         if allocator_floor is not None:
             opts["allocator_floor"] = allocator_floor
         return estimate_keras(m, batch_size=batch_size, optimizer=optimizer,

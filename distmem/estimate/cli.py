@@ -13,6 +13,7 @@ import sys
 import warnings
 from typing import List, Optional, Sequence
 
+from ..console import say_back
 from ..errors import DistmemError
 from ..units import format_bytes
 from .loader import load_model, parse_shape
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the estimate lists its own warnings
         est = _estimate(args, shape, precision)
+    say_back()  # sizes read in decimal units, before the result
     if args.json:
         print(json.dumps(est.to_dict(per_layer=args.per_layer), indent=2))
     else:

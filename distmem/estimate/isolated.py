@@ -21,6 +21,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Optional
 
+from ..console import progress
 from ..errors import ConfigError, DistmemError
 
 __all__ = ["needs_child", "call", "start_child", "tf_context_started", "IN_PROCESS_VAR", "CHILD_TIMEOUT_S"]
@@ -65,6 +66,9 @@ def call(target: str, kwargs: Dict[str, Any], *, timeout: Optional[float] = None
     else:  # a child that sees the GPUs takes what it uses, never the whole device
         env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
     limit = CHILD_TIMEOUT_S if timeout is None else timeout
+    progress(f"estimating {kwargs.get('model')} in a child process"
+             + (f" at batch {kwargs['batch_size']}" if kwargs.get("batch_size") else "")
+             + (f" (method {kwargs['method']})" if kwargs.get("method") else ""))
     try:
         done = start_child(target, kwargs, env, limit)
     except subprocess.TimeoutExpired:
@@ -93,9 +97,10 @@ def start_child(target: str, kwargs: Dict[str, Any], env_overrides: Dict[str, st
     from .. import children  # an isolated sys.path: never a module from the working folder
 
     user_module = str(kwargs.get("model", "")).partition(":")[0]  # module.path:factory is found where it is here
+    # a live module's classes (``modules``) are found where they are here too
     return children.run(module=__name__, input=pickle.dumps((target, kwargs)), capture_output=True,
                         env=dict(os.environ, **env_overrides), timeout=timeout,
-                        extra_paths=children.import_folders(user_module))
+                        extra_paths=children.import_folders(user_module, *kwargs.get("modules", ())))
 
 
 def _child() -> int:

@@ -201,17 +201,38 @@ def _hf(name: str, shape: Optional[Tuple[int, ...]], device: str = "meta"):
     return model
 
 
+def _import_user_module(module_name: str):
+    """``module_name`` imported from the user's own path - ``PYTHONPATH``, site-packages, the
+    script's folder - never from the working folder: run from a shared folder, a module of that
+    name another user left there would otherwise run as this user (``python -m`` and ``-c`` put
+    the working folder first). An installed or already imported module is used as it is."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    from .. import children
+
+    hidden = children.working_folder_entries()
+    if not hidden:
+        return importlib.import_module(module_name)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if p not in hidden]
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        # What the import added stays (a package extending the path); the working folder comes back.
+        sys.path[:] = saved + [p for p in sys.path if p not in saved]
+
+
 def _user_factory(spec: str, shape: Optional[Tuple[int, ...]]):
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise ConfigError(f"model spec {spec!r}: use keras:NAME, torchvision:NAME or module.path:factory")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # so a factory in the current folder imports, as with python -m
     try:
-        module = importlib.import_module(module_name)
+        module = _import_user_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"model spec {spec!r}: cannot import {module_name!r} ({exc}); run from the folder that "
-                          f"holds it or add it to PYTHONPATH") from None
+        raise ConfigError(f"model spec {spec!r}: cannot import {module_name!r} ({exc}); the working folder is never "
+                          f"searched (a module of that name someone left in a shared folder would run as you): add "
+                          f"the folder that holds it to PYTHONPATH by its absolute path, e.g. "
+                          f"PYTHONPATH={os.getcwd()}, or install it") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ConfigError(f"model spec {spec!r}: module {module_name!r} has no {attr!r}")

@@ -27,7 +27,7 @@ __all__ = ["OptimizerInfo", "keras_optimizer", "torch_optimizer", "KERAS_UPDATE_
 #: weight Dense layer under Adam (TF 2.15, CPU): peak = weights + m + v + gradient + 2 x weights.
 KERAS_UPDATE_TEMPORARIES = 2
 
-#: The same, per optimizer (``bench/keras_update_temporaries.py``: one 2048 x 2048 Dense layer,
+#: The same, per optimizer (``bench/estimate/keras_update_temporaries.py``: one 2048 x 2048 Dense layer,
 #: peak less weight, slots and gradient, in weights; TensorFlow's BFC CPU allocator, TF 2.15 and
 #: 2.21: bench/results/estimate_keras_update_temporaries_tf2*.jsonl), by Keras major version. Plain
 #: SGD updates in place (no temporary); momentum holds ``m * momentum`` before the add; Adam and
@@ -78,7 +78,7 @@ def keras_decays_weights(optimizer: Any) -> bool:
     layer's backward. Seen in the profiler's memory trace of ConvNeXtTiny at 64 px under AdamW
     (TF 2.15 CPU): ``AdamW/AssignSubVariableOp`` temporaries, eighteen 2.25 MiB copies of stage 2's
     pointwise kernels alive while the backward is at stage 3. A single Dense layer on the model's
-    input (``bench/keras_update_temporaries.py``) shows none: nothing there reads the kernel back.
+    input (``bench/estimate/keras_update_temporaries.py``) shows none: nothing there reads the kernel back.
     """
     wd = getattr(optimizer, "weight_decay", None)
     if wd is None:
@@ -272,8 +272,11 @@ def torch_optimizer_factory(optimizer: Any) -> Callable[[Sequence[Any], Dict[str
     if isinstance(optimizer, str):
         name = optimizer
         return lambda params, over: _apply_over(_torch_from_name(name, params), over)
-    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    defaults = dict(getattr(optimizer, "defaults", {}) or {}) if not isinstance(optimizer, type) else {}
+    if isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type):
+        cls, defaults = optimizer[0], dict(optimizer[1])  # (class, options): an optimizer handed to a child
+    else:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        defaults = dict(getattr(optimizer, "defaults", {}) or {}) if not isinstance(optimizer, type) else {}
     accepted = set(inspect.signature(cls.__init__).parameters)
     kwargs = {k: v for k, v in defaults.items() if k in accepted and k != "params"}
     if "lr" in accepted and "lr" not in kwargs and cls is torch.optim.SGD:

@@ -71,9 +71,11 @@ TORCH_MARGINS = {
 }
 
 #: What a torch footprint adds for the estimator's error at least, whatever its path's margin:
-#: the torch benchmark's worst before the measured path (T5 under bf16 autocast, -8.5%), kept
-#: until cuDNN's choices are measured on other GPUs than the H200. Applied to estimates modelled
-#: for a GPU allocator (device "cuda"), before the allocator cache headroom.
+#: the torch benchmark's worst before the measured path, so that ``peak x (1 + margin)`` is at least
+#: the measured peak on every case (bench/estimate/estimate_zoo.py, 32 cases on an H200:
+#: bench/results/estimate_accuracy_torch_zoo.json; worst -8.5%, T5 under bf16 autocast, which needs
+#: 9.3%), rounded up; kept until cuDNN's choices are measured on other GPUs than the H200. Applied
+#: to estimates modelled for a GPU allocator (device "cuda"), before the allocator cache headroom.
 TORCH_ESTIMATE_MARGIN = 0.10
 
 

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["is_oom", "describe", "OOM_MESSAGES", "install", "uninstall", "record_oom", "installed", "use_allocator"]
+__all__ = ["is_oom", "describe", "OOM_MESSAGES", "install", "uninstall", "record_oom", "record_stopped", "installed",
+           "use_allocator"]
 
 #: Lower-case fragments that mark an allocator failure inside a RuntimeError / OpError message.
 OOM_MESSAGES: Tuple[str, ...] = (
@@ -110,14 +111,25 @@ def record_oom(source: str, error: str = "", **figures: Any) -> Optional[str]:
     try:
         rec = oom_record.build_record(source=source, error=error, allocator=_hooks["allocator"], **figures)
         path = oom_record.write_record(rec, _hooks["run_dir"])
-        _hooks["last"] = time.monotonic()
-        _hooks["last_path"] = path
+        if rec["kind"] == "oom":
+            _hooks["last"] = time.monotonic()
+            _hooks["last_path"] = path
         return path
     except Exception as exc:  # noqa: BLE001 - the user's own error must surface, not ours
         sys.stderr.write(f"[distmem] could not write the out-of-memory record: {exc}\n")
         return None
     finally:
         _hooks["busy"] = False
+
+
+def record_stopped(cause: str) -> Optional[str]:
+    """Another rank failed and fail fast stops this one: write what this rank held (``kind``
+    ``stopped``: its allocator, its steps, what its step was fed) so that the post-mortem compares
+    the rank that ran out with its peers. Nothing where this process already wrote an out-of-memory
+    record, or the hooks are off."""
+    if not _hooks["on"] or _hooks.get("last_path"):
+        return None
+    return record_oom("stopped", cause, kind="stopped")
 
 
 def _seen_exception(exc: BaseException, source: str) -> None:
@@ -175,6 +187,7 @@ def install(run_dir: Optional[str] = None, allocator: Any = None) -> None:
         if attach is not None:
             attach(_observer)
     _hooks["allocator"] = allocator
+    _note_steps_from(allocator)
     if _hooks["on"]:
         return
     _hooks["on"] = True
@@ -183,6 +196,10 @@ def install(run_dir: Optional[str] = None, allocator: Any = None) -> None:
     def excepthook(kind: Any, value: Any, tb: Any) -> None:
         if value is not None and _is_oom_chain(value):
             _seen_exception(value, "exception")
+        elif isinstance(value, Exception):
+            # another error ends this rank (often a peer's death seen by the transport before fail
+            # fast said so): what it held, for the post-mortem's comparison with the rank that ran out
+            record_stopped(describe(value, limit=400))
         (_hooks["excepthook"] or sys.__excepthook__)(kind, value, tb)
 
     sys.excepthook = excepthook
@@ -202,6 +219,13 @@ def use_allocator(allocator: Any) -> None:
     if allocator is not _hooks["allocator"] and getattr(allocator, "attach", None) is not None:
         allocator.attach(_observer)
     _hooks["allocator"] = allocator
+    _note_steps_from(allocator)
+
+
+def _note_steps_from(allocator: Any) -> None:
+    from ..observe import oom_record
+
+    oom_record.use_allocator(allocator)
 
 
 def uninstall() -> None:
@@ -211,6 +235,10 @@ def uninstall() -> None:
     sys.excepthook = _hooks["excepthook"] or sys.__excepthook__
     threading.excepthook = _hooks["thread_hook"] or threading.__excepthook__
     _hooks.update(on=False, allocator=None, run_dir=None, seen=[], last=0.0, last_path=None)
+    from ..observe import oom_record
+
+    oom_record.use_allocator(None)
+    oom_record.forget()
 
 
 def describe(exc: BaseException, limit: int = 240) -> str:

@@ -1,7 +1,8 @@
 """One rank's out-of-memory record: what it held, what it asked for, and who else was on its GPU.
 
 On an out-of-memory error each rank writes ``RUN_DIR/oom/rank-N.json`` (atomically, 0600 in a 0700
-folder, no link followed): the step, the plan's limit, the allocator's allocated / reserved bytes
+folder of this user's, no link followed, nothing done by name; where ``RUN_DIR/oom`` is another
+user's, in this user's own folder for the run instead): the step, the plan's limit, the allocator's allocated / reserved bytes
 and its largest free block (fragmentation), the live tensors grouped by the layer that made them,
 and every process NVML lists on the rank's GPU. ``distmem postmortem RUN_DIR`` merges the records
 (:mod:`distmem.report.postmortem`). The hooks that call :func:`write_record` (torch's
@@ -12,28 +13,35 @@ pass a fake with the same methods), so every part of a record is built and check
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import linecache
 import os
 import re
-import stat
-import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .. import session, settings
-from ..plan.from_report import OOM_FOLDER, read_oom_records
+from .. import session, settings, untrusted
+from ..console import say
+from ..plan.from_report import MAX_RECORD_BYTES, OOM_FOLDER, fallback_records_folder, read_oom_records
 
-__all__ = ["RECORD_VERSION", "OOM_FOLDER", "TorchAllocator", "note_step", "note_layers", "request_from_text",
-           "largest_free_block", "layer_groups", "build_record", "write_record", "record_path", "read_records",
-           "current_step"]
+__all__ = ["RECORD_VERSION", "OOM_FOLDER", "TorchAllocator", "note_step", "note_layers", "note_estimate",
+           "use_allocator", "batch_units", "request_from_text", "largest_free_block", "layer_groups", "build_record",
+           "write_record", "record_path", "read_records", "current_step", "forget", "STEP_HISTORY", "KINDS"]
 
 RECORD_VERSION = 1
 #: The folder of the records inside the run folder.
 
 _lock = threading.Lock()
-_state: Dict[str, Any] = {"step": None, "layers": None}
+#: Steps kept in a record's ``steps`` (the last ones, oldest first).
+STEP_HISTORY = 64
+#: ``kind`` of a record: ``oom`` (this rank ran out of memory) or ``stopped`` (another rank failed and
+#: fail fast stopped this one: what it held then, for the post-mortem's comparison with its peers).
+KINDS = ("oom", "stopped")
+_state: Dict[str, Any] = {"step": None, "layers": None, "steps": collections.deque(maxlen=STEP_HISTORY),
+                          "estimate": None, "allocator": None}
 
 _UNITS = {"b": 1, "bytes": 1, "kib": 1024, "kb": 1024, "mib": 1024**2, "mb": 1024**2, "gib": 1024**3,
           "gb": 1024**3, "tib": 1024**4, "tb": 1024**4}
@@ -43,9 +51,149 @@ _TF_DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16"
                    "int32": 4, "int64": 8, "int8": 1, "uint8": 1, "int16": 2, "bool": 1, "complex64": 8}
 
 
-def note_step(step: Optional[int]) -> None:
-    """Tell the record which training step this is (a hand-written loop calls it each step; cheap)."""
+def note_step(step: Optional[int], batch: Any = None) -> None:
+    """Tell the record which training step starts now (a hand-written loop calls it at the top of
+    each step) and, with ``batch``, what this rank's step is fed: the batch itself (its first
+    tensor's leading dimension is the samples, its element count the size the step's activations
+    follow: tokens for a language model's ``(batch, sequence)`` ids) or a number of samples.
+
+    Where the allocator runs it also books, in the record's ``steps``, what the allocator held as the
+    step starts and its peak so far (one statistics read: the post-mortem prices the failing step
+    from the steps before it, and sees memory that grows from step to step)."""
     _state["step"] = None if step is None else int(step)
+    if step is None:
+        return
+    point: Dict[str, Any] = {"step": int(step), "time": time.time()}
+    point.update(batch_units(batch))
+    if _state["estimate"] is not None and point.get("samples"):
+        _price(int(point["samples"]))
+    figures = _allocator_now()
+    if figures is not None:
+        point.update(figures)
+    _state["steps"].append(point)
+
+
+def note_estimate(estimate: Any) -> None:
+    """The estimate of this rank's model (``distmem.estimate(model, ...)``): a record prices its
+    failing step with it at the batch :func:`note_step` was given (``estimate.train_bytes``), and
+    groups live tensors by its layers (as :func:`note_layers`). None forgets it."""
+    _state["estimate"] = estimate
+    _state["priced"] = {}
+    if estimate is not None and getattr(estimate, "layers", None):
+        b = int(getattr(estimate, "batch_size", 0) or 0)
+        note_layers([{"name": r.name, "total_bytes": r.state_bytes + r.activation_bytes(b)} for r in estimate.layers])
+
+
+def forget() -> None:
+    """Forget the noted step, the steps before it and the estimate (a new job in this process: tests)."""
+    _state["step"] = None
+    _state["steps"].clear()
+    _state["estimate"] = None
+    _state["priced"] = {}
+
+
+def use_allocator(allocator: Any) -> None:
+    """The allocator :func:`note_step` reads (the post-mortem hooks' own: :mod:`distmem.guard.oom` sets it)."""
+    _state["allocator"] = allocator
+
+
+def batch_units(batch: Any) -> Dict[str, int]:
+    """``samples`` (the leading dimension of a batch's first tensor, or the number given) and
+    ``elements`` (that tensor's element count) of what a step is fed; {} where neither can be read."""
+    if batch is None:
+        return {}
+    if isinstance(batch, bool):
+        return {}
+    if isinstance(batch, int):
+        return {"samples": batch, "elements": batch} if batch > 0 else {}
+    first = _first_tensor(batch, 0)
+    if first is None:
+        return {}
+    shape = tuple(int(d) for d in getattr(first, "shape", ()) if d is not None)
+    if not shape:
+        return {}
+    n = 1
+    for d in shape:
+        n *= d
+    return {"samples": shape[0], "elements": n}
+
+
+def _first_tensor(batch: Any, depth: int) -> Any:
+    if depth > 4:
+        return None
+    if hasattr(batch, "shape") and getattr(batch, "shape", None) is not None and len(batch.shape) > 0:
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = _first_tensor(item, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _device() -> Optional[int]:
+    plan = session.state.plan
+    mine = plan.mine if plan is not None else None
+    return mine.devices[0].index if mine is not None and mine.devices else None
+
+
+def _allocator_now() -> Optional[Dict[str, int]]:
+    """What the allocator holds now on this rank's device: allocated, reserved, its peak so far."""
+    alloc, dev = _state["allocator"], _device()
+    if alloc is None or dev is None:
+        return None
+    try:
+        if not alloc.initialized():
+            return None
+        st = alloc.memory_stats(dev)
+    except Exception:  # noqa: BLE001 - a step without figures beats a failed step
+        return None
+    return {"allocated_bytes": int(st.get("allocated_bytes.all.current", 0)),
+            "reserved_bytes": int(st.get("reserved_bytes.all.current", 0)),
+            "peak_bytes": int(st.get("allocated_bytes.all.peak", 0))}
+
+
+def _price(samples: int) -> None:
+    """The noted estimate's training-step peak at ``samples`` and at halves of it, computed once per
+    batch size at the top of a step (never inside an out-of-memory callback: the estimator replays
+    the step on the meta device, which needs autograd on)."""
+    priced = _state.setdefault("priced", {})
+    if samples in priced:
+        return
+    est = _state["estimate"]
+    sizes = sorted({max(samples >> i, 1) for i in range(8)}, reverse=True)
+    try:
+        priced[samples] = {"points": [[s, int(est.train_bytes(s))] for s in sizes]}
+    except Exception as exc:  # noqa: BLE001 - an estimate loaded from JSON cannot be replayed
+        priced[samples] = {"points": [], "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def _estimate_points(samples: Optional[int]) -> Optional[Dict[str, Any]]:
+    """What the record says of the noted estimate: its batch, method, state, and the step's peak
+    at this step's samples and halves of it (the post-mortem's figure for the whole step and for
+    smaller micro-batches), as :func:`note_step` priced them."""
+    est = _state["estimate"]
+    if est is None:
+        return None
+    out: Dict[str, Any] = {"batch_size": getattr(est, "batch_size", None), "method": getattr(est, "method", None),
+                           "state_bytes": getattr(est, "state_bytes", None), "points": []}
+    out.update((_state.get("priced") or {}).get(int(samples or 0), {}))
+    return out
+
+
+def _in_backward() -> Optional[bool]:
+    import sys
+
+    torch = sys.modules.get("torch")
+    task = getattr(getattr(torch, "_C", None), "_current_graph_task_id", None)
+    if task is None:
+        return None
+    try:
+        return int(task()) >= 0
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def note_layers(rows: Sequence[Dict[str, Any]]) -> None:
@@ -248,10 +396,11 @@ def _gpu_processes(plan: Any, devices: Sequence[int]) -> Tuple[List[Dict[str, An
 
 def build_record(*, source: str, error: str = "", request_bytes: Optional[int] = None, device: Optional[int] = None,
                  cap_bytes: Optional[int] = None, device_free_bytes: Optional[int] = None,
-                 allocator: Any = None) -> Dict[str, Any]:
+                 allocator: Any = None, kind: str = "oom") -> Dict[str, Any]:
     """This rank's record now (plain data). ``source``: what saw the error (``torch-allocator``,
-    ``exception``, ``guard``, ``native-cap``); ``cap_bytes``/``device_free_bytes``: what torch's
-    observer passes (its cap, or the device total, and what the driver had free)."""
+    ``exception``, ``guard``, ``native-cap``, ``stopped``); ``cap_bytes``/``device_free_bytes``: what
+    torch's observer passes (its cap, or the device total, and what the driver had free); ``kind``:
+    one of :data:`KINDS`."""
     plan = session.state.plan
     mine = plan.mine if plan is not None else None
     devices = [d.index for d in mine.devices] if mine is not None else []
@@ -278,6 +427,7 @@ def build_record(*, source: str, error: str = "", request_bytes: Optional[int] =
         "allocated_bytes": None, "reserved_bytes": None, "peak_bytes": None, "largest_free_bytes": None,
         "num_ooms": None, "segments": None, "layers": None, "gpu_processes": [], "nvml_note": "", "native": None,
     }
+    rec.update(_step_content(plan, kind))
     if allocator is not None:
         try:
             if allocator.initialized() and dev is not None:
@@ -312,55 +462,71 @@ def build_record(*, source: str, error: str = "", request_bytes: Optional[int] =
     return rec
 
 
+def _step_content(plan: Any, kind: str) -> Dict[str, Any]:
+    """What the post-mortem prices the failing step with: the steps before it (:func:`note_step`),
+    what this step is fed, the noted estimate at that batch, whether the backward was running, and
+    what the plan gave the GPU (its reserve, whether ``limit=`` was stated)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+    steps = [dict(p) for p in _state["steps"]]
+    now = current_step()
+    units = {k: steps[-1][k] for k in ("samples", "elements") if k in steps[-1]} if steps and now is not None \
+        and steps[-1].get("step") == now else {}
+    options = (plan.options or {}) if plan is not None else {}
+    return {"kind": kind, "steps": steps, "units": units, "estimate": _estimate_points(units.get("samples")),
+            "in_backward": _in_backward(), "reserve_bytes": plan.reserve_bytes if plan is not None else None,
+            "explicit_limit": options.get("limit") is not None}
+
+
 def record_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, OOM_FOLDER, f"rank-{int(rank)}.json")
 
 
-def _private_folder(path: str) -> None:
-    """Create ``path`` (and parents) as this user's 0700 folder; refuse a link or another user's folder."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} is not a plain folder (a link?); refusing to write out-of-memory records there")
-    if st.st_uid != os.geteuid():
-        raise OSError(f"{path} belongs to uid {st.st_uid}, not this user; refusing to write there")
+@contextlib.contextmanager
+def _records_folder(run_dir: str) -> Iterator[untrusted.Folder]:
+    """``RUN_DIR/oom`` as this user's own 0700 folder (:func:`distmem.untrusted.private_folder`); where
+    that is another user's (or a link), this user's own folder for the run's records instead
+    (:func:`distmem.plan.from_report.fallback_records_folder`, which every reader of the records
+    also reads), said once."""
+    own = os.path.join(run_dir, OOM_FOLDER)
+    try:
+        with untrusted.private_folder(own) as folder:
+            yield folder
+            return
+    except untrusted.Unsafe as exc:
+        if exc.path != own:
+            raise
+        other = fallback_records_folder(run_dir)
+        if not _state.get("said_fallback"):
+            _state["said_fallback"] = True
+            say(f"[distmem] out-of-memory records: refused {untrusted.printable(exc, 300)}; this rank's record goes "
+                f"to {other} instead (distmem postmortem {run_dir} reads it there)")
+    with untrusted.private_folder(other) as folder:
+        yield folder
 
 
 def write_record(record: Dict[str, Any], run_dir: Optional[str] = None, count: bool = True) -> str:
-    """Write ``record`` to ``RUN_DIR/oom/rank-N.json`` atomically (0600; readers never see half a
-    file); a later record of the same process replaces it, keeps the first one's figures under
-    ``first`` and counts them (``count``; False: a rewrite of the same record). Returns the path."""
-    folder = os.path.join(run_dir or settings.run_dir(), OOM_FOLDER)
-    with _lock:
-        _private_folder(folder)
-        path = record_path(os.path.dirname(folder), record["rank"])
+    """Write ``record`` to ``RUN_DIR/oom/rank-N.json`` atomically (0600 in a 0700 folder of this user's;
+    readers never see half a file; nothing followed or done by name); a later record of the same
+    process replaces it, keeps the first one's figures under ``first`` and counts them (``count``;
+    False: a rewrite of the same record). Returns the path."""
+    run = os.path.abspath(run_dir or settings.run_dir())
+    name = f"rank-{int(record['rank'])}.json"
+    with _lock, _records_folder(run) as folder:
         earlier = 0
-        try:
-            if not count:
-                raise OSError("a rewrite keeps its own count")
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, encoding="utf-8") as f:
-                old = json.load(f)
-            if old.get("pid") == record.get("pid"):
-                earlier = int(old.get("count", 1))
-                record.setdefault("first", {k: old.get(k) for k in ("time", "step", "source", "request_bytes")}
-                                  if "first" not in old else old["first"])
-        except (OSError, ValueError):
-            pass
+        if count:
+            try:
+                old = folder.read_json(name, max_bytes=MAX_RECORD_BYTES, what="the earlier record")
+                if isinstance(old, dict) and old.get("pid") == record.get("pid") and old.get("kind", "oom") == "oom":
+                    earlier = int(old.get("count", 1))
+                    record.setdefault("first", {k: old.get(k) for k in ("time", "step", "source", "request_bytes")}
+                                      if "first" not in old else old["first"])
+            except (OSError, ValueError, TypeError):
+                pass
         if count or "count" not in record:
             record["count"] = earlier + 1
-        fd, tmp = tempfile.mkstemp(prefix=".distmem-oom-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(record, f, indent=1, sort_keys=True, default=str)
-                f.write("\n")
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-    return path
+        body = (json.dumps(record, indent=1, sort_keys=True, default=str) + "\n").encode("utf-8")
+        return folder.write(name, body, mode=0o600, suffix=".oom")
 
 
 def read_records(run_dir: str) -> List[Dict[str, Any]]:

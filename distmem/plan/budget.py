@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from .. import defaults, settings
 from ..discover.gpus import Gpu
 from ..errors import ConfigError, DoesNotFitError
-from ..units import MiB, SizeLike, check_size, format_bytes, parse_bytes, plural
+from ..units import MiB, SizeLike, check_size, format_bytes, parse_bytes, parse_ratio, plural
 from .types import DeviceSlot
 
 __all__ = ["Budget", "floor_mib", "ceil_mib", "parse_headroom", "resolve_budget", "slot", "idle_warnings",
@@ -40,22 +40,9 @@ def ceil_mib(n: float) -> int:
 
 def parse_headroom(headroom: SizeLike) -> float:
     """Headroom added to a computed demand, as a ratio: ``"10%"``, ``"0.1"`` or ``0.1`` (0 keeps the
-    figure); ConfigError naming the value otherwise."""
-    ratio: Optional[float] = None
-    text = headroom.strip() if isinstance(headroom, str) else None
-    try:
-        if text is not None and text.endswith("%"):
-            ratio = float(text[:-1]) / 100.0
-        elif text is not None:
-            ratio = float(text)
-        elif isinstance(headroom, (int, float)) and not isinstance(headroom, bool):
-            ratio = float(headroom)
-    except ValueError:
-        ratio = None
-    if ratio is None or not 0 <= ratio < 10 or ratio != ratio:
-        raise ConfigError(f"headroom={headroom!r}: give a percentage of the demand such as '10%' (0% to 999%) or a "
-                          "ratio like 0.1; 0 keeps the demand as it is")
-    return ratio
+    figure), under the one rule for ratios (:func:`distmem.units.parse_ratio`: a bare number above 1
+    is refused); ConfigError naming the value otherwise."""
+    return parse_ratio(headroom, what="headroom", upper=9.99)
 
 
 @dataclass(frozen=True)

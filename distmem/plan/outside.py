@@ -7,7 +7,7 @@ communicators (their proxy state, work FIFOs and, towards peers, the per-channel
 by ``NCCL_BUFFSIZE``). It is per process, so ``k`` ranks on one GPU hold it ``k`` times.
 
 Every constant below comes from a measurement on an NVIDIA H200 with this repository's
-``python bench/fit.py outside`` (NVML's per-process used memory minus torch's reserved bytes,
+``python bench/plan/fit.py outside`` (NVML's per-process used memory minus torch's reserved bytes,
 each case in a fresh process), committed in ``bench/results/outside_allocator_h200.json``; the
 one part that cannot be measured on one GPU — buffers towards peers — follows NCCL's
 documentation and is flagged as assumed in the breakdown until the multi-GPU measurement
@@ -77,7 +77,7 @@ class OutsideModel:
 
 
 #: torch 2.11 + CUDA 13.0 + NCCL 2.28.9, driver 580.159, on an NVIDIA H200: measured by
-#: ``python bench/fit.py outside`` (bench/results/outside_allocator_h200.json; NVML per-process used
+#: ``python bench/plan/fit.py outside`` (bench/results/outside_allocator_h200.json; NVML per-process used
 #: memory minus torch's reserved bytes, each case a fresh process, the larger of two repeats).
 #: A bare context 610 MiB; +66 MiB after the first matmul; +18 MiB after a convolution forward and
 #: backward (694 MiB in all, below the planners' 768 MiB default); +556 MiB for the first

@@ -20,9 +20,11 @@ plain per-layer sums          1                  0
 
 A pipeline stage's demand adds, on top of that cost, the gradients its backward has in flight
 (:func:`backward_transient`: the gradient received for its output and, at the layer the backward
-has reached, that layer's output and input gradients) and, over several micro-batches, the
-micro-batch's own gradients before they are added to the accumulated ones
-(:func:`accumulation_transient`), which no cut can avoid.
+has reached, that layer's output and input gradients and what its backward allocates besides) and,
+over several micro-batches, the micro-batch's own gradients before they are added to the
+accumulated ones (:func:`accumulation_transient`), which no cut can avoid. A model-parallel
+device's group runs the same backward over its layers, and its demand adds the same
+:func:`backward_transient`.
 
 ``in_flight(s)`` is the number of micro-batches whose activations stage ``s`` holds at its peak:
 all ``m`` under GPipe, ``min(p - s, m)`` under 1F1B (the first stage holds the most).
@@ -92,8 +94,9 @@ class StageDemand:
     boundary_bytes: int
     in_flight: int = 1
     recompute: bool = False
-    #: What a pipeline stage's backward has in flight at its peak: its gradients
-    #: (:func:`backward_transient`) and a micro-batch's own ones until added (:func:`accumulation_transient`).
+    #: What a pipeline stage's (or a model-parallel group's) backward has in flight at its peak: its
+    #: gradients (:func:`backward_transient`) and a micro-batch's own ones until added
+    #: (:func:`accumulation_transient`, pipelines).
     transient_bytes: int = 0
 
     @property
@@ -408,7 +411,7 @@ def stage_demands(layers: Sequence[LayerCost], bounds: Bounds, *, kind: str = "p
                                boundary_bytes=int(boundary[i]) if b[s] else 0,
                                in_flight=flight[s], recompute=recompute and kind == "pipeline",
                                transient_bytes=_stage_transient(layers, i, j, num_micro_batches, accumulate)
-                               if kind == "pipeline" else 0))
+                               if kind in ("pipeline", "model") else 0))
     return out
 
 

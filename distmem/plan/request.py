@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from .. import defaults, settings
 from ..discover import runtime
@@ -26,7 +26,7 @@ from ..discover.gpus import Gpu, Inventory, fleet_hosts, fleet_inventory, parse_
 from ..discover.identity import Topology
 from ..discover.layout import Layout, RankView
 from ..errors import ConfigError
-from ..units import SizeLike, plural
+from ..units import SizeLike, parse_ratio, plural
 from .budget import Budget, resolve_budget
 from .places import Place, places
 from .strategy import Strategy, get, make_options
@@ -102,11 +102,13 @@ class JobLayout:
                 raise ConfigError(f"--ranks-per-host {ranks_per_host} and --hosts {hosts!r} both say how many ranks run "
                                   "on each host; give one of them")
             return cls(tuple(pairs), mapping, visible)
-        if ranks is None and ranks_per_host is None and named:
-            # one rank per GPU on every host the fleet names
-            return cls(tuple((h, max(len(parse_fleet(fleet or "", h, fleet_what)), 1)) for h in named), mapping, visible)
+        if named and ranks_per_host is None:
+            # a per-host fleet names the job's hosts: one rank per GPU on each, or the ranks given
+            # spread over them in proportion to their GPUs
+            gpus = [max(len(parse_fleet(fleet or "", h, fleet_what)), 1) for h in named]
+            return cls(tuple(zip(named, _spread(ranks, named, gpus, fleet or "", fleet_what))), mapping, visible)
         per = ranks_per_host or ranks or max(gpus_per_host, 1)
-        total = ranks or per
+        total = ranks or (per * len(named) if named else per)
         count = -(-total // per)
         if count > len(named):
             fills = fleet is None or "*" in fleet_hosts(fleet, fleet_what) or not named
@@ -120,6 +122,33 @@ class JobLayout:
         sizes = [per] * count
         sizes[-1] = total - per * (count - 1)
         return cls(tuple(zip(names, sizes)), mapping, visible)
+
+
+def _spread(ranks: Optional[int], named: Sequence[str], gpus: Sequence[int], fleet: str, what: str) -> List[int]:
+    """The ranks of each host a per-host fleet names: one per GPU, or ``ranks`` in proportion to the
+    hosts' GPUs; ConfigError with a ``--hosts`` that says it where the proportion is not whole."""
+    total = sum(gpus)
+    if ranks is None:
+        return list(gpus)
+    if all(ranks * g % total == 0 for g in gpus):
+        return [ranks * g // total for g in gpus]
+    share = [ranks * g // total for g in gpus]  # the rest to the largest remainders, in fleet order
+    for i in sorted(range(len(gpus)), key=lambda i: -(ranks * gpus[i] % total))[:ranks - sum(share)]:
+        share[i] += 1
+    hosts = ",".join(f"{h}:{n}" for h, n in zip(named, share) if n)
+    each = ", ".join(f"{h}: {plural(g, 'GPU')}" for h, g in zip(named, gpus))
+    raise ConfigError(f"--ranks {ranks} over the {plural(len(named), 'host')} the fleet {what}={fleet!r} names ({each}) "
+                      f"do not split in proportion to their GPUs; say where they run (--hosts {hosts}, or "
+                      f"--ranks-per-host N), or give a multiple of {total // _gcd(gpus)} ranks")
+
+
+def _gcd(values: Sequence[int]) -> int:
+    import math
+
+    out = 0
+    for v in values:
+        out = math.gcd(out, v)
+    return max(out, 1)
 
 
 def _fleet_host_names(fleet: Optional[str], what: str = "fleet") -> List[str]:
@@ -307,7 +336,7 @@ class PlanRequest:
     #: The last run's report (or run folder): each rank's limit from its observed peak + ``from_margin``
     #: (default :data:`distmem.defaults.FROM_REPORT_MARGIN`), see :mod:`distmem.plan.from_report`.
     from_report: Optional[str] = field(default=None, metadata={"argument": True})
-    from_margin: Optional[float] = field(default=None, metadata={"argument": True})
+    from_margin: Optional[Union[float, str]] = field(default=None, metadata={"argument": True})
     job: Optional[JobLayout] = None
     env: Optional[Mapping[str, str]] = None
     topology: Optional[Topology] = None
@@ -369,10 +398,9 @@ class PlanRequest:
         """Resolve everything (see the module docstring): the context, the strategy and its options."""
         env = self.environ
         settings.validate(env)
-        if self.from_margin is not None and (isinstance(self.from_margin, bool) or not isinstance(
-                self.from_margin, (int, float)) or not 0 <= self.from_margin <= 10):
-            raise ConfigError(f"from_margin={self.from_margin!r}: give the margin over the last run's peak as a ratio "
-                              f"(default {defaults.FROM_REPORT_MARGIN:g}, i.e. {defaults.FROM_REPORT_MARGIN:.0%})")
+        # the one rule for ratios: 10% or 0.1, never a bare 10 (+1000%)
+        margin = None if self.from_margin is None else parse_ratio(
+            self.from_margin, what="from_margin", default_hint=f"{defaults.FROM_REPORT_MARGIN:g} (the default)")
         strategy = self.resolved_strategy()
         opts = self.strategy_options(strategy)
         framework = self.resolved_framework()
@@ -413,7 +441,8 @@ class PlanRequest:
         if self.from_report:
             from .from_report import read_observed
 
-            ctx.observed, ctx.observed_margin = read_observed(str(self.from_report)), self.from_margin
+            ctx.observed, ctx.observed_margin = read_observed(str(self.from_report)), margin
+            ctx.warnings.extend(f"--from: left out {line}" for line in ctx.observed.ignored[:8])
         return ctx, strategy, opts
 
     def plan(self) -> Plan:

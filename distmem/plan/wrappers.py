@@ -52,13 +52,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..units import MiB, format_bytes
 
 __all__ = ["WRAPPER_CHOICES", "WRAPPERS", "SHARDED_WRAPPERS", "SHARDINGS", "sharding_wrapper", "added_bytes", "grad_fraction", "ModelState", "Wrapper", "WrapperDemand", "wrapper_demand",
-           "rank_peak", "running_unit", "keep_backward_buffers", "in_flight_gathers", "zero_partition", "plan_wrapper", "fixed_bytes", "horovod_from_env", "wrapper_from_env", "check_wrapper",
+           "rank_peak", "running_unit", "mixed_precision", "keep_backward_buffers", "in_flight_gathers", "zero_partition", "plan_wrapper", "fixed_bytes", "horovod_from_env", "wrapper_from_env", "check_wrapper",
            "DEFAULT_BUCKET_CAP_MB", "HOROVOD_FUSION_DEFAULT", "STATE_PARTS"]
 
 #: Every wrapper a plan knows; None (no wrapper) is also accepted everywhere.
@@ -94,6 +94,11 @@ class ModelState:
     unit_bytes: Tuple[int, ...] = ()
     root_bytes: Optional[int] = None
     tensor_rows: Tuple[int, ...] = ()  #: each tensor's dim 0 (FSDP2 pads it to a multiple of N)
+    #: the root's parameters whose layers run after every unit (a final norm, an output head): their
+    #: gradients are the backward's first, and stay unsharded to the backward's end with the root's
+    root_head_bytes: int = 0
+    #: the units as the plan names them (``8 x LlamaDecoderLayer; root: embed_tokens, norm, lm_head``)
+    units_text: str = ""
 
     @property
     def state_bytes(self) -> int:
@@ -136,6 +141,17 @@ class Wrapper:
     fusion_buffers: int = 1
     #: whose ops the wrapper runs through: ``"tensorflow"`` ops write every result to a new tensor
     framework: str = ""
+    #: FSDP2's ``MixedPrecisionPolicy``: bytes of ``param_dtype`` per byte of the sharded (master)
+    #: parameters' dtype (0.5: bfloat16 over float32): what a gathered parameter and an unsharded
+    #: gradient take; ``reduce_ratio`` the same for ``reduce_dtype`` (None: param_dtype's)
+    param_ratio: float = 1.0
+    reduce_ratio: Optional[float] = None
+    #: the policy as given, for the plan's text (``param_dtype=bfloat16``)
+    policy: str = ""
+
+    @property
+    def reduce(self) -> float:
+        return self.param_ratio if self.reduce_ratio is None else float(self.reduce_ratio)
 
     def with_world(self, world_size: int) -> "Wrapper":
         return replace(self, world_size=int(world_size))
@@ -148,7 +164,7 @@ class Wrapper:
             return f"DDP (buckets of {self.bucket_cap_mb:g} MB{view}{', static_graph' if self.static_graph else ''})"
         if self.kind == "fsdp2":
             return (f"FSDP2 over {self.world_size} (reshard_after_forward={self.reshard_after_forward}, "
-                    f"prefetch {self.prefetch})")
+                    f"prefetch {self.prefetch}{', ' + self.policy if self.policy else ''})")
         if self.kind in ("zero1", "zero2"):
             return f"ZeRO-{self.kind[-1]} over {self.world_size}"
         if self.kind == "horovod":
@@ -165,6 +181,9 @@ def check_wrapper(w: Wrapper) -> Wrapper:
             raise ConfigError(f"wrapper {what} {value!r}: give a whole number >= 1")
     if isinstance(w.prefetch, bool) or not isinstance(w.prefetch, int) or w.prefetch < 0:
         raise ConfigError(f"prefetch={w.prefetch!r}: give the units all-gathered ahead, a whole number >= 0")
+    if not 0 < w.param_ratio <= 4 or (w.reduce_ratio is not None and not 0 < w.reduce_ratio <= 4):
+        raise ConfigError(f"mixed precision ratios {w.param_ratio!r}/{w.reduce_ratio!r}: bytes of param_dtype and "
+                          "reduce_dtype per master byte, in (0, 4]")
     if w.bucket_cap_mb <= 0 or w.fusion_threshold < 0:
         raise ConfigError(f"bucket_cap_mb={w.bucket_cap_mb!r} must be > 0 and fusion threshold "
                           f"{w.fusion_threshold!r} >= 0 (0 disables Horovod's fusion)")
@@ -269,23 +288,31 @@ def wrapper_demand(w: Wrapper, state: ModelState, *, rank: int = 0) -> WrapperDe
         unit = state.largest_unit
         gr = state.grad_ratio
         root = state.root
+        pr, rr = w.param_ratio, w.reduce
         if w.reshard_after_forward:
-            gathered = root + min(1 + w.prefetch, max(len(state.unit_bytes), 1)) * unit
+            gathered = int((root + min(1 + w.prefetch, max(len(state.unit_bytes), 1)) * unit) * pr)
         else:
-            gathered = root + sum(state.unit_bytes)
-        rs = 2 * int(unit * gr) if state.unit_bytes else 2 * int(root * gr)
+            gathered = int((root + sum(state.unit_bytes)) * pr)
+        ug = int(unit * gr) if state.unit_bytes else int(root * gr)
+        rs = int(ug * pr) + int(ug * rr)
         parts = {"unsharded parameters": gathered, "unsharded gradients + reduce-scatter input": rs}
-        rule = (f"FSDP2 over {n}: shards of {share:.2%}; root {format_bytes(root)} unsharded through forward and "
+        mp = f" ({w.policy})" if w.policy else ""
+        rule = (f"FSDP2 over {n}{mp}: shards of {share:.2%}; root {format_bytes(root)} unsharded through forward and "
                 f"backward, " + (f"{1 + w.prefetch} unit(s) of {format_bytes(unit)} gathered (prefetch "
                                  f"{w.prefetch})" if w.reshard_after_forward else
                                  "every unit gathered from its forward to its backward") +
+                (f" in param_dtype ({pr:g} byte per master byte)" if pr != 1 else "") +
                 f", a unit's gradients + its reduce-scatter input {format_bytes(rs)}")
-        outside = root + (0 if w.reshard_after_forward else sum(state.unit_bytes))
+        if state.units_text:
+            rule = f"FSDP2 units: {state.units_text}. " + rule
+        outside = int((root + (0 if w.reshard_after_forward else sum(state.unit_bytes))) * pr)
         rule += (f"; where no unit runs (the loss, the root's own layers) the root {format_bytes(root)}"
                  + ("" if w.reshard_after_forward else " and every unit") + " alone")
+        rule += ("; the root's gradients stay unsharded until its reduce-scatter at the backward's end "
+                 f"({format_bytes(int(root * gr * pr))}, and as much again in the reduce-scatter input there)")
         forward = None
         if not w.reshard_after_forward:
-            flight = in_flight_gathers(state, w.prefetch)
+            flight = int(in_flight_gathers(state, w.prefetch) * pr)
             forward = gathered + flight
             parts["all-gather outputs in flight (forward)"] = flight
             rule += (f"; at the forward's end every unit gathered and the all-gather outputs of the last "
@@ -334,20 +361,20 @@ def running_unit(state: ModelState, made: int) -> int:
     return 0
 
 
-def keep_backward_buffers(state: ModelState, unit: int) -> int:
+def keep_backward_buffers(state: ModelState, unit: int, pr: float = 1.0, rr: float = 1.0) -> int:
     """FSDP2 with ``reshard_after_forward=False`` while unit ``unit`` runs its backward: the root
     and the units not yet reached gathered, and the larger of the unit's two moments: computing
     its gradients (the unit gathered, its unsharded gradients) and after it (FSDP2 reshards a unit
     before its reduce-scatter: the unsharded gradients and the reduce-scatter input they are
-    copied into)."""
+    copied into). ``pr``/``rr``: param_dtype's and reduce_dtype's bytes per master byte."""
     u = int(state.unit_bytes[unit])
     g = int(u * state.grad_ratio)
-    return int(state.root + sum(state.unit_bytes[:unit]) + max(u + g, 2 * g))
+    return int((state.root + sum(state.unit_bytes[:unit])) * pr + max((u + g) * pr, g * pr + g * rr))
 
 
 def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Optional[Wrapper], *,
               activation_bytes: Optional[int] = None, backward: Optional[Mapping[str, int]] = None,
-              forward: Optional[Mapping[str, int]] = None,
+              forward: Optional[Mapping[str, int]] = None, kept_at_end: Optional[int] = None,
               rank: int = 0) -> Tuple[int, Dict[str, int], WrapperDemand]:
     """One rank's peak (bytes) under ``w``, from the peak of the same step without it.
 
@@ -363,10 +390,18 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
     backward's buffers. ``forward`` (the split of the step's peak within its forward) prices the
     forward's end where the wrapper holds the most there (FSDP2 keeping units gathered), and with it
     the backward of the largest unit (the forward's activations standing for what is still kept).
-    The larger moment is the rank's peak. Returns (peak, its parts, the demand)."""
+    The larger moment is the rank's peak. Under FSDP2 the root's gradients are not sharded until the
+    root's reduce-scatter at the backward's end: those of the layers after every unit (made first)
+    are whole in every backward moment, and ``kept_at_end`` (what the loop holds beside the state
+    when the backward ends: its output and loss, the batch, workspaces) prices that reduce-scatter,
+    every root gradient whole and copied into its input. Under a ``MixedPrecisionPolicy`` the
+    state parts are the master dtype's, the gathered parameters and unsharded gradients
+    ``param_dtype``'s. Returns (peak, its parts, the demand)."""
     w = w or Wrapper()
     d = wrapper_demand(w, state, rank=rank)
     P, G, O = state.param_bytes, state.grad_bytes, state.optimizer_bytes
+    fsdp = w.kind == "fsdp2" and w.world_size > 1
+    head_grads = int(state.root_head_bytes * state.grad_ratio)
 
     def share(nbytes: int, whole: int, mine: int) -> int:
         return int(round(nbytes * (mine / whole))) if whole else nbytes
@@ -387,7 +422,11 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         opt = parts.pop("optimizer state", 0)
         steady = sum(v for k, v in parts.items() if k in ("workspaces", "inputs"))
         rest = sum(parts.values())
-        out = {"weights": share(weights, P, d.params), "gradients": share(made + accumulated, G, d.grads),
+        whole = 0  # FSDP2: the root head's gradients, made first, unsharded until the backward's end
+        if fsdp and at != "update":
+            whole = min(made, head_grads)
+        out = {"weights": share(weights, P, d.params),
+               "gradients": share(made - whole + accumulated, G, d.grads) + int(whole * w.param_ratio),
                "optimizer state": share(opt, O, d.optimizer)}
         if at == "update":
             out["activations, temporaries, inputs"] = steady + int(round((rest - steady) * d.update_scale))
@@ -407,7 +446,7 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
             # gathered once its output's gradient is ready: after the loss's backward)
             buffers = d.outside_buffers
         elif keep and at == "backward" and state.unit_bytes:
-            buffers = keep_backward_buffers(state, running_unit(state, made))
+            buffers = keep_backward_buffers(state, running_unit(state, made), w.param_ratio, w.reduce)
         out["wrapper buffers"] = buffers
         return out
 
@@ -423,8 +462,12 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
     elif start_of_backward:
         steady = sum(int(v) for k, v in breakdown.items() if k in ("workspaces", "inputs"))
         # under reshard_after_forward=False the backward starts at the last unit, every unit gathered
-        start = (keep_backward_buffers(state, len(state.unit_bytes) - 1)
-                 if d.forward_buffers is not None and state.unit_bytes else d.backward_buffers)
+        if d.forward_buffers is not None and state.unit_bytes:
+            start = keep_backward_buffers(state, len(state.unit_bytes) - 1, w.param_ratio, w.reduce)
+        elif fsdp and not state.unit_bytes:
+            start = d.outside_buffers or 0  # the root alone: its reduce-scatter comes at the backward's end
+        else:
+            start = d.backward_buffers
         moments.append({"weights": d.params, "gradients": share(accumulated, G, d.grads), "optimizer state": d.optimizer,
                         "activations, temporaries, inputs": int(activation_bytes) + steady,
                         "wrapper buffers": start})
@@ -438,19 +481,48 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
             after = int(sum(state.unit_bytes[big + 1:]) * state.grad_ratio)
             split = dict(forward, gradients=after)
             m = moment(split, "backward", max(0, G - after) if accumulated else 0)
-            m["wrapper buffers"] = keep_backward_buffers(state, big)
+            m["wrapper buffers"] = keep_backward_buffers(state, big, w.param_ratio, w.reduce)
             moments.append(m)
+    root_grads = int(state.root * state.grad_ratio)
+    if fsdp and kept_at_end is not None and root_grads:
+        # the root's reduce-scatter once the backward is done: the root resharded, every unit's
+        # gradient a shard, every root gradient whole and copied into the reduce-scatter input
+        unit_grads = max(0, G - root_grads)
+        moments.append({"weights": d.params,
+                        "gradients": share(unit_grads, G, d.grads) + int(root_grads * w.param_ratio),
+                        "optimizer state": d.optimizer, "activations, temporaries, inputs": int(kept_at_end),
+                        "wrapper buffers": int(root_grads * w.reduce)})
     out = max(moments, key=lambda m: sum(m.values()))
     return sum(out.values()), out, d
 
 
-def sharding_wrapper(name: str, degree: int, *, prefetch: int = 1) -> Wrapper:
-    """The :class:`Wrapper` of a sharding named in :data:`SHARDINGS` over ``degree`` ranks."""
+def sharding_wrapper(name: str, degree: int, *, prefetch: int = 1, **policy: Any) -> Wrapper:
+    """The :class:`Wrapper` of a sharding named in :data:`SHARDINGS` over ``degree`` ranks;
+    ``policy``: FSDP2's mixed precision (:func:`mixed_precision`)."""
     if name not in SHARDINGS:
         raise ConfigError(f"sharding {name!r} is not one of {', '.join(SHARDINGS)}")
     if name.startswith("fsdp2"):
-        return check_wrapper(Wrapper("fsdp2", int(degree), reshard_after_forward=name == "fsdp2", prefetch=prefetch))
+        return check_wrapper(Wrapper("fsdp2", int(degree), reshard_after_forward=name == "fsdp2", prefetch=prefetch,
+                                     **policy))
     return check_wrapper(Wrapper(name, int(degree)))
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def mixed_precision(param_dtype: Optional[str], reduce_dtype: Optional[str] = None,
+                    master_bytes: float = 4.0) -> Dict[str, Any]:
+    """FSDP2's ``MixedPrecisionPolicy`` as :class:`Wrapper` fields: the bytes of ``param_dtype`` and
+    ``reduce_dtype`` per byte of the parameters as held (``master_bytes`` per element)."""
+    if param_dtype is None and reduce_dtype is None:
+        return {}
+    for v in (param_dtype, reduce_dtype):
+        if v is not None and v not in _DTYPE_BYTES:
+            raise ConfigError(f"dtype {v!r}: give one of {', '.join(_DTYPE_BYTES)}")
+    pr = _DTYPE_BYTES[param_dtype] / master_bytes if param_dtype else 1.0
+    rr = _DTYPE_BYTES[reduce_dtype] / master_bytes if reduce_dtype else None
+    text = ", ".join(f"{k}={v}" for k, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)) if v)
+    return {"param_ratio": pr, "reduce_ratio": rr, "policy": text}
 
 
 def grad_fraction(optimizer: Optional[str]) -> float:

@@ -80,7 +80,7 @@ def _limit_warnings(snaps: Sequence[Snapshot], out: Findings, near: float) -> No
             continue
         if used > s.limit_bytes:
             above.append((used / s.limit_bytes, s, used))
-        elif used > near * s.limit_bytes:
+        elif used > F.near_threshold(s.limit_bytes, (s.allocation or {}).get("demand_bytes"), near):
             close.append((used / s.limit_bytes, s, used))
     for group, build in ((above, F.above_plan), (close, F.near_limit)):
         extra = {} if build is F.above_plan else {"near": near}

@@ -12,7 +12,7 @@ from ..observe.snapshot import Snapshot, take, take_row
 from .aggregate import Report, aggregate
 from .summary import summary_report
 
-__all__ = ["collect", "DETAILS"]
+__all__ = ["collect", "DETAILS", "job_id"]
 
 DETAILS = ("full", "summary")
 
@@ -27,7 +27,10 @@ def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail:
     timeout = resolve_timeout(timeout)
     c = get_comm()
     if detail == "summary":
-        return summary_report(snapshot if snapshot is not None else take(step), c, timeout)
+        rep = summary_report(snapshot if snapshot is not None else take(step), c, timeout)
+        if rep is not None:
+            rep.aggregates["job_id"] = job_id()
+        return rep
     t0 = time.monotonic()
     if c.rank != 0:  # the row alone: no Snapshot to build and convert on the sending ranks
         c.gather(snapshot.to_dict() if snapshot is not None else take_row(step), 0, timeout)
@@ -41,4 +44,18 @@ def collect(step: Optional[int] = None, timeout: Optional[float] = None, detail:
     rep = aggregate(snaps, c.size, missing, strategy=snap.strategy)
     rep.aggregates["gather_seconds"] = time.monotonic() - t0
     rep.aggregates["transport"] = c.name
+    rep.aggregates["job_id"] = job_id()
     return rep
+
+
+def job_id() -> str:
+    """This job's id in its reports (``aggregates["job_id"]``): the launch's key, which every rank of
+    one launch shares and no other launch alive has (:func:`distmem.discover.identity.job_key`); a
+    single process: its host and pid. ``distmem top`` merges rows by it and rank."""
+    import hashlib
+    import os
+    import socket
+
+    from ..discover.identity import job_key
+
+    return job_key() or hashlib.sha256(f"{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:16]

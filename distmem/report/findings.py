@@ -11,7 +11,8 @@ Kinds:
 ``missing``            ranks that did not report within the timeout
 ``plan_mismatch``      ranks that computed different plans
 ``above_plan``         a rank's allocator peak (or reserved pool, if larger) above its planned bytes
-``near_limit``         the same above ``WARN_NEAR_LIMIT`` of its planned bytes
+``near_limit``         the same above ``WARN_NEAR_LIMIT`` of its planned bytes (and above the demand the
+                       limit was made from, where it was: :func:`near_threshold`)
 ``shared_gpu``         more job ranks on a GPU than the plan put there (the every-rank-on-GPU-0 mistake)
 ``foreign_process``    processes outside the job on a GPU the job uses
 ``imbalance``          peaks of ranks with the same role (pipeline stage, or all ranks) far apart
@@ -25,7 +26,7 @@ from ..units import MiB, format_bytes, plural
 
 __all__ = ["WARN_NEAR_LIMIT", "WARN_IMBALANCE", "WARN_IMBALANCE_MIN_BYTES", "GROUP_ABOVE", "WARNING_KINDS",
            "Findings", "ranks_text", "usage_phrase", "missing", "missing_summary", "plan_mismatch", "above_plan",
-           "near_limit", "shared_gpu", "shared_gpu_summary", "foreign_process", "foreign_process_summary",
+           "near_limit", "near_threshold", "shared_gpu", "shared_gpu_summary", "foreign_process", "foreign_process_summary",
            "imbalance", "outside_allocator", "suggested_overhead", "PIN_REMEDY"]
 
 #: A rank whose peak passes this share of its limit is warned about: the next larger batch or
@@ -39,6 +40,21 @@ WARN_IMBALANCE_MIN_BYTES = 64 * MiB
 #: Above this many ranks of one kind, a warning is one sentence naming the worst rank and a count,
 #: not one sentence per rank (the findings still list every rank).
 GROUP_ABOVE = 4
+
+
+
+def near_threshold(limit: float, demand: Optional[float] = None, near: float = WARN_NEAR_LIMIT) -> float:
+    """The usage above which a rank is near its limit (bytes): ``near`` of the limit; where the limit
+    was made from the rank's own demand plus headroom (pipeline stages, model groups, sharded and
+    auto layouts, a plan from a report), not before the usage passes that demand too. Up to its
+    demand the rank runs as its plan computed, and the headroom above it is the room the plan left
+    for the allocator's cache and a fragmentation spike on purpose: a rank that stays out of it is
+    not a warning (a limit 10% over an exact demand sits at 91%)."""
+    threshold = near * limit
+    if demand and 0 < demand < limit:
+        threshold = max(threshold, demand)
+    return threshold
+
 
 WARNING_KINDS = ("missing", "plan_mismatch", "above_plan", "near_limit", "shared_gpu", "foreign_process",
                  "imbalance", "outside_allocator")

@@ -7,8 +7,12 @@ imbalance (largest peak over the mean peak, per stage and over the job) and ever
 order it first appeared. :func:`render` turns it into the lines of the terminal view; the command
 (:mod:`distmem.cli.top`) does the reading, the keys and the screen.
 
-Several files merge: a job may write one file (rank 0's gather) or one per host (a node_exporter
-folder on each host); a rank's row is the one from the most recently made report.
+Several files merge by job and rank: a job may write one file (rank 0's gather) or one per host (a
+node_exporter folder on each host); a rank's row is the one from the most recently made report of
+its job. A job is the file's owner and the job id its writer put in it (``job_id``; a file without
+one: its ``run`` label and job size), so another job's rank 0 - another user's above all - never
+replaces this job's. Every text a file carries (host names, label values, warnings) is shown with
+its control characters escaped (:func:`distmem.untrusted.printable`): a file is anyone's text.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..units import format_bytes
+from ..untrusted import owner_name, printable
 
 __all__ = ["RankRow", "Seen", "LiveJob", "ViewState", "SORTS", "parse_report", "parse_prometheus", "parse",
            "render", "imbalance"]
@@ -42,6 +47,7 @@ class RankRow:
     step: Optional[int] = None
     made: float = 0.0               #: when its report was made (Unix seconds)
     source: str = ""
+    job: str = ""                   #: the job it belongs to (owner and job id): rows merge by job and rank
 
     @property
     def use(self) -> Optional[float]:
@@ -65,7 +71,7 @@ def parse_report(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str]], 
     d = json.loads(text)
     if not isinstance(d, dict) or "world_size" not in d:
         raise ValueError("JSON but not a distmem report (no 'world_size')")
-    made = float(d.get("created") or 0.0)
+    made = _finite(d.get("created"))
     step = None
     timeline = d.get("timeline") or []
     if timeline and isinstance(timeline[-1], dict):
@@ -75,21 +81,46 @@ def parse_report(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str]], 
         nv = r.get("nvml_bytes") or {}
         vals = [v for v in nv.values() if v is not None] if isinstance(nv, dict) else []
         peak = r.get("peak_bytes")
-        rows.append(RankRow(rank=int(r["rank"]), host=str(r.get("host") or "?"), stage=r.get("stage"),
-                            planned=r.get("limit_bytes"), current=r.get("current_bytes"),
-                            peak=peak if peak is not None else r.get("current_bytes"),
-                            reserved=r.get("reserved_bytes"), nvml=sum(vals) if vals else None,
-                            step=r.get("step") if r.get("step") is not None else step, made=made))
+        vals = [v for v in vals if _whole(v) is not None]
+        peak = r.get("peak_bytes")
+        rows.append(RankRow(rank=_rank(r["rank"]), host=printable(r.get("host") or "?", 64), stage=_whole(r.get("stage")),
+                            planned=_whole(r.get("limit_bytes")), current=_whole(r.get("current_bytes")),
+                            peak=_whole(peak) if peak is not None else _whole(r.get("current_bytes")),
+                            reserved=_whole(r.get("reserved_bytes")), nvml=sum(vals) if vals else None,
+                            step=_whole(r.get("step")) if r.get("step") is not None else _whole(step), made=made))
     for m in d.get("missing") or []:
-        rows.append(RankRow(rank=int(m), up=False, step=step, made=made))
+        rows.append(RankRow(rank=_rank(m), up=False, step=_whole(step), made=made))
     findings = d.get("findings") or []
     warnings = list(d.get("warnings") or [])
     pairs = []
     for i, w in enumerate(warnings):
         f = findings[i] if i < len(findings) and isinstance(findings[i], dict) else {}
         # The same finding (kind, ranks) in a later report is the same warning with new figures.
-        pairs.append((f.get("kind", "warning"), str(w), f"{f.get('kind')}:{f.get('ranks')}" if f else str(w)))
-    return rows, pairs, {"world_size": int(d["world_size"]), "step": step, "made": made}
+        pairs.append((printable(f.get("kind", "warning"), 40), printable(w),
+                      f"{f.get('kind')}:{f.get('ranks')}" if f else str(w)))
+    agg = d.get("aggregates") if isinstance(d.get("aggregates"), dict) else {}
+    return rows, pairs, {"world_size": _rank(d["world_size"]), "step": _whole(step), "made": made,
+                         "job_id": printable(agg.get("job_id"), 64) if agg.get("job_id") else None, "run": None}
+
+
+def _whole(v: Any) -> Optional[int]:
+    """A figure as a whole number (bytes, a step, a stage), None where it is not one."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and (not math.isfinite(v) or not v.is_integer()):
+        return None
+    return int(v) if -2**63 <= v <= 2**63 - 1 else None
+
+
+def _rank(v: Any) -> int:
+    n = _whole(v)
+    if n is None or not 0 <= n < 2**31:
+        raise ValueError(f"{printable(repr(v), 40)} is not a rank")
+    return n
+
+
+def _finite(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
 
 _PROM_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)\s*$')
@@ -107,7 +138,7 @@ def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str
     """Rows, warnings (one per kind with a non-zero count: the textfile keeps counts, not sentences)
     and facts of a textfile :func:`distmem.report.sinks.prometheus.prometheus_text` wrote."""
     rows: Dict[Tuple[str, int], RankRow] = {}
-    facts: Dict[str, Any] = {"world_size": None, "step": None, "made": 0.0}
+    facts: Dict[str, Any] = {"world_size": None, "step": None, "made": 0.0, "job_id": None, "run": None}
     warnings: List[Tuple[str, str, str]] = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -116,13 +147,17 @@ def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str
         if not m:
             continue
         name, labels_text, value_text = m.group(1), m.group(3) or "", m.group(4)
-        labels = {k: _unescape(v) for k, v in _PROM_LABEL.findall(labels_text)}
+        labels = {k: printable(_unescape(v), 120) for k, v in _PROM_LABEL.findall(labels_text)}
         try:
             value = float(value_text)
         except ValueError:
             continue
-        if math.isnan(value):
+        if not math.isfinite(value) or abs(value) > 2**63 - 1:
             continue
+        if labels.get("job_id"):
+            facts["job_id"] = labels["job_id"]
+        if labels.get("run"):
+            facts["run"] = labels["run"]
         if name == "distmem_job_ranks":
             facts["world_size"] = int(value)
         elif name == "distmem_report_step":
@@ -133,13 +168,13 @@ def parse_prometheus(text: str) -> Tuple[List[RankRow], List[Tuple[str, str, str
             kind = labels.get("kind", "warning")
             warnings.append((kind, f"{int(value)} {kind.replace('_', ' ')} warning(s) in the last report", kind))
         elif name == "distmem_rank_up" or name in _PROM_FIELDS:
-            if "rank" not in labels:
+            if not labels.get("rank", "").isdigit() or len(labels["rank"]) > 9:
                 continue
             run = labels.get("run", "")
             key = (run, int(labels["rank"]))
             row = rows.setdefault(key, RankRow(rank=key[1]))
             if labels.get("host"):
-                row.host = labels["host"]
+                row.host = labels["host"][:64]
             if labels.get("stage", "").lstrip("-").isdigit():
                 row.stage = int(labels["stage"])
             if name == "distmem_rank_up":
@@ -180,18 +215,20 @@ class LiveJob:
         self._seen: Dict[Tuple[str, str], Seen] = {}  # (file, finding key) -> its warning
         self.updates = 0
 
-    def update(self, source: str, text: str, now: Optional[float] = None) -> bool:
-        """Take a file's new text. False (and the error kept for the view) when it does not parse:
-        the file's earlier rows stay."""
+    def update(self, source: str, text: str, now: Optional[float] = None, owner: Optional[int] = None) -> bool:
+        """Take a file's new text (``owner``: the file's owner, when known). False (and the error kept
+        for the view) when it does not parse: the file's earlier rows stay."""
         now = time.time() if now is None else now
         try:
             rows, warnings, facts = parse(source, text)
-        except (ValueError, KeyError, TypeError) as exc:
-            self.errors[source] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            self.errors[source] = f"{type(exc).__name__}: {printable(exc, 120)}"
             return False
         self.errors.pop(source, None)
+        job = job_name(facts, owner)
         for r in rows:
             r.source = source
+            r.job = job
         self.by_source[source] = rows
         self.facts[source] = facts
         for kind, text_, key in warnings:
@@ -211,14 +248,18 @@ class LiveJob:
         self.errors.pop(source, None)
 
     def rows(self) -> List[RankRow]:
-        """One row per rank: the one from the most recently made report."""
-        best: Dict[int, RankRow] = {}
+        """One row per job and rank: the one from the most recently made report of that job."""
+        best: Dict[Tuple[str, int], RankRow] = {}
         for rows in self.by_source.values():
             for r in rows:
-                old = best.get(r.rank)
+                old = best.get((r.job, r.rank))
                 if old is None or (r.made, r.up) > (old.made, old.up):
-                    best[r.rank] = r
+                    best[(r.job, r.rank)] = r
         return [best[k] for k in sorted(best)]
+
+    def jobs(self) -> List[str]:
+        """The jobs seen, in order."""
+        return sorted({r.job for rows in self.by_source.values() for r in rows})
 
     def world_size(self) -> Optional[int]:
         sizes = [f.get("world_size") for f in self.facts.values() if f.get("world_size")]
@@ -240,6 +281,20 @@ class LiveJob:
                 "imbalance": imbalance(rows),
                 "stage_imbalance": {str(s): imbalance([r for r in rows if r.stage == s]) for s in stages},
                 "warnings": [asdict(w) for w in self.warnings], "errors": dict(self.errors)}
+
+
+def job_name(facts: Dict[str, Any], owner: Optional[int] = None) -> str:
+    """The job a file's rows belong to: its job id (else its ``run`` label and job size), and its
+    owner when that is another user."""
+    import os
+
+    if facts.get("job_id"):
+        name = f"job {facts['job_id']}"
+    else:
+        name = f"job of {facts.get('world_size') or '?'} rank(s)" + (f" run={facts['run']}" if facts.get("run") else "")
+    if owner is not None and owner != os.geteuid():
+        name += f" of {owner_name(owner)}"
+    return name
 
 
 def _host_totals(rows: Sequence[RankRow]) -> Dict[str, Any]:
@@ -335,8 +390,10 @@ def render(job: LiveJob, state: ViewState, width: int = 120, height: Optional[in
     stage_imb = ", ".join(f"stage {s} {v:.2f}" for s in stages
                           for v in [imbalance([r for r in rows if r.stage == s])] if v is not None)
     size = job.world_size()
-    head = (f"distmem top - {len(rows)}" + (f" of {size}" if size and size != len(rows) else "")
-            + f" rank(s) on {len(hosts)} host(s) - step {job.step() if job.step() is not None else '-'} - "
+    njobs = len({r.job for r in rows})
+    head = (f"distmem top - {len(rows)}" + (f" of {size}" if size and size != len(rows) and njobs == 1 else "")
+            + f" rank(s) on {len(hosts)} host(s)" + (f" in {njobs} jobs" if njobs > 1 else "")
+            + f" - step {job.step() if job.step() is not None else '-'} - "
             f"report made {ago} - sort {state.sort}{' desc' if state.reverse else ''}"
             + (" - paused" if state.paused else ""))
     imb_line = (f"imbalance {'-' if imb is None else f'{imb:.2f}'} (largest peak / mean peak)"
@@ -345,15 +402,21 @@ def render(job: LiveJob, state: ViewState, width: int = 120, height: Optional[in
     if keys:
         out.append("keys: q quit  s sort  r reverse  h hosts collapse  j/k scroll  p pause"[:width])
     body: List[str] = [(f"{_REV}{_COLS}{_RESET}" if color else _COLS)]
-    for host in hosts:
-        mine = [r for r in rows if r.host == host]
-        body.append(_host_line(host, mine, color))
-        if state.collapsed:
-            continue
-        mine.sort(key=_key(state.sort), reverse=state.reverse)
-        mine.sort(key=lambda r: (r.stage is None, r.stage or 0))  # stable: grouped by stage, sorted within
-        for r in mine:
-            body.append(_row_line(r, color))
+    jobs = sorted({r.job for r in rows})
+    for job_ in jobs:
+        in_job = [r for r in rows if r.job == job_]
+        if len(jobs) > 1:  # several jobs in the files: each under its own line, never merged
+            line = f"{job_}: {len(in_job)} rank(s)"
+            body.append(f"{_BOLD}{line}{_RESET}" if color else line)
+        for host in sorted({r.host for r in in_job}):
+            mine = [r for r in in_job if r.host == host]
+            body.append(_host_line(host, mine, color))
+            if state.collapsed:
+                continue
+            mine.sort(key=_key(state.sort), reverse=state.reverse)
+            mine.sort(key=lambda r: (r.stage is None, r.stage or 0))  # stable: grouped by stage, sorted within
+            for r in mine:
+                body.append(_row_line(r, color))
     warn: List[str] = []
     if job.warnings:
         warn.append(f"{_BOLD}warnings (newest last){_RESET}" if color else "warnings (newest last)")
@@ -363,7 +426,7 @@ def render(job: LiveJob, state: ViewState, width: int = 120, height: Optional[in
             line = f"  {stamp} [{w.kind}] {w.text}"[:width]
             warn.append(f"{_YELLOW}{line}{_RESET}" if (color and new) else line)
     for src, err in sorted(job.errors.items()):
-        warn.append(f"  cannot read {src}: {err}"[:width])
+        warn.append(f"  cannot read {printable(src, 200)}: {printable(err)}"[:width])
     if height is not None:
         room = max(3, height - len(out) - len(warn))
         if len(body) > room:

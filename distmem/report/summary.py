@@ -117,7 +117,8 @@ def local_vectors(s: Snapshot, near: float = WARN_NEAR_LIMIT) -> Tuple[List[floa
     if nv is not None:
         sv[SUM_AT["has_nvml"]], sv[SUM_AT["nvml"]] = 1, nv
     above = ratio is not None and ratio > 1
-    is_near = ratio is not None and not above and used > near * lim  # type: ignore[operator]
+    is_near = ratio is not None and not above and used > F.near_threshold(  # type: ignore[operator]
+        lim, (s.allocation or {}).get("demand_bytes"), near)
     sv[SUM_AT["n_above"]], sv[SUM_AT["n_near"]] = float(above), float(is_near)
     sv[SUM_AT["n_outside"]] = float(excess is not None and excess > 0)
     sv[SUM_AT["n_intruder"]] = float(intr_dev >= 0)

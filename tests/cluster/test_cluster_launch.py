@@ -132,6 +132,30 @@ def test_srun_two_nodes(slurm, distribution, per_task):
 
 
 @pytest.mark.slurm
+def test_srun_distmem_exec(slurm):
+    """`srun -N2 -n4 --ntasks-per-node=2 distmem-exec -- python probe.py` (issue 35): distmem-exec is the
+    task srun starts and watches until it execs the probe; every task runs under the cap from the same
+    plan (init(enforce="native") refuses any other) and lands where srun's block mapping puts it."""
+    exe = need_tool(slurm, "distmem-exec")
+    lib = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "distmem",
+                       "_native", "libdistmem_cap.so")
+    if not os.path.exists(lib):
+        pytest.fail(f"{lib} is not built: make test builds it (scripts/build_native.sh)", pytrace=False)
+    env = {"DISTMEM_FLEET": FLEET, "DISTMEM_CAP_LIB": lib}
+    job = job_dir(slurm, "srun-distmem-exec")
+    nodes = ["hosta", "hostb"]
+    argv = [exe, "-o", "framework=none", "--"] + probe_argv(slurm, "torch-slurm", job) + ["--enforce", "native"]
+    r = slurm.srun(["-N2", "-n4", "--ntasks-per-node=2", "--distribution=block", "-w", ",".join(nodes)], argv,
+                   env=env, timeout=150)
+    want = expected(slurm_block(nodes, 2), parse_fleet_spec(FLEET, slurm.names))
+    _check(slurm, r, want, job, env)
+    rows = probe_rows(r, job)
+    wrong = [row for row in rows if not row.get("cap") or row.get("cap") != row.get("limit")]
+    if wrong or len(rows) != 4:
+        pytest.fail(f"every task must run under its plan's cap: {rows}\n{r.describe(6000)}", pytrace=False)
+
+
+@pytest.mark.slurm
 def test_torchrun_inside_sbatch(slurm):
     """`torchrun --standalone --nproc-per-node=4` in an sbatch script on hostc: the batch step's SLURM_*
     variables are inherited, torchrun's RANK/LOCAL_RANK must win (4 ranks, 2 per GPU)."""
@@ -185,3 +209,29 @@ def test_mpirun_inside_sbatch(slurm):
     r = slurm.sbatch(script, ["-N2", "--ntasks-per-node=2", "-w", "hosta,hostb"], env=env, timeout=150)
     want = expected(map_node("hosta:2,hostb:2"), parse_fleet_spec(FLEET, slurm.names))
     _check(slurm, r, want, job, env)
+
+
+@pytest.mark.slurm
+def test_srun_an_exception_on_one_task_stops_the_others_within_5s(slurm):
+    """Issue 35: fail fast on an uncaught exception under srun, across two hosts: task 2 (on hostb)
+    raises MemoryError; every other task - on both hosts - is out within 5 s with one line naming
+    rank 2 and its exception. ``--kill-on-bad-exit=0``: srun must not end the step itself (as a
+    task lost with its node would not)."""
+    import time
+
+    job = job_dir(slurm, "srun-fail-fast")
+    prog = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progs", "fail_fast.py")
+    env = {"FF_DIR": job, "FF_VICTIM": "2", "FF_AT": "1.0", "DISTMEM_TIMEOUT": "30"}
+    r = slurm.srun(["-N2", "-n4", "--ntasks-per-node=2", "-w", "hosta,hostb", "--kill-on-bad-exit=0"],
+                   [os.path.join(slurm.bin, "python"), prog], env=env, timeout=90)
+    assert not r.timed_out, r.describe()
+    with open(os.path.join(job, "fault")) as f:
+        fault = float(f.read())
+    problems = []
+    for rank in (0, 1, 3):
+        ended = os.path.getmtime(os.path.join(job, f"alive-{rank}"))
+        with open(os.path.join(job, f"stderr-{rank}.txt")) as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith("distmem: rank 2 ")]
+        if ended - fault > 5.0 or not any("failed (MemoryError: out of memory at step" in ln for ln in lines):
+            problems.append(f"rank {rank}: out {ended - fault:.1f} s after the fault, lines {lines}")
+    assert not problems, "\n".join(problems) + "\n" + r.describe()

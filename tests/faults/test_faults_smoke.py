@@ -1,26 +1,23 @@
-"""The fault-injection smoke run (bench/faults.py at a few injections): under each launcher one rank is
+"""The fault-injection smoke run (bench/comm/faults.py at a few injections): under each launcher one rank is
 SIGKILLed or SIGSTOPped inside a distmem call, and every other rank must come back - return, or raise
 a DistmemError - within DISTMEM_TIMEOUT + 5 s, with no hang, and a reader polling the report paths
 must never see a partial file. Between them the cases cover the four phases (init, report, a guard
 step, a periodic gather) and both signals; the points are fixed (Python call-event counts inside
 the phase, see tests/faults/progs/fault_rank.py), so a failure replays with
 
-    python bench/faults.py --launcher LAUNCHER --inject PHASE:SIGNAL:VICTIM:POINT
+    python bench/comm/faults.py --launcher LAUNCHER --inject PHASE:SIGNAL:VICTIM:POINT
 
 The full counts (100 per launcher) are bench/results/faults.json."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
 from helpers import ROOT, have
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import faults  # noqa: E402
+from bench.comm import faults
 
 TIMEOUT = 5.0
 SLACK = 10.0  # beyond timeout + 5 s before a rank without an outcome counts as hung (a loaded machine)
@@ -59,7 +56,7 @@ def test_survivors_come_back_bounded(tmp_path, launcher, phase, sig, victim, poi
     out = faults.run_injection(launcher, inj, np_=2, timeout=TIMEOUT, slack=SLACK, startup=180.0,
                                work=str(tmp_path))
     record = json.dumps({k: v for k, v in out.to_dict().items()}, indent=1)[:6000]
-    replay = f"replay: python bench/faults.py --launcher {launcher} --inject {phase}:{sig}:{victim}:{point}"
+    replay = f"replay: python bench/comm/faults.py --launcher {launcher} --inject {phase}:{sig}:{victim}:{point}"
     assert out.injected is not None, f"the fault never fired\n{replay}\n{record}\n{out.tail[-2000:]}"
     assert not out.problems, f"{out.problems}\n{replay}\n{record}\n{out.tail[-2000:]}"
     assert out.survivors, f"no survivor outcome recorded\n{record}"

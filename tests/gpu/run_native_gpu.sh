@@ -7,7 +7,7 @@
 # 2. runs the CPU suite tests/native against this machine's C library (fake driver; ~10 s)
 # 3. runs tests/gpu/test_native_cap.py with DISTMEM_REQUIRE_GPU=1 (torch default + expandable
 #    segments, CuPy default + async pool, JAX, two capped processes on one GPU; ~3-4 min)
-# 4. runs bench/cap_overhead.py (driver loop, and torch without caching; ~1-2 min)
+# 4. runs bench/native/cap_overhead.py (driver loop, and torch without caching; ~1-2 min)
 # Results in $OUT (default ./native-gpu-out): env.txt, build.log, cpu_tests.log, gpu_tests.log,
 # native_gpu_results.json (every child's figures, NVML per process), cap_overhead.json.
 # Exit status: 0 when every step passed; each step has its own timeout, so the whole stays < 10 min.
@@ -74,8 +74,8 @@ else
 fi
 [ "${PIPESTATUS[0]}" = 0 ] || failed+=("gpu-tests")
 
-step "overhead benchmark (bench/cap_overhead.py)"
-timeout 240 "$py" bench/cap_overhead.py --backend auto --out "$out" 2>&1 | tee "$out/bench.log"
+step "overhead benchmark (bench/native/cap_overhead.py)"
+timeout 240 "$py" bench/native/cap_overhead.py --backend auto --out "$out" 2>&1 | tee "$out/bench.log"
 [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench")
 rm -f "$out/bench.log"  # the JSON line is in cap_overhead.json
 

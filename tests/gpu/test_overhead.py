@@ -6,8 +6,8 @@ CUDA 13 NVML showed 612 MiB right after CUDA starts and ~760 MiB after a trainin
 
 Stated tolerance: the plan's figure is never below what NVML measures after a cuBLAS + cuDNN step
 (NVML process usage minus torch's reserved bytes), and at most OVERHEAD_TOLERANCE (128 MiB) above it.
-Checked in a fresh process per GPU (measure_context, what overhead="measure" runs) and in every rank of
-a real `mpirun -np 4` job."""
+Checked in a fresh process on each of the machine's first two GPUs (measure_context, what
+overhead="measure" runs; on two, they must agree) and in every rank of a real `mpirun -np 4` job."""
 import os
 import sys
 import threading
@@ -24,7 +24,9 @@ from distmem.apply import torch_probe as probe  # noqa: E402
 from distmem.plan.types import DEFAULT_OVERHEAD_BYTES  # noqa: E402
 
 MiB = launch.MiB
-pytestmark = pytest.mark.gpus(2)
+pytestmark = pytest.mark.gpus(1)
+#: The GPUs measured in fresh processes: the first two the machine has.
+DEVICES = tuple(range(min(max(launch.gpu_count(), 1), 2)))
 _measured = {}
 
 
@@ -37,7 +39,7 @@ def _measure(device):
 
 
 def measured():
-    """measure_context on both GPUs at once (each in its own process), once per session."""
+    """measure_context on DEVICES at once (each in its own process), once per session."""
     if not _measured:
         box = {}
 
@@ -47,12 +49,12 @@ def measured():
             except Exception as exc:  # noqa: BLE001 - reported below with the device
                 box[d] = exc
 
-        threads = [threading.Thread(target=one, args=(d,)) for d in (0, 1)]
+        threads = [threading.Thread(target=one, args=(d,)) for d in DEVICES]
         for t in threads:
             t.start()
         for t in threads:
             t.join(200)
-        for d in (0, 1):
+        for d in DEVICES:
             got = box.get(d, AssertionError(f"measuring GPU {d} did not finish"))
             if isinstance(got, Exception):
                 raise AssertionError(f"measure_context({d}) failed: {got}")
@@ -78,15 +80,17 @@ def test_fresh_process_overhead_matches_the_plan():
                                       f"driver {fig['driver']}, method {fig['method']})")
         assert fig["method"] == "process", f"NVML cannot attribute memory to our pid on GPU {d}: {fig}"
         assert fig["overhead_after_init_bytes"] <= fig["overhead_bytes"] + 4 * MiB, fig
-    a, b = m[0]["overhead_bytes"], m[1]["overhead_bytes"]
-    assert abs(a - b) <= 8 * MiB, f"the two GPUs measured {a / MiB:.0f} and {b / MiB:.0f} MiB: not a stable figure"
+    if len(m) > 1:
+        a, b = m[0]["overhead_bytes"], m[1]["overhead_bytes"]
+        assert abs(a - b) <= 8 * MiB, f"the two GPUs measured {a / MiB:.0f} and {b / MiB:.0f} MiB: not a stable figure"
 
 
 def test_measure_context_overhead_rounds_up_what_it_measures(monkeypatch):
-    raw = measured()[1]["overhead_bytes"]
+    last = DEVICES[-1]
+    raw = measured()[last]["overhead_bytes"]
     if gpuprobe.FAKE:
         monkeypatch.setattr(probe, "measure_context", lambda d, timeout=120.0: _measure(d))
-    got = probe.measure_context_overhead(1, timeout=150)
+    got = probe.measure_context_overhead(last, timeout=150)
     launch.evidence("overhead-rounded", {"raw": raw, "rounded": got})
     assert got % probe.OVERHEAD_ROUNDING == 0
     assert raw - 4 * MiB <= got < raw + probe.OVERHEAD_ROUNDING + 4 * MiB, (raw, got)

@@ -1,7 +1,9 @@
 """Pinning on real GPUs, judged by NVML (pynvml directly) and by the GPU's UUID as torch reports it:
-under `mpirun -np 2` and `-np 4` over two GPUs every rank's process appears on its planned GPU and on
-no other (no stray context on GPU 0), and nothing before distmem.init() started CUDA. CUDA started
-on another GPU before init() is refused with TooLateError; on the planned GPU it is accepted."""
+under `mpirun -np 2` and `-np 4` over the machine's GPUs (one GPU: all ranks share it) every rank's
+process appears on its planned GPU and on no other (no stray context on GPU 0), and nothing before
+distmem.init() started CUDA. CUDA started before init() is refused with TooLateError where the
+configuration differs - on another GPU (two GPUs), or with the allocator already holding more than the
+planned limit (one GPU) - and accepted on the planned GPU."""
 import json
 import os
 import sys
@@ -12,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "pro
 
 import launch  # noqa: E402
 
-pytestmark = pytest.mark.gpus(2)
+pytestmark = pytest.mark.gpus(1)
 PROGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "progs")
 
 
@@ -44,24 +46,36 @@ def test_every_rank_is_on_its_planned_gpu_and_no_other(np):
                                          "init_s": [r["init_s"] for r in rows]})
 
 
-def _too_late(first):
-    rc, out = launch.run_python([os.path.join(PROGS, "too_late.py"), str(first)], timeout=120)
+def _too_late(*args):
+    rc, out = launch.run_python([os.path.join(PROGS, "too_late.py"), *map(str, args)], timeout=120)
     lines = [ln for ln in out.splitlines() if ln.startswith("TOO_LATE ")]
-    assert rc == 0 and lines, f"too_late.py {first} exited {rc}:\n{out[-4000:]}"
+    assert rc == 0 and lines, f"too_late.py {' '.join(map(str, args))} exited {rc}:\n{out[-4000:]}"
     return json.loads(lines[-1][len("TOO_LATE "):])
 
 
+@pytest.mark.gpus(2)
 def test_cuda_started_on_another_gpu_is_too_late():
-    res = _too_late(0)  # the plan gives this process GPU 1
+    res = _too_late(1)  # the plan gives this process GPU 0
     launch.evidence("too-late-other-gpu", res)
     assert res["error_type"] == "TooLateError", res
-    for part in ("cuda:0", "planned cuda:1", "distmem.init(framework='torch')"):
+    for part in ("cuda:1", "planned cuda:0", "distmem.init(framework='torch')"):
         assert part in res["error"], f"{part!r} missing from: {res['error']}"
-    assert sorted(res["where"]) == ["0"], f"refusing must not touch GPU 1: NVML shows {res['where']}"
+    assert sorted(res["where"]) == ["1"], f"refusing must not touch GPU 0: NVML shows {res['where']}"
+
+
+def test_allocator_above_the_planned_limit_is_too_late():
+    # one GPU's case: CUDA started on the planned GPU, but torch already holds 30% of it and the plan
+    # limits this process to 20%: the limit cannot be applied any more
+    res = _too_late(0, 0.3, "20%")
+    launch.evidence("too-late-above-limit", res)
+    assert res["error_type"] == "TooLateError", res
+    for part in ("limit cuda:0", "the caching allocator already holds", "distmem.init(framework='torch')"):
+        assert part in res["error"], f"{part!r} missing from: {res['error']}"
+    assert sorted(res["where"]) == ["0"], f"NVML shows the process on {res['where']}, expected only GPU 0"
 
 
 def test_cuda_started_on_the_planned_gpu_is_accepted():
-    res = _too_late(1)
+    res = _too_late(0)
     launch.evidence("too-late-same-gpu", res)
-    assert res["error"] is None and res["planned"] == 1, res
-    assert sorted(res["where"]) == ["1"], f"NVML shows the process on {res['where']}, expected only GPU 1"
+    assert res["error"] is None and res["planned"] == 0, res
+    assert sorted(res["where"]) == ["0"], f"NVML shows the process on {res['where']}, expected only GPU 0"

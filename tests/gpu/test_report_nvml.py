@@ -1,5 +1,5 @@
 """distmem.report() on real GPUs against independent reads: for every rank of `mpirun -np 2` and
-`-np 4`, the report's NVML figure for the process equals pynvml's own read taken right after (within
+`-np 4` over the machine's GPUs, the report's NVML figure for the process equals pynvml's own read taken right after (within
 NVML's 1 MiB reporting grain, 2 MiB allowed), its allocator figures equal torch.cuda's, its list of
 processes on the GPU equals NVML's, and the allocator's reserve fits inside what NVML attributes."""
 import os
@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "pro
 import launch  # noqa: E402
 
 MiB = launch.MiB
-pytestmark = pytest.mark.gpus(2)
+pytestmark = pytest.mark.gpus(1)
 
 
 @pytest.mark.parametrize("np", [2, 4])
@@ -37,7 +37,8 @@ def test_report_matches_independent_reads(np):
         assert snap["reserved_bytes"] <= indep, f"{who}: allocator reserve {snap['reserved_bytes']} > NVML {indep}"
         assert sorted(snap["gpu_pids"][dev]) == r["pids_on_gpu"], (who, snap["gpu_pids"], r["pids_on_gpu"])
         assert snap["limit_bytes"] == plan[snap["rank"]]["limit_bytes"]
-        assert snap["enforced"] == (np > 2), f"{who}: enforced={snap['enforced']} with {np} ranks on 2 GPUs"
+        n = len(data["nvml"])  # ranks beyond one per GPU share one: a hard limit
+        assert snap["enforced"] == (np > n), f"{who}: enforced={snap['enforced']} with {np} ranks on {n} GPU(s)"
         row = snap["extra"]["framework_devices"][0]
         if snap["enforced"]:
             assert row["limit_bytes"] <= snap["limit_bytes"], (who, row)

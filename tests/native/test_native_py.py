@@ -163,11 +163,11 @@ def planned(monkeypatch, built):
 
 def test_exec_dry_run_one_device(planned, capsys):
     planned.plan_for([(1, 5 * GiB)])
-    rc = exec_cli.main(["--strategy", "pipeline", "-o", "stages=4", "-o", "reserve=1GiB", "--dry-run", "--",
-                           "python", "train.py", "--lr", "3"])
+    rc = exec_cli.main(["--strategy", "pipeline", "-o", "stages=9GiB,7GiB", "-o", "reserve=1GiB", "--dry-run", "--",
+                        "python", "train.py", "--lr", "3"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert planned.calls == [{"strategy": "pipeline", "stages": 4, "reserve": "1GiB"}]
+    assert planned.calls == [{"strategy": "pipeline", "stages": ["9GiB", "7GiB"], "reserve": "1GiB"}]
     assert f"DISTMEM_CAP_BYTES={5 * GiB} DISTMEM_CAP_DEVICE=1 python train.py --lr 3" in out
     assert out.startswith(f"LD_PRELOAD={native.find_library()}")
 
@@ -191,6 +191,78 @@ def test_exec_usage_errors(planned, capsys):
     assert "cannot read 'lots'" in capsys.readouterr().err
     assert exec_cli.main(["-o", "novalue", "--", "true"]) == 2
     assert "is not KEY=VALUE" in capsys.readouterr().err
+
+
+# ---- -o KEY=VALUE means what distmem plan's flag of that name means ---------------------------------
+
+def _flag_reading(strategy, key, flag, text):
+    """What ``distmem plan --strategy STRATEGY FLAG TEXT`` hands init() for KEY."""
+    import argparse
+
+    from distmem.cli.request_args import add_request_arguments, strategy_options
+    from distmem.plan import get
+
+    argv = ["--strategy", strategy, flag] + ([] if text is None else [text])
+    p = argparse.ArgumentParser()
+    add_request_arguments(p, argv, job=False)
+    args = p.parse_args(argv)
+    opts = strategy_options(get(strategy), args)
+    return opts[key] if key in opts else getattr(args, key)
+
+
+@pytest.mark.parametrize("strategy,key,flag,text", [
+    ("pipeline", "stages", "--stages", "9GiB,7GiB"),  # docs/native.md's form, refused before (one string)
+    ("pipeline", "num_stages", "--num-stages", "4"),  # what -o stages=4 meant ('int' object is not iterable)
+    ("pipeline", "input_shape", "--input-shape", "96,96,3"),
+    ("pipeline", "schedule", "--schedule", "gpipe"),
+    ("pipeline", "recompute", "--recompute", None),
+    ("auto", "pipelines", "--pipelines", "1,2"),
+    ("tenants", "tenants", "--tenants", "bert=6GiB,resnet=8GiB"),
+    ("data", "limit", "--limit", "45%"),
+    ("data", "reserve", "--reserve", "1GiB"),
+    ("data", "from_margin", "--from-margin", "0.2"),
+    ("data", "from_report", "--from", "runs/last/report.json"),
+])
+def test_exec_option_means_what_the_flag_means(strategy, key, flag, text):
+    item = f"{key}={'true' if text is None else text}"
+    got = exec_cli.exec_options(strategy, [item])
+    assert got == {key: _flag_reading(strategy, key, flag, text)}, f"-o {item} read as {got}"
+
+
+@pytest.mark.parametrize("item,words", [
+    ("stages", ["is not KEY=VALUE"]),
+    ("num_stage=4", ["num_stage is not an option of --strategy pipeline", "num_stages"]),
+    ("num_stages=four", ["num_stages='four'", "whole number"]),
+    ("recompute=maybe", ["switch", "recompute=true"]),
+    ("schedule=zb", ["--schedule", "invalid choice: 'zb'", "1f1b"]),
+    ("tenants=a=1GiB", ["--tenants applies to --strategy tenants"]),
+    ("from_margin=ten", ["--from-margin", "'ten'"]),
+    ("memory=lots", ["--memory", "'lots'", "growth"]),
+])
+def test_exec_option_errors_name_the_item(item, words):
+    with pytest.raises(DistmemError) as info:
+        exec_cli.exec_options("pipeline", [item])
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in: {info.value}"
+
+
+def test_exec_pipeline_stages_as_docs_show_them(built):
+    """docs/native.md's command, run as written on a declared 2-GPU fleet as rank 0 of 2 (SLURM's
+    variables without a job id: no exchange to wait for): the cap is stage 0's limit, the one
+    distmem plan gives rank 0 for --stages 9GiB,7GiB."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2"}
+    proc = _exec(built, ["--strategy", "pipeline", "-o", "stages=9GiB,7GiB", "--fleet", "2x16GiB", "--dry-run",
+                         "--", "python", "train.py"], **slurm)
+    assert proc.returncode == 0, proc.stderr
+    plan = subprocess.run([sys.executable, "-m", "distmem", "plan", "--strategy", "pipeline", "--stages", "9GiB,7GiB",
+                           "--gpus", "2x16GiB", "--ranks", "2", "--json"], capture_output=True, text=True, timeout=120,
+                          env=_clean_env(), cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    limit = json.loads(plan.stdout)["allocations"][0]["limit_bytes"]
+    assert f"DISTMEM_CAP_BYTES={limit} " in proc.stdout, (limit, proc.stdout)
+    refused = _exec(built, ["--strategy", "pipeline", "-o", "stages=4", "--fleet", "2x16GiB", "--dry-run", "--",
+                            "python", "train.py"], **slurm)
+    assert refused.returncode == 2 and "num_stages=" in refused.stderr, refused.stderr
 
 
 def _exec(built, args, timeout=60, **extra):

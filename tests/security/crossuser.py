@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["User", "Users", "unavailable", "ROOT"]
+__all__ = ["User", "Users", "unavailable", "ROOT", "ENV_BIN", "SYSTEM_PYTHON", "shared_folder", "wait_for"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _COMMENT = "distmem security test (pid {pid})"
@@ -78,7 +78,25 @@ class Users:
         self.made.append(user)
         return user
 
+    def python_launcher(self) -> str:
+        """A world-readable ``python`` that runs this environment's: for launchers (mpirun checks
+        ``access(X_OK)``, which ignores the victim's read capability, before it starts a rank)."""
+        if getattr(self, "_wrapper", None) is None:
+            import tempfile
+
+            folder = tempfile.mkdtemp(prefix="dms-python-", dir="/tmp")
+            os.chmod(folder, 0o755)
+            path = os.path.join(folder, "python")
+            with open(path, "w") as f:
+                f.write(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+            os.chmod(path, 0o755)
+            self._wrapper = path
+        return self._wrapper
+
     def remove(self) -> None:
+        wrapper = getattr(self, "_wrapper", None)
+        if wrapper:
+            shutil.rmtree(os.path.dirname(wrapper), ignore_errors=True)
         for user in self.made:
             subprocess.run(["userdel", "-r", "-f", user.name], capture_output=True, timeout=60)
             shutil.rmtree(user.home, ignore_errors=True)
@@ -114,6 +132,14 @@ class Users:
         argv = self._prefix(user, self._python_needs_read) + [sys.executable, *run, *args]
         return self._start(argv, user, env, cwd, timeout, umask, wait)
 
+    def run(self, user: User, argv: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
+            cwd: Optional[str] = None, timeout: float = 120, umask: Optional[int] = None,
+            wait: bool = True) -> "subprocess.CompletedProcess[str] | subprocess.Popen[str]":
+        """Run ``argv`` as ``user`` with what the victim's Python needs (a launcher, the ``distmem``
+        script: programs that start this environment's Python)."""
+        return self._start(self._prefix(user, self._python_needs_read) + list(argv), user, env, cwd, timeout, umask,
+                           wait)
+
     def shell(self, user: User, script: str, *, env: Optional[Mapping[str, str]] = None,
               cwd: Optional[str] = None, timeout: float = 60) -> "subprocess.CompletedProcess[str]":
         """Run ``sh -c script`` as ``user`` with no capability at all (the attacker's side)."""
@@ -127,9 +153,26 @@ class Users:
         preexec = (lambda: os.umask(umask)) if umask is not None else None
         if not wait:
             return subprocess.Popen(list(argv), env=full, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, preexec_fn=preexec)
+                                    text=True, preexec_fn=preexec, start_new_session=True)
         return subprocess.run(list(argv), env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=preexec)
+
+
+#: The environment's bin folder (its launchers, the ``distmem`` script) and the system's own Python,
+#: which the attacker - who cannot read the environment under root's home - runs its steps with.
+ENV_BIN = os.environ.get("DISTMEM_ENV_BIN") or os.path.dirname(sys.executable)
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def shared_folder(users: Users, mode: int = 0o1777) -> str:
+    """A folder of the attacker's that everyone may write (1777 like /tmp; 0777: a shared project
+    folder without the sticky bit, in which anyone may also rename or remove others' files)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="dms-shared-", dir="/tmp")
+    os.chown(folder, users.attacker.uid, users.attacker.gid)
+    os.chmod(folder, mode)
+    return folder
 
 
 def wait_for(test, timeout: float, what: str) -> None:

@@ -1,5 +1,5 @@
 """Between two real users: what distmem's children import, and who can read what it writes
-(issue 26, findings 11 and 13).
+(issue 26, findings 11 and 13; issue 36, finding 1).
 
 The attacker owns a folder everyone may write (like /tmp or a group scratch folder) and leaves a
 ``distmem/``, ``torch/`` and ``horovod/`` there; the victim works in that folder. Before the
@@ -9,14 +9,16 @@ umask 077 was forced to 0644, readable by the attacker.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
+import sys
 import tempfile
 
 import pytest
 
-from crossuser import ROOT
+from crossuser import ENV_BIN, ROOT
 
 PLANTED = '''import os
 open(os.path.join({folder!r}, "ran-" + __name__.replace(".", "-") + "-as-uid-%d" % os.getuid()), "w").close()
@@ -102,3 +104,36 @@ def test_outputs_follow_the_umask(users, shared, name):
         assert os.stat(path).st_mode & 0o777 == mode, (oct(umask), oct(os.stat(path).st_mode))
         peek = users.shell(users.attacker, f"cat {shlex.quote(path)} > /dev/null")
         assert (peek.returncode == 0) == bool(mode & 0o004), (oct(umask), peek)
+
+
+ATTACKER_MODEL = '''import os
+open(os.path.join({folder!r}, "ran-dms-model-as-uid-%d" % os.getuid()), "w").close()
+import torch
+def build(input_shape=None):
+    return torch.nn.Linear(4, 1000)  # 5000 parameters: the estimate would be of this model
+'''
+VICTIM_MODEL = '''import torch
+def build(input_shape=None):
+    return torch.nn.Linear(4, 2)  # 10 parameters
+'''
+
+
+@pytest.mark.parametrize("how", ["script", "python -m"])
+def test_a_model_factory_is_never_imported_from_the_working_folder(users, shared, how):
+    """Issue 36, finding 1: ``distmem estimate --model dms_model:build`` run from a shared folder, the
+    victim's own module on its PYTHONPATH. Before, the working folder went first on sys.path: the
+    attacker's ``dms_model.py`` there ran as the victim and the estimate was of its model."""
+    pytest.importorskip("torch")
+    res = users.shell(users.attacker, f"cat > {shlex.quote(os.path.join(shared, 'dms_model.py'))} <<'EOF'\n"
+                                      f"{ATTACKER_MODEL.format(folder=shared)}EOF")
+    assert res.returncode == 0, res.stderr
+    models = os.path.join(users.victim.home, "models")
+    users.shell(users.victim, f"mkdir -p {models} && cat > {models}/dms_model.py <<'EOF'\n{VICTIM_MODEL}EOF")
+    tool = [os.path.join(ENV_BIN, "distmem")] if how == "script" else ["-m", "distmem"]
+    res = users.run(users.victim, [sys.executable, *tool, "estimate", "--model", "dms_model:build", "--input-shape",
+                                   "4", "--batch-size", "2", "--json"],
+                    env={"PYTHONPATH": ROOT + os.pathsep + models}, cwd=shared, timeout=600)
+    ran = sorted(n for n in os.listdir(shared) if n.startswith("ran-"))
+    assert not ran, f"the attacker's module ran as the victim: {ran}\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout)["params"] == 10, res.stdout[-2000:]

@@ -296,7 +296,10 @@ def weights_only_estimate(model: Any, batch_size: int, optimizer: Any = "adam", 
         return {"peak": state if train else parts["weights"], "phase": "update"}
     note = (f"the layer graph of {getattr(model, 'name', type(model).__name__)} could not be read ({reason}); "
             f"its table has weights, gradients and optimizer state per layer, no activations")
-    return Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=int(batch_size),
-                    precision=prec.name, optimizer=opt.info.to_dict(), layers=rows, method="analytic",
-                    device="cpu" if str(device).lower() == "cpu" else "gpu", warnings=[note],
-                    _peak_fn=peak_fn, _parts_fn=lambda batch: dict(parts))
+    est = Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=int(batch_size),
+                   precision=prec.name, optimizer=opt.info.to_dict(), layers=rows, method="analytic",
+                   device="cpu" if str(device).lower() == "cpu" else "gpu", warnings=[note],
+                   _peak_fn=peak_fn, _parts_fn=lambda batch: dict(parts))
+    est.model_ran = False  # type: ignore[attr-defined]
+    est.why_not_modelled = note  # type: ignore[attr-defined]
+    return est

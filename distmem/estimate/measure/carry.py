@@ -18,6 +18,9 @@ __all__ = ["with_measurement", "CARRY_RULE", "DISAGREEMENT", "MODEL_SHARE"]
 #: on the fit half of its benchmark, docs/estimate.md); with fewer, :data:`extrapolate.RULE`.
 CARRY_RULE = {"keras": "lsq", "torch": "blend"}
 
+#: Carry rules that read no model: the measured peaks' own lines.
+PRIOR_FREE = ("measured", "lsq")
+
 #: Where the figure and the model's disagree by more than this factor either way, a warning names
 #: both: the model does not see part of what this model does.
 DISAGREEMENT = 2.0
@@ -45,8 +48,13 @@ class _Carry:
         self.target, self.prior = target, prior
         self.points: List[Tuple[int, int]] = [(int(b), int(y)) for b, y in got["points"]]
         self.measured = dict(self.points)
-        self.modelled = [(b, y, int(prior.train_bytes(b))) for b, y in self.points]
+        # a model that could not run the step (its state alone, ``model_ran`` False) or ran it on
+        # values it had to guess (``data_dependent``) carries nothing: the measured points' own line
+        self.trusted = getattr(prior, "model_ran", True) and not getattr(prior, "data_dependent", False)
+        self.modelled = [(b, y, int(prior.train_bytes(b)) if self.trusted else 0) for b, y in self.points]
         self.rule = CARRY_RULE[fw] if len(self.points) >= 3 else RULE[fw]
+        if not self.trusted and self.rule not in PRIOR_FREE:
+            self.rule = "measured"
         # the three largest: the affine law holds best nearest the target (BFC regions at tiny batches)
         self.terms = residual_terms(self.modelled[-3:] if len(self.points) >= 3 else self.modelled, self.rule)
         self.moved = prior is not target
@@ -70,7 +78,7 @@ class _Carry:
             value, source = self.measured[batch], "measured"
         else:
             source = "carried"
-            value = extrapolate(self.terms, int(self.prior.train_bytes(batch)), batch)
+            value = extrapolate(self.terms, int(self.prior.train_bytes(batch)) if self.trusted else 0, batch)
             lo, hi = physical_interval(self.points, batch, self.prior.state_floor)
             if not lo <= value <= hi:
                 alpha, beta = least_squares(self.points[-3:])
@@ -103,7 +111,10 @@ class _Carry:
 def with_measurement(target: Estimate, prior: Estimate, got: Dict[str, Any]) -> Estimate:
     """``target`` (the model at the job's device) with the measured points ``got`` as its figures:
     measured where a point is, carried elsewhere (:class:`_Carry`), each with its bound; peaks,
-    breakdowns and rows. ``prior``: the model at the measured device (``target`` itself there)."""
+    breakdowns and rows. ``prior``: the model at the measured device (``target`` itself there).
+    Where the model could not run the step (``model_ran`` False: a torch model the meta device
+    cannot run, a Keras model without a layer graph) or guessed values the step reads
+    (``data_dependent``), the measured points' own line (rule ``measured``, or ``lsq`` from three)."""
     carry = _Carry(target, prior, got)
     b0 = target.batch_size
 
@@ -124,13 +135,15 @@ def with_measurement(target: Estimate, prior: Estimate, got: Dict[str, Any]) -> 
     if note:
         warns.append(note)
         warnings.warn(f"distmem.estimate: {note}", stacklevel=4)
-    if modelled and not 1 / DISAGREEMENT <= value / modelled <= DISAGREEMENT:
+    if carry.trusted and modelled and not 1 / DISAGREEMENT <= value / modelled <= DISAGREEMENT:
         warns.append(f"the figure at batch {b0} ({SOURCES[source]}, {format_bytes(value)}) is "
                      f"{value / modelled:.2f}x the model's ({format_bytes(modelled)}): the model does not see part of "
                      f"what this model does; the figure is the {source} one")
     ratio = _slope_ratio(carry, target, b0)
     measurement = dict(got, rule=carry.rule, terms=carry.terms, at_target=b0 in carry.measured,
-                       modelled=[[b, m] for b, _, m in carry.modelled], measured_on=got["device"])
+                       modelled=[[b, m] for b, _, m in carry.modelled], measured_on=got["device"],
+                       prior="the model" if carry.trusted else getattr(prior, "why_not_modelled", "") or
+                       "none: the model read values it does not have")
     if note:
         measurement["refused"] = note
     est = Estimate(framework=target.framework, model=target.model, batch_size=b0,

@@ -14,7 +14,7 @@ and the measured points' own line, clipped to the interval, is used instead.
 **How** a measurement gives the allocator peak ``y(b)`` at a few batches ``b``; the model (Keras:
 the analytic replay, torch: the meta-device simulation) gives ``m(b)`` at any batch. What the
 model misses at the small batches, ``r(b) = y(b) - m(b)``, is carried to the target batch ``B`` by
-one of the rules below; which one is decided by held-out figures (``bench/estimate_heldout.py``:
+one of the rules below; which one is decided by held-out figures (``bench/estimate/estimate_heldout.py``:
 chosen on one half of each zoo, reported on the other, then the halves swapped), per framework,
 in :data:`RULE`.
 

@@ -10,6 +10,7 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+from ...console import progress
 from ...errors import ConfigError
 from ..table import Estimate, path_margin
 from . import cache
@@ -53,13 +54,15 @@ def _fw(framework: str) -> str:
 def _key(framework: str, model: Any, plan: Dict[str, Any], optimizer: Any, opts: Dict[str, Any],
          input_shape: Any) -> str:
     from .cache import measurement_key, model_fingerprint
+    from .cache import code_fingerprint
     return measurement_key(format=_FORMAT, framework=framework, version=_versions(framework),
                            model=model_fingerprint(model), plan=repr(sorted(plan.items())),
                            optimizer=portable(optimizer, "optimizer"),
-                           precision=opts.get("precision"), loss=opts.get("loss", "auto"),
-                           input_shape=list(input_shape or ()),
+                           precision=opts.get("precision"), loss=code_fingerprint(opts.get("loss", "auto")),
+                           steps=MEASURE_STEPS, input_shape=list(input_shape or ()),
                            example=_example_text(opts.get("example_input")),
-                           where=_where(framework, model))
+                           where=_where(framework, model),
+                           **{k: repr(opts[k]) for k in ("param_dtype", "batch_dim") if opts.get(k) is not None})
 
 
 def _where(framework: str, model: Any) -> str:
@@ -74,6 +77,9 @@ def _where(framework: str, model: Any) -> str:
 def _example_text(example: Any) -> str:
     if example is None:
         return ""
+    if callable(example) and not hasattr(example, "shape"):
+        from .cache import code_fingerprint
+        return code_fingerprint(example)
     if hasattr(example, "shape"):
         return f"{tuple(example.shape)}:{getattr(example, 'dtype', '')}"
     if isinstance(example, dict):
@@ -101,6 +107,7 @@ def measure(framework: str, model: Any, spec: Optional[str], plan: Dict[str, Any
     process's framework touches a GPU), a live model where it lives (``keras_steps``,
     ``torch_steps``). ``{"device", "points": [[batch, peak], ...], "how", "seconds", ...}``."""
     t0 = time.time()
+    progress(_saying(plan) + (" in a child process" if spec is not None else ""))
     if spec is not None:
         from .. import isolated
         got = isolated.call("distmem.estimate.measure.child:measure_spec",
@@ -109,13 +116,13 @@ def measure(framework: str, model: Any, spec: Optional[str], plan: Dict[str, Any
                                  input_shape=input_shape), hide_gpus=False)
         how = f"a child process rebuilt {spec} and ran its training steps"
     elif framework == "torch":
-        from ..torch.inputs import example_inputs
         from .torch_steps import measure_torch
-        ex, dt = opts.get("example_input"), opts.get("input_dtype")
-        got = measure_torch(model, plan["batches"], inputs=lambda b: example_inputs(model, ex, input_shape, b, dt),
+        got = measure_torch(model, plan["batches"], example_input=opts.get("example_input"), input_shape=input_shape,
+                            input_dtype=opts.get("input_dtype"), batch_dim=opts.get("batch_dim", 0),
                             optimizer=optimizer, precision=opts.get("precision"), loss=opts.get("loss", "auto"),
-                            steps=MEASURE_STEPS)
-        how = f"{MEASURE_STEPS} training steps per batch of a copy of the module on the GPU"
+                            steps=MEASURE_STEPS, param_dtype=opts.get("param_dtype"))
+        how = got.get("in_process") or (f"a spawned child rebuilt the module from its state and code and ran "
+                                        f"{MEASURE_STEPS} training steps per batch on the GPU, on the inputs as given")
     else:
         got = measure_keras(model, plan, optimizer, opts, input_shape)
         how = "training steps of the model itself in this process (weights restored)"
@@ -123,6 +130,13 @@ def measure(framework: str, model: Any, spec: Optional[str], plan: Dict[str, Any
             "steps": {str(b): v for b, v in got["steps"].items()}, "how": how, "loss": got.get("loss"),
             "gpu": got.get("gpu"), "floor": int(got.get("floor") or 0), "ladder": got.get("ladder"),
             "seconds": round(time.time() - t0, 3)}
+
+
+def _saying(plan: Dict[str, Any]) -> str:
+    if plan["kind"] == "ladder":
+        return (f"measuring training steps at batch {plan['target']} where its step fits the memory at hand, "
+                "else at the largest batches that fit")
+    return f"measuring {MEASURE_STEPS} training steps at batch {' and '.join(map(str, plan['batches']))}"
 
 
 def measure_keras(model: Any, plan: Dict[str, Any], optimizer: Any, opts: Dict[str, Any],
@@ -149,9 +163,10 @@ def measure_keras(model: Any, plan: Dict[str, Any], optimizer: Any, opts: Dict[s
 def measured_estimate(framework: str, model: Any, spec: Optional[str], batch_size: int, optimizer: Any,
                       opts: Dict[str, Any], input_shape: Any, method: str, measurement: Optional[Dict[str, Any]],
                       prior_fn: Callable[..., Estimate]) -> Estimate:
-    """The estimate ``method`` asks for. ``prior_fn(device, allocator_floor=None)``: the model's
-    estimate for a device (``"cpu"``, ``"gpu"``/``"cuda"``; ``allocator_floor``: the bytes below
-    which the measured device's statistics skip a buffer). Falls back to the model under ``"auto"``
+    """The estimate ``method`` asks for. ``prior_fn(device, allocator_floor=None, partial=False)``:
+    the model's estimate for a device (``"cpu"``, ``"gpu"``/``"cuda"``; ``allocator_floor``: the
+    bytes below which the measured device's statistics skip a buffer; ``partial``: the model's state
+    alone where its step cannot be modelled, marked ``model_ran=False``). Falls back to the model under ``"auto"``
     when nothing can be measured, with the reason in a warning and in
     ``Estimate.measurement["fallback"]``."""
     device = opts.get("device") or ("cuda" if framework == "torch" else "gpu")
@@ -172,9 +187,9 @@ def measured_estimate(framework: str, model: Any, spec: Optional[str], batch_siz
         return target
     on = "cpu" if str(got["device"]).upper().startswith("CPU") else ("cuda" if framework == "torch" else "gpu")
     try:
-        target = prior_fn(device)
+        target = _prior_or_why(prior_fn, device)
         prior = target if _same_device(on, target.device) and not got.get("floor") else \
-            prior_fn(on, allocator_floor=int(got.get("floor") or 0))
+            _prior_or_why(prior_fn, on, allocator_floor=int(got.get("floor") or 0))
     except ConfigError as exc:  # a model the model path cannot read (a subclassed Keras model)
         from ..keras.estimate import weights_only_estimate
         if framework == "torch" or model is None:
@@ -183,6 +198,18 @@ def measured_estimate(framework: str, model: Any, spec: Optional[str], batch_siz
                                        name=opts.get("name"))
         prior = target
     return with_measurement(target, prior, got)
+
+
+def _prior_or_why(prior_fn: Callable[..., Estimate], device: str, **kw: Any) -> Estimate:
+    """The model's estimate; where the model cannot run (a step the simulation cannot take), the
+    model's state alone (``prior_fn(device, partial=True)``), marked ``model_ran=False``."""
+    import inspect
+    try:
+        return prior_fn(device, **kw)
+    except ConfigError:
+        if "partial" not in inspect.signature(prior_fn).parameters:
+            raise
+        return prior_fn(device, partial=True, **kw)
 
 
 def _same_device(a: str, b: str) -> bool:

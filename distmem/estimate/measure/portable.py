@@ -42,10 +42,14 @@ def portable(value: Any, what: str) -> Any:
         pickle.dumps(value)
         return value
     except Exception as exc:  # noqa: BLE001 - said with the argument's name
+        local = "<" in getattr(value, "__qualname__", "")
         raise ConfigError(f"{what}={value!r} cannot be sent to the process that measures a model spec "
                           f"({type(exc).__name__}: {exc}); give it by name (e.g. optimizer='adam'), as an object "
-                          f"with get_config(), or build the model and pass it (it is then measured in this "
-                          f"process)") from None
+                          f"with get_config(), "
+                          + ("as a function defined at module level (not a lambda or a function inside a "
+                             "function), " if local else "")
+                          + "or build the model and pass it (it is then measured in this process), or use "
+                          "method='model'") from None
 
 
 def rebuild(value: Any) -> Any:
@@ -67,4 +71,5 @@ def rebuild(value: Any) -> Any:
 
 
 def portable_options(opts: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: portable(v, k) for k, v in opts.items() if k in ("precision", "loss", "input_dtype", "memory_at_hand")}
+    return {k: portable(v, k) for k, v in opts.items()
+            if k in ("precision", "loss", "input_dtype", "param_dtype", "memory_at_hand")}

@@ -22,12 +22,12 @@ from ..optimizers import torch_optimizer, torch_optimizer_factory
 from ..precision import Precision, dtype_bytes, resolve_precision
 from ..table import Estimate, LayerEstimate
 from .dispatch import ROW_OWN
-from .inputs import example_inputs, input_bytes, import_torch
+from .inputs import example_batch, example_inputs, input_bytes, import_torch
 from .kernels import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
 from .simulate import Simulation, inference_peak
 
 __all__ = ["REPLAY_LATER_STEPS", "MEMO_META_OPS", "CUDNN_WORKSPACES", "DEFAULT_TORCH_INPUT_SHAPE",
-           "estimate_torch"]
+           "estimate_torch", "state_estimate", "float_dtype"]
 
 #: Steps after the first are replayed from its allocation trace (False: each is simulated again,
 #: slower; the tests compare the two).
@@ -65,24 +65,36 @@ def eager_of(model: Any) -> Tuple[Any, bool]:
 
 
 def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Optional[Sequence[int]] = None,
-                   batch_size: int = 32, optimizer: Any = "adam", precision: Any = None,
+                   batch_size: Optional[int] = None, optimizer: Any = "adam", precision: Any = None,
                    device: str = "cuda", loss: Any = "auto", input_dtype: Any = None,
-                   blas_workspace_bytes: Optional[int] = None, name: Optional[str] = None) -> Estimate:
+                   blas_workspace_bytes: Optional[int] = None, name: Optional[str] = None,
+                   batch_dim: Any = 0, param_dtype: Any = None) -> Estimate:
     """Per-layer training memory of ``model`` at ``batch_size``, simulated on the meta device.
 
-    ``example_input``: a tensor, tuple or dict like the model's input (its batch dimension is
-    replaced), or ``input_shape`` for one sample (``(3, 224, 224)``); a module may also carry an
-    ``example_input(batch)`` method. ``optimizer``: the optimizer object (or class, or name) you
+    ``example_input``: a tensor, tuple or dict like the model's input (its batch dimension,
+    ``batch_dim``, is set to the batch: an int for every input, None for one that does not grow
+    with the batch, or one per input), a function building the input at a batch, or
+    ``input_shape`` for one sample (``(3, 224, 224)``); a module may also carry an
+    ``example_input(batch)`` method. ``batch_size``: None takes the example's own batch (32
+    without an example). ``optimizer``: the optimizer object (or class, or name) you
     train with; a fresh copy with the same options runs on the meta weights. ``precision``:
     ``"mixed_float16"``/``"mixed_bfloat16"`` cast weights and inputs to the compute dtype from
     fp32 masters, as autocast does. ``device``: ``"cuda"`` (the caching allocator's 512-byte
     blocks and split rules, foreach optimizer kernels, fused attention, cuBLAS workspaces) or
     ``"cpu"`` (exact bytes). ``loss``: ``"auto"`` (cross-entropy on the output's last dimension),
-    ``"sum"``, or a function of the output returning a scalar.
+    ``"sum"``, or a function of the output (or of the output and the batch: ``loss(output,
+    batch)``, the batch as the inputs were given) returning a scalar. ``param_dtype``: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)``: the step runs with its parameters and floating inputs
+    in that dtype (everything computed in it, unlike autocast); the table counts the parameters as
+    the model holds them (the sharded master copy).
     """
     torch = import_torch()
-    if batch_size is None or int(batch_size) < 1:
+    if batch_size is None:
+        batch_size = example_batch(model, example_input, batch_dim) or 32
+    if isinstance(batch_size, bool) or int(batch_size) < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if param_dtype is not None:
+        param_dtype = float_dtype(param_dtype)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"estimate_torch needs a torch.nn.Module, got {type(model).__name__}")
     batch_size = int(batch_size)
@@ -97,7 +109,8 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     model, compiled = eager_of(model)
     sim = Simulation(model, example_input=example_input, input_shape=input_shape, input_dtype=input_dtype,
                      loss=loss, cuda=cuda, prec=prec, factory=factory, workspace=workspace,
-                     replay_later=REPLAY_LATER_STEPS, memo=MEMO_META_OPS, cudnn=CUDNN_WORKSPACES)
+                     replay_later=REPLAY_LATER_STEPS, memo=MEMO_META_OPS, cudnn=CUDNN_WORKSPACES,
+                     batch_dim=batch_dim, param_dtype=param_dtype)
     first = sim.run(batch_size, True, want_parts=True)
     # the per-sample slope of each row's kept bytes: one more forward pass at batch + 1
     second = sim.run(batch_size + 1, True, steps=1, forward_only=True)
@@ -106,12 +119,16 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     est = Estimate(framework="torch", model=name or type(model).__name__, batch_size=batch_size,
                    precision=prec.name, optimizer=info.to_dict(), layers=rows, method="simulated",
                    device="cuda" if cuda else "cpu",
-                   input_bytes_per_sample=input_bytes(model, example_input, input_shape, input_dtype),
+                   input_bytes_per_sample=input_bytes(model, example_input, input_shape, input_dtype,
+                                                      batch_dim=batch_dim, cast=param_dtype),
                    extra_persistent_bytes=CUBLAS_WORKSPACES * workspace, _peak_fn=peak_fn, _parts_fn=parts_fn,
                    _phases_fn=phases_fn)
     est._cache[(batch_size, True)] = {k: v for k, v in first.items() if k not in _TABLE_KEYS}
     if compiled:
         est.warnings.append(COMPILED_NOTE)
+    # the step's own forward or backward read a value the meta device does not have: what it
+    # allocates may follow the data (a measurement carries such a model by its own points)
+    est.data_dependent = any(phase != "update" for _, phase in first["read_values"])  # type: ignore[attr-defined]
     for where, phase in first["read_values"]:
         who = f"the optimizer's step ({info.name})" if phase == "update" else f"module '{where}' ({phase} pass)"
         est.warnings.append(f"{who} read a tensor's value (.item(), bool() or a data-dependent branch), which a "
@@ -121,6 +138,53 @@ def estimate_torch(model: Any, example_input: Any = None, *, input_shape: Option
     for w in est.warnings:
         warnings.warn(f"distmem.estimate: {w}", stacklevel=2)
     return est
+
+
+def state_estimate(model: Any, *, batch_size: int, optimizer: Any, precision: Any = None, device: str = "cuda",
+                   name: Optional[str] = None, why: str = "") -> Estimate:
+    """The model's state alone (weights, gradients, optimizer slots per module; no step): what a
+    measurement of a model the meta device cannot run is carried with. ``model_ran`` is False and
+    ``why_not_modelled`` says why."""
+    model, _ = eager_of(model)
+    info = torch_optimizer(optimizer)
+    prec = resolve_precision(precision)
+    rows: List[LayerEstimate] = []
+    counted: set = set()
+    for mname, m in model.named_modules():
+        r = LayerEstimate(name=mname or "(model)", kind=type(m).__name__)
+        for p in m.parameters(recurse=False):
+            if id(p) not in counted:
+                counted.add(id(p))
+                _count_parameter(r, p, info)
+        if r.params:
+            rows.append(r)
+    state = sum(r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in rows)
+
+    def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
+        return {"peak": state, "phase": "state", "node": -1, "batch": batch}
+
+    def parts_fn(batch: int) -> Dict[str, int]:
+        return {"weights": sum(r.param_bytes for r in rows), "gradients": sum(r.grad_bytes for r in rows),
+                "optimizer state": sum(r.optimizer_bytes for r in rows)}
+    est = Estimate(framework="torch", model=name or type(model).__name__, batch_size=int(batch_size),
+                   precision=prec.name, optimizer=info.to_dict(), layers=rows, method="state",
+                   device="cpu" if str(device).lower() == "cpu" else "cuda", _peak_fn=peak_fn, _parts_fn=parts_fn)
+    est.model_ran = False  # type: ignore[attr-defined]
+    est.why_not_modelled = why  # type: ignore[attr-defined]
+    return est
+
+
+def float_dtype(value: Any) -> Any:
+    """A torch floating dtype from a dtype or its name (``"bfloat16"``, ``"bf16"``, ``torch.float16``)."""
+    torch = import_torch()
+    if isinstance(value, torch.dtype):
+        return value
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(
+        str(value).replace("torch.", "").lower(), str(value).replace("torch.", "").lower())
+    got = getattr(torch, name, None)
+    if not isinstance(got, torch.dtype) or not got.is_floating_point:
+        raise ConfigError(f"param_dtype={value!r}: give a floating dtype such as bfloat16, float16 or float32")
+    return got
 
 
 def _evaluators(sim: Simulation, first: Dict[str, Any], batch_size: int):
@@ -145,9 +209,10 @@ def _evaluators(sim: Simulation, first: Dict[str, Any], batch_size: int):
             if (batch, True) not in cache:
                 cache[(batch, True)] = sim.run(batch, False)
             return {k: v for k, v in cache[(batch, True)].items() if k not in _TABLE_KEYS}
-        args, kwargs = example_inputs(sim.model, sim.example_input, sim.input_shape, batch, sim.input_dtype)
+        args, kwargs = example_inputs(sim.model, sim.example_input, sim.input_shape, batch, sim.input_dtype,
+                                      batch_dim=sim.batch_dim, cast=sim.param_dtype)
         peak = inference_peak(sim.model, sim.params, sim.buffers, args, kwargs, sim.cuda, sim.prec, sim.cudnn,
-                               sim.memo)
+                               sim.memo, sim.param_dtype)
         return {"peak": peak, "phase": "forward", "node": -1, "batch": batch}
     return peak_fn, parts_fn, phases_fn
 

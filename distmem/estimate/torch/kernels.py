@@ -51,7 +51,7 @@ def split_k_partials(x) -> int:
 def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
     """Bytes of the workspace cuDNN takes for one convolution (``name``: ``convolution`` or
     ``convolution_backward``, with the aten op's arguments), as its heuristic engines choose them
-    on NCHW tensors (measured on an H200, cuDNN 9: ``bench/estimate_zoo_probe.py --ops``):
+    on NCHW tensors (measured on an H200, cuDNN 9: ``bench/estimate/estimate_zoo_probe.py --ops``):
 
     * depthwise convolutions run torch's own kernels: none;
     * a 1x1, stride-1 convolution is a GEMM per image: none forward; its weight gradient is summed

@@ -11,7 +11,7 @@ from ..allocators import CudaCachingAllocator, ExactAllocator
 from .autocast import AutocastMode
 from .checkpointing import recomputed_under
 from .dispatch import dispatch_mode, Tracker
-from .inputs import example_inputs, step_loss, import_torch
+from .inputs import as_batch, example_inputs, step_loss, import_torch
 from .kernels import CUBLAS_WORKSPACES, CudaDropout, fused_sdpa
 from .trace import peak_parts, replay_steps
 
@@ -57,9 +57,13 @@ class Simulation:
     the optimizer factory, the precision, the allocator model's device and the switches."""
 
     def __init__(self, model: Any, *, example_input: Any, input_shape: Any, input_dtype: Any, loss: Any,
-                 cuda: bool, prec: Any, factory: Any, workspace: int, replay_later: bool, memo: bool, cudnn: bool):
+                 cuda: bool, prec: Any, factory: Any, workspace: int, replay_later: bool, memo: bool, cudnn: bool,
+                 batch_dim: Any = 0, param_dtype: Any = None):
         self.model, self.example_input, self.input_shape, self.input_dtype = model, example_input, input_shape, \
             input_dtype
+        #: where each input's batch is (see ``inputs``); FSDP2's param_dtype the parameters and
+        #: floating inputs take in the step (None: as they are)
+        self.batch_dim, self.param_dtype = batch_dim, param_dtype
         self.loss, self.cuda, self.prec, self.factory, self.workspace = loss, cuda, prec, factory, workspace
         self.replay_later, self.memo, self.cudnn = replay_later, memo, cudnn
         self.names = {id(m): n for n, m in model.named_modules()}
@@ -85,13 +89,15 @@ class _Run:
         tracker.cudnn = sim.cuda and sim.cudnn
         self.mode = dispatch_mode(tracker, sim.memo)
         with self.mode:
-            self.meta_params = {k: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+            self.meta_params = {k: torch.empty_like(p, device="meta", dtype=sim.param_dtype if (
+                sim.param_dtype is not None and p.is_floating_point()) else p.dtype).requires_grad_(p.requires_grad)
                                 for k, p in sim.params.items()}
             self.meta_buffers = {k: torch.empty_like(b, device="meta") for k, b in sim.buffers.items()}
         self.trainable = [p for p in self.meta_params.values() if p.requires_grad]
         self.opt = sim.factory(self.trainable, {})
         foreach_as_torch_picks(self.opt, sim.cuda)
-        self.args, self.kwargs = example_inputs(sim.model, sim.example_input, sim.input_shape, batch, sim.input_dtype)
+        self.args, self.kwargs = example_inputs(sim.model, sim.example_input, sim.input_shape, batch, sim.input_dtype,
+                                                batch_dim=sim.batch_dim, cast=sim.param_dtype)
         for t in (*self.args, *self.kwargs.values()):
             tracker.register(t)  # the batch is on the device for the whole step
         self.weight_keys = {p.untyped_storage()._cdata for p in (*self.meta_params.values(),
@@ -159,7 +165,7 @@ class _Run:
             self.autocast.__enter__()
         try:
             out = sim.model(*self.args, **self.kwargs)
-            value = step_loss(out, sim.loss)
+            value = step_loss(out, sim.loss, as_batch(self.args, self.kwargs))
         finally:
             if self.autocast is not None:
                 self.autocast.__exit__(None, None, None)
@@ -240,7 +246,8 @@ class _Run:
         return res
 
 
-def inference_peak(model, params, buffers, args, kwargs, cuda, prec, cudnn: bool, memo: bool) -> int:
+def inference_peak(model, params, buffers, args, kwargs, cuda, prec, cudnn: bool, memo: bool,
+                   param_dtype: Any = None) -> int:
     """Allocator peak of one forward pass under ``no_grad`` (eval mode), weights included."""
     torch = import_torch()
     alloc = CudaCachingAllocator() if cuda else ExactAllocator()
@@ -250,7 +257,8 @@ def inference_peak(model, params, buffers, args, kwargs, cuda, prec, cudnn: bool
     cdt = torch.bfloat16 if "bfloat16" in prec.name else torch.float16
     autocast = AutocastMode(cdt) if prec.cast_weights else None
     with mode:
-        state = {k: torch.empty_like(p, device="meta") for k, p in params.items()}
+        state = {k: torch.empty_like(p, device="meta", dtype=param_dtype if (
+            param_dtype is not None and p.is_floating_point()) else p.dtype) for k, p in params.items()}
         state.update({k: torch.empty_like(b, device="meta") for k, b in buffers.items()})
         for t in (*args, *kwargs.values()):
             tracker.register(t)

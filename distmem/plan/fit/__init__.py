@@ -45,24 +45,34 @@ def _gpus_of(gpus: Any, hosts: Optional[int]) -> Tuple[List[Gpu], str, int]:
 
 
 def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = "adam", input_shape: Any = None,
-                     batch_size: int = 8, device: Optional[str] = None, method: str = "auto",
-                     **estimate_options: Any) -> Dict[str, Costs]:
+                     batch_size: int = 8, device: Optional[str] = None, method: str = "auto", units: Any = None,
+                     param_dtype: Any = None, **estimate_options: Any) -> Dict[str, Costs]:
     """One :class:`EstimateCosts` per precision through ``distmem.estimate`` (imported here, not at
-    module level, so the solver stays free of frameworks)."""
+    module level, so the solver stays free of frameworks). A spec is handed to the estimator as
+    given (a measurement rebuilds it); a torch model's FSDP2 units are found here
+    (:func:`distmem.estimate.torch.units.fsdp_units`: ``units=`` as given, else its repeated
+    block). ``param_dtype``: FSDP2's ``MixedPrecisionPolicy`` param_dtype, the dtype the step runs in."""
     import importlib
 
     est_mod = importlib.import_module("distmem.estimate")
     out: Dict[str, Costs] = {}
     loaded = est_mod.load_model(model, est_mod.parse_shape(input_shape)) if isinstance(model, str) else model
+    found = None
+    if est_mod.loader.framework_of(loaded) == "torch":
+        found = importlib.import_module("distmem.estimate.torch.units").fsdp_units(loaded, units)
+    elif units is not None or param_dtype is not None:
+        raise ConfigError("units= and param_dtype= describe FSDP2 (torch's fully_shard); this model is a Keras model")
     for prec in precisions:
         opts = dict(estimate_options)
         if device is not None:
             opts["device"] = device
+        if param_dtype is not None:
+            opts["param_dtype"] = param_dtype
         # a spec is measured by a child that rebuilds it under each precision; a live model as it is
         est = est_mod.estimate(model if isinstance(model, str) and method != "model" else loaded,
                                batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
                                precision=prec, method=method, **opts)
-        out[prec] = EstimateCosts(est)
+        out[prec] = EstimateCosts(est, units=found)
     return out
 
 
@@ -70,7 +80,8 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
         framework: Optional[str] = None, precision: Any = "auto", optimizer: Any = "adam",
         input_shape: Any = None, layers: Optional[Sequence[Any]] = None, layers_batch_size: Optional[int] = None,
         costs: Optional[Dict[str, Costs]] = None, estimate_batch_size: Optional[int] = None,
-        device: Optional[str] = None, name: Optional[str] = None, estimate: str = "auto", **options: Any) -> FitResult:
+        device: Optional[str] = None, name: Optional[str] = None, estimate: str = "auto", units: Any = None,
+        example_input: Any = None, loss: Any = "auto", **options: Any) -> FitResult:
     """Which layouts of ``model`` at ``global_batch_size`` fit every rank of ``hosts`` hosts of
     ``gpus`` (``"8x80GiB"`` per host, an Inventory, or a list of Gpu), best first.
 
@@ -81,9 +92,17 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
     (``headroom``, ``reserve``, ``overhead``, ``foreign``, ``schedules``, ``recompute``,
     ``ranks_per_gpu``, ``pipelines``, ``micro_batches``, ``nccl``, ``nccl_buffsize``, ``top``,
     ``rejected``). ``estimate``: how the model is estimated (``"auto"``: measured where the hardware
-    is at hand, ``"measure"``, ``"model"``)."""
+    is at hand, ``"measure"``, ``"model"``). ``units``: the FSDP2 units of a torch model (class names,
+    module paths or a policy callable; default its repeated block), as ``fully_shard`` is applied."""
     gl, source, hosts = _gpus_of(gpus, hosts)
     precisions = precision_choices(precision)
+    if isinstance(options.get("wrapper"), str):
+        # a replicating wrapper by name, as the strategies take it ("ddp", "ddp_bucket_view",
+        # "horovod", "tf_distribute", "none"); its degree is each layout's data parallelism
+        from ..wrappers import plan_wrapper
+
+        options["wrapper"] = plan_wrapper(options["wrapper"], world_size=2, on_gpu=True, env={},
+                                          framework=framework or "")
     if costs is None:
         if (model is None) == (layers is None):
             raise ConfigError("fit needs exactly one of model= (a torch/Keras model or a spec such as "
@@ -98,8 +117,10 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
                                                    framework=framework or "torch")}
         else:
             b = estimate_batch_size or max(1, min(8, global_batch_size))
+            more = {k: v for k, v in (("example_input", example_input), ("loss", loss))
+                    if v is not None and not (k == "loss" and v == "auto")}
             costs = costs_from_model(model, precisions, optimizer=optimizer, input_shape=input_shape,
-                                     batch_size=b, device=device, method=estimate)
+                                     batch_size=b, device=device, method=estimate, units=units, **more)
     fw = framework or next(iter(costs.values())).framework
     label = name or (model if isinstance(model, str) else type(model).__name__ if model is not None else "layers")
     return solve_fit(costs, global_batch_size=global_batch_size, gpus=gl, hosts=hosts, model_name=str(label),

@@ -20,10 +20,23 @@ from ..partition import backward_transient
 
 __all__ = ["Costs", "EstimateCosts", "LayerListCosts", "group_blocks", "TRANSIENT_OUTPUTS"]
 
+
+def _as_master(parts: Optional[Dict[str, int]], ratio: float) -> Optional[Dict[str, int]]:
+    """A peak's split with its model-state parts in master bytes (``ratio``: the step's parameter
+    bytes per master byte)."""
+    if parts is None:
+        return None
+    state = ("weights", "gradients", "optimizer state", "accumulated gradients", "accumulation transient")
+    return {k: (int(round(v / ratio)) if k in state else int(v)) for k, v in parts.items()}
+
 #: A stage's backward holds, beyond what its layers keep, the gradient arriving for its output
 #: and the gradient it computes for the input of the layer it is working on: two layer outputs
 #: of the largest layer, for one micro-batch (bytes = 2 x largest output).
 TRANSIENT_OUTPUTS = 2
+
+#: The name of the part a step's peak is raised by to its estimate's high figure
+#: (``estimate uncertainty (<source>)``).
+UNCERTAINTY = "estimate uncertainty"
 
 
 def _block_of(name: str) -> Optional[str]:
@@ -91,12 +104,15 @@ class Costs:
     def gradient_bytes(self) -> int:
         return sum(b["gradients"] for b in self.block_state_split())
 
-    def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
+    def model_state(self, start: int = 0, stop: Optional[int] = None, master_ratio: float = 1.0) -> Any:
         """Blocks ``start .. stop-1``'s state as :class:`distmem.plan.wrappers.ModelState`, each
-        block one FSDP2 unit (``fully_shard`` per block, the root holding nothing of its own)."""
+        block one FSDP2 unit (``fully_shard`` per block, the root holding nothing of its own).
+        ``master_ratio``: bytes of the priced step's parameters per master byte (the state is
+        returned in master bytes)."""
         from ..wrappers import ModelState
 
-        split = self.block_state_split()[start:stop]
+        split = [{k: int(round(v / master_ratio)) for k, v in b.items()}
+                 for b in self.block_state_split()[start:stop]]
         weights = [b["weights"] for b in split]
         return ModelState(sum(weights), sum(b["gradients"] for b in split), sum(b["optimizer"] for b in split),
                           unit_bytes=tuple(weights), root_bytes=0)
@@ -119,12 +135,31 @@ class Costs:
         from ..wrappers import rank_peak
 
         parts, phase, kept = self.peak_parts(mb, accumulate)
+        # the estimate's uncertainty is a share of what a rank holds, not bytes of the whole
+        # model's step: taken out before the wrapper shards the step, put back as that share of
+        # the rank's own peak
+        uncertain = {k: parts.pop(k) for k in list(parts) if k.startswith(UNCERTAINTY)}
+        share = sum(uncertain.values()) / max(1, sum(parts.values()))
         backward = self.backward_parts(mb)
+        forward = self.forward_parts(mb)
         if backward is not None and accumulate:
             backward = dict(backward, **{"accumulation transient": self.largest_gradient})
+        ratio = float(getattr(wrapper, "param_ratio", 1.0) or 1.0) if getattr(wrapper, "kind", None) == "fsdp2" else 1.0
+        if ratio != 1.0:
+            # this step ran in param_dtype (as FSDP2 computes it); the state it shards is the master dtype's
+            parts, backward, forward = (_as_master(x, ratio) for x in (parts, backward, forward))
         peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept,
-                                 backward=backward, forward=self.forward_parts(mb))
+                                 backward=backward, forward=forward, kept_at_end=self.kept_at_end(mb))
+        if uncertain:
+            extra = int(math.ceil(peak * share))
+            out[next(iter(uncertain))] = extra
+            peak += extra
         return peak, out
+
+    def kept_at_end(self, mb: int) -> Optional[int]:
+        """Bytes the loop holds beside the model state when its backward ends (the output and loss
+        it keeps, the batch, workspaces); None where unknown."""
+        return None
 
     def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return None
@@ -151,8 +186,10 @@ class EstimateCosts(Costs):
     made at its peak (they stay alive across micro-steps). Pipeline stages sum the estimate's
     per-layer rows grouped into blocks, which scale exactly linearly with the micro-batch."""
 
-    def __init__(self, est: Any) -> None:
+    def __init__(self, est: Any, units: Any = None) -> None:
         self.est = est
+        #: the model's FSDP2 units (:class:`distmem.estimate.torch.units.FsdpUnits`); None: each block one unit
+        self.units = units
         self.precision = str(est.precision)
         self.framework = "torch" if str(est.framework).lower() in ("torch", "pytorch") else "tensorflow"
         rows = list(est.layers)
@@ -219,7 +256,7 @@ class EstimateCosts(Costs):
                        if hasattr(self.est, "state_floor") else 0)
             if high > peak:
                 source = bound.source if bound is not None else "modelled"
-                parts[f"estimate uncertainty ({source})"] = high - peak
+                parts[f"{UNCERTAINTY} ({source})"] = high - peak
                 peak = high
             if accumulate:
                 grad_bytes = int(self.est.grad_bytes)
@@ -258,12 +295,47 @@ class EstimateCosts(Costs):
             out = max([out] + [b["weights"] for b in self._split])
         return out
 
-    def model_state(self, start: int = 0, stop: Optional[int] = None) -> Any:
+    def model_state(self, start: int = 0, stop: Optional[int] = None, master_ratio: float = 1.0) -> Any:
         """:meth:`Costs.model_state`, with each estimator row's parameters as the tensors ZeRO
-        partitions (a module's weight and bias as one: rank 0's share is not under-counted)."""
-        base = super().model_state(start, stop)
+        partitions (a module's weight and bias as one: rank 0's share is not under-counted). With
+        the model's FSDP2 units (``units``) and the whole model (``start=0``, no ``stop``), the
+        units are those modules, the root the rest, and the tensors the model's own (FSDP2 pads
+        each one's dim 0)."""
+        base = super().model_state(start, stop, master_ratio)
         rows = [r for g in self._rows[start:stop] for r in g]
-        return replace(base, tensor_bytes=tuple(int(r.param_bytes) for r in rows if r.param_bytes))
+        if self.units is None or start != 0 or stop not in (None, len(self._rows)):
+            return replace(base, tensor_bytes=tuple(int(round(r.param_bytes / master_ratio))
+                                                    for r in rows if r.param_bytes))
+        u = self.units
+        tensors = list(u.tensors)
+        scale = base.param_bytes / max(1, sum(t[1] for t in tensors))  # the model's dtype -> the state's
+        first: Dict[int, int] = {}
+        for i, r in enumerate(rows):
+            k = u.unit_of(r.name.replace(" (own ops)", ""))
+            if k >= 0 and r.param_bytes:
+                first.setdefault(k, i)
+        order = sorted(range(len(u.paths)), key=lambda k: (first.get(k, len(rows)), k))
+        unit_bytes = [0] * len(u.paths)
+        for _, nbytes, _, k, _ in tensors:
+            if k >= 0:
+                unit_bytes[k] += nbytes
+        last = max(first.values(), default=-1)
+        # rows named in parentheses hold parameters no module ran ("(unused parameters)"): not a layer
+        head = sum(r.param_bytes for i, r in enumerate(rows) if i > last >= 0 and r.param_bytes
+                   and not r.name.startswith("(") and u.unit_of(r.name.replace(" (own ops)", "")) < 0)
+        units = tuple(int(round(unit_bytes[k] * scale)) for k in order)
+        return replace(base, tensor_bytes=tuple(int(round(t[1] * scale)) for t in tensors),
+                       tensor_rows=tuple(t[2] for t in tensors), unit_bytes=units,
+                       root_bytes=max(0, base.param_bytes - sum(units)),
+                       root_head_bytes=int(round(head / master_ratio)), units_text=u.describe())
+
+    def kept_at_end(self, mb: int) -> Optional[int]:
+        """The update's split (the step's peak within its update) less what the update makes: the
+        output and loss the loop keeps, the batch and the workspaces."""
+        update = self._phase(mb, "update")
+        if update is None:
+            return None
+        return int(sum(v for k, v in update.items() if k in ("activations", "inputs", "workspaces")))
 
     def peak_parts(self, mb: int, accumulate: bool) -> Tuple[Dict[str, int], str, Optional[int]]:
         peak, parts = self.whole_peak(mb, accumulate)

@@ -11,7 +11,9 @@ against its GPU:
   (two outputs of the stage's largest layer) and the buffers every rank keeps;
 
 then ``planned = demand x (1 + headroom)`` in whole MiB (the allocator's cache and
-fragmentation under a hard limit) must fit the rank's equal share of its GPU: total - driver
+fragmentation under a hard limit; where torch's expandable segments cannot be had, at least
+``(demand + the largest single allocation) x (1 + headroom)``: a capped caching allocator can strand
+a block that size, see :meth:`Evaluator.block_room`) must fit the rank's equal share of its GPU: total - driver
 reserved - reserve - foreign - ranks on the GPU x memory outside the allocator
 (:mod:`distmem.plan.outside`: CUDA context, cuBLAS/cuDNN, NCCL communicators).
 """
@@ -125,7 +127,7 @@ class Evaluator:
     """Prices layouts; caches partitions, outside-allocator figures and shares."""
 
     def __init__(self, costs: Dict[str, Costs], gpus: List[Gpu], *, budget: Budget, overhead: Any, framework: str,
-                 nccl: Any, nccl_buffsize: Any, wrapper: Any = None) -> None:
+                 nccl: Any, nccl_buffsize: Any, wrapper: Any = None, expandable: bool = True) -> None:
         self.costs = costs
         self.gpus = gpus
         self.budget = budget
@@ -136,6 +138,9 @@ class Evaluator:
         self.overhead = overhead
         #: a wrapper that shards nothing (Horovod, DDP): its buffers are added to every replicated rank
         self.wrapper = wrapper
+        #: torch's allocator may use expandable segments (init() sets them where fit says so); without
+        #: them every limit also leaves room for the largest single allocation
+        self.expandable = expandable
         self._outside: Dict[int, Dict[str, Any]] = {}
         self._shares: Dict[Tuple[int, int, int], int] = {}
         self._parts: Dict[Tuple[Any, ...], Any] = {}
@@ -195,9 +200,20 @@ class Evaluator:
         """What the job's replicating wrapper (Horovod's fusion buffer, DDP's buckets) adds to a rank."""
         return added_bytes(self.wrapper, grad_bytes) if self.wrapper is not None else 0
 
-    def _planned(self, nbytes: int) -> int:
-        """The limit for an allocator peak of ``nbytes``: ``peak x (1 + headroom)`` in whole MiB."""
-        return self.budget.limit_for(nbytes)
+    def _planned(self, nbytes: int, block: int = 0) -> int:
+        """The limit for an allocator peak of ``nbytes``: ``peak x (1 + headroom)`` in whole MiB, and
+        at least ``(peak + block) x (1 + headroom)`` where ``block`` must be left room for."""
+        limit = self.budget.limit_for(nbytes)
+        return max(limit, self.budget.limit_for(nbytes + block)) if block else limit
+
+    def block_room(self, c: Costs, layout: ParallelLayout) -> int:
+        """The largest single allocation a limit must leave room for: 0 where the allocator can map
+        blocks without splitting them (expandable segments) or does not strand them (TensorFlow's BFC
+        coalesces); else torch's largest block at the layout's micro-batch (a capped caching
+        allocator ran out of memory with a block that size stranded: vgg16 on the H200)."""
+        if self.expandable or self.framework != "torch":
+            return 0
+        return int(c.largest_block(layout.micro_batch, layout.shard or ""))
 
     def lower_bound(self, layout: ParallelLayout) -> int:
         """A bound on the heaviest stage's allocator peak (bytes) that needs no partition."""
@@ -223,6 +239,7 @@ class Evaluator:
                 return Candidate(layout, False, exact=False, outside=out, lower_bound_bytes=lb)
         self.evaluated += 1
         split = self.split(layout.precision)
+        block = self.block_room(c, layout)
         stages: List[StageFit] = []
         if layout.pipeline == 1:
             if layout.shard:
@@ -240,7 +257,7 @@ class Evaluator:
                     parts = dict(parts, **{"wrapper buffers": added})
                     peak += added
             share, gpu = shares[0]
-            planned = self._planned(peak)
+            planned = self._planned(peak, block)
             bd = dict(parts)
             bd["allocator cache"] = planned - peak
             bd["outside allocator"] = outside_bytes
@@ -271,7 +288,7 @@ class Evaluator:
                 else:
                     wrapped = self._added(sum(b["gradients"] for b in ss))
                 peak += wrapped
-                planned = self._planned(peak)
+                planned = self._planned(peak, block)
                 share, gpu = shares[sd.stage]
                 bd = {"weights": sum(b["weights"] for b in ss), "gradients": sum(b["gradients"] for b in ss),
                       "optimizer": sum(b["optimizer"] for b in ss)}

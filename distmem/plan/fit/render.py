@@ -40,8 +40,11 @@ def render_fit(res: Any) -> str:
              f"searched, {res.evaluated} priced "
              f"in {res.seconds:.2f} s",
              f"ranked by {_proxy_line()}; limit = allocator peak x {1 + res.headroom:.2f} (whole MiB)", ""]
+    idle = getattr(res, "idle_gpus", 0)
     if res.fits:
-        lines.append("fits (best first):")
+        lines.append("fits (best first):" if not idle else
+                     f"fits (best first; none runs a rank on every GPU: the best leaves {plural(idle, 'GPU')} idle, "
+                     "see below):")
         rows = []
         for i, c in enumerate(res.fits, 1):
             h = c.heaviest
@@ -54,7 +57,8 @@ def render_fit(res: Any) -> str:
                                             _RIGHT + [False, True, True, True, True])]
         ch = res.fits[0]
         lines.append("")
-        lines.append(f"chosen: {ch.layout.describe()}")
+        lines.append(f"chosen: {ch.layout.describe()}" + (f" ({plural(ch.layout.ranks, 'rank')}; "
+                                                           f"{plural(idle, 'GPU')} idle)" if idle else ""))
         for s in ch.stages:
             blocks = f"blocks {s.first_block}..{s.stop_block - 1}" if ch.layout.pipeline > 1 else "whole model"
             lines.append(f"  stage {s.stage} ({blocks}, {s.in_flight} micro-batch(es) in flight): "

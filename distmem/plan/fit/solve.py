@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ...console import progress
 from ...discover.gpus import Gpu
 from ...errors import ConfigError
 from ...units import MiB, SizeLike, format_bytes, plural
@@ -62,6 +63,9 @@ class FitResult:
     #: torch: the chosen layout's largest allocation exceeds its limit's headroom, so it should run
     #: with the allocator's expandable segments (see the warning)
     expandable_segments: bool = False
+    #: GPUs of the fleet the best fit leaves idle: no layout with a rank on every GPU fits, one of
+    #: fewer ranks does (:attr:`suggestion` says why)
+    idle_gpus: int = 0
     costs: Dict[str, Costs] = field(default_factory=dict, repr=False)
 
     @property
@@ -81,7 +85,8 @@ class FitResult:
                 "proxy": PROXY_TEXT, "chosen": row(self.chosen) if self.chosen else None,
                 "fits": [row(c) for c in self.fits], "rejected": [row(c) for c in self.rejected],
                 "suggestion": self.suggestion, "warnings": list(self.warnings),
-                "expandable_segments": self.expandable_segments, "blocks": list(self.block_names),
+                "expandable_segments": self.expandable_segments, "idle_gpus": self.idle_gpus,
+                "blocks": list(self.block_names),
                 "seconds": round(self.seconds, 3)}
 
     def table(self) -> str:
@@ -198,12 +203,17 @@ def _smallest_fleet(ev: Evaluator, costs: Dict[str, Costs], B: int, gpus_per_hos
     if found is not None:
         p, cand = found
         b = cand.heaviest
+        one = (f"one pipeline of {plural(p, 'stage')}, micro-batch 1 x {B}, 1F1B, {'recompute, ' if p > 1 else ''}"
+               f"{prec}, heaviest stage {format_bytes(b.planned_bytes)} of {format_bytes(b.share_bytes)}")
+        if p <= have:
+            # it fits this fleet: only the search's own limits (the options given) left it out
+            return (f"nothing the search was allowed to try fits; {one}, fits {p} of these {plural(have, 'GPU')} "
+                    f"(leaving {have - p} idle); widen what the search tries (--micro-batches, --pipelines, "
+                    "--precision, --ranks-per-gpu, --ranks-per-host)")
         hosts_needed = -(-p // gpus_per_host)
         return (f"nothing fits {plural(have, 'GPU')} of {format_bytes(gpu.total_bytes)}; the smallest fleet that fits "
-                f"is {plural(p, 'such GPU', 'such GPUs')} ({plural(hosts_needed, 'host')} of {gpus_per_host}): one "
-                f"pipeline of {plural(p, 'stage')}, "
-                f"micro-batch 1 x {B}, 1F1B, {'recompute, ' if p > 1 else ''}{prec}, heaviest stage "
-                f"{format_bytes(b.planned_bytes)} of {format_bytes(b.share_bytes)}; it trains slowly (bubble "
+                f"is {plural(p, 'such GPU', 'such GPUs')} ({plural(hosts_needed, 'host')} of "
+                f"{plural(gpus_per_host, 'GPU')}): {one}; it trains slowly (bubble "
                 f"{lay_bubble(p, B):.0%}); more GPUs let data parallelism add throughput")
     p, b = last
     big = max(range(n), key=lambda i: costs[prec].block_costs(1)[i].state_bytes)
@@ -227,7 +237,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
               pipelines: Any = None, micro_batches: Any = None, nccl: Any = "auto", nccl_buffsize: Any = None,
               top: int = 10, rejected: int = 5, fixed_local_size: Optional[int] = None,
               idle_gpus: bool = False, max_evaluations: int = 50000, memory: Optional[str] = None,
-              shardings: Any = "auto", wrapper: Any = None) -> FitResult:
+              shardings: Any = "auto", wrapper: Any = None, expandable_segments: Any = True) -> FitResult:
     """The layouts of ``global_batch_size`` samples per step on ``hosts`` hosts of ``gpus`` that fit
     every rank, best first (see the module docstring), and the best rejected ones.
 
@@ -244,7 +254,11 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     layout ranks after the replicated one of the same step time (it moves more bytes: FSDP2
     gathers the parameters again in the backward). ``wrapper``: a
     :class:`~distmem.plan.wrappers.Wrapper` that replicates the state (Horovod, DDP), whose buffers
-    every replicated rank also holds.
+    every replicated rank also holds. ``expandable_segments`` (torch): True where the job may run
+    with the allocator's expandable segments (``init()`` sets them when the chosen layout needs them:
+    :attr:`FitResult.expandable_segments`); False where it cannot (the user turned them off, CUDA
+    started before ``init()`` on a torch that cannot change them): every limit then also leaves
+    room for the largest single allocation.
     """
     import time
 
@@ -298,8 +312,12 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             f"every layout has a data-parallel degree in {ok}{detail} and none divides {global_batch_size} into "
             f"whole micro-batches; use a global batch that one of them divides (nearby: "
             f"{', '.join(map(str, near))}), or other --hosts / ranks per host")
+    if expandable_segments not in (True, False, "auto", None):
+        raise ConfigError(f"expandable_segments={expandable_segments!r}: use True (the job may run with torch's "
+                          "expandable segments), False (it cannot: limits leave room for the largest block) or 'auto'")
+    expandable = expandable_segments is not False
     ev = Evaluator(costs, gpus, budget=budget, overhead=overhead, framework=fw, nccl=nccl,
-                   nccl_buffsize=nccl_buffsize, wrapper=wrapper)
+                   nccl_buffsize=nccl_buffsize, wrapper=wrapper, expandable=expandable)
 
     grad_bytes = {p: costs[p].gradient_bytes for p in costs}
 
@@ -311,6 +329,60 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
                 lay.schedule != "1f1b", lay.pipeline, lay.precision)
 
     layouts.sort(key=key)
+    progress(f"searching {len(layouts)} layouts of {model_name} over {plural(g * hosts, 'GPU')}")
+    fits, rej = _walk(layouts, ev, top, rejected, max_evaluations)
+    searched = len(layouts)
+    idle = 0
+    if not fits and not idle_gpus and fixed_local_size is None and g > 1:
+        # Every GPU busy fits nowhere, yet fewer ranks may: each rank also holds memory outside the
+        # allocator (its context, NCCL's buffers), which a job of fewer ranks does not. What fits
+        # the fleet given is an answer, with the GPUs it leaves idle said; not "a smaller fleet".
+        fewer, _ = enumerate_layouts(nblocks, global_batch_size, g, hosts, precisions=precisions,
+                                     schedules=list(schedules), recompute=rc_choices, ranks_per_gpu=[1],
+                                     pipelines=p_choices, micro_batches=mb_choices, idle_gpus=True,
+                                     shardings=shard_names)
+        fewer = sorted([(lay, L) for lay, L in fewer if L < g], key=key)
+        progress(f"no layout with a rank on every GPU fits: searching {len(fewer)} that leave GPUs idle")
+        fits, _ = _walk(fewer, ev, top, 0, max_evaluations)
+        searched += len(fewer)
+        idle = g * hosts - fits[0].layout.ranks if fits else 0
+    for cand in rej:
+        cand.remedy = _remedies(cand, fits, h, budget)
+    warnings: List[str] = []
+    for cand in (fits or rej)[:1]:
+        for w in cand.outside.get("warnings", []):
+            if w not in warnings:
+                warnings.append(w)
+    advice = _allocator_advice(fits[0], costs, fw) if fits and expandable else None
+    if advice:
+        warnings.append(advice["warning"])
+    suggestion = None
+    if not fits:
+        suggestion = _smallest_fleet(ev, costs, global_batch_size, g, hosts, precisions)
+    elif idle:
+        used = fits[0].layout.ranks
+        suggestion = (f"no layout with a rank on every one of the {plural(g * hosts, 'GPU')} fits (best rejected above); "
+                      f"the layouts that fit run fewer ranks: the best runs {plural(used, 'rank')} and leaves "
+                      f"{plural(idle, 'GPU')} idle. Every rank also holds memory outside the allocator (its context, "
+                      f"NCCL's buffers towards its peers: {format_bytes(_outside(rej))} on the best rejected), which "
+                      f"a job of fewer ranks does not; larger GPUs let every GPU train")
+    res = FitResult(model=model_name, framework=fw, global_batch_size=global_batch_size,
+                    fleet=fleet or f"{g}x{format_bytes(gpus[0].total_bytes)}", hosts=hosts, gpus_per_host=g,
+                    fits=fits, rejected=rej, searched=searched, evaluated=ev.evaluated, headroom=h,
+                    block_names=list(first.block_names), suggestion=suggestion, warnings=warnings, costs=costs)
+    res.seconds = time.perf_counter() - t0
+    res.expandable_segments = bool(advice)
+    res.idle_gpus = idle
+    return res
+
+
+def _outside(rejected: List[Candidate]) -> int:
+    return int(rejected[0].outside.get("total_bytes", 0)) if rejected else 0
+
+
+def _walk(layouts: Sequence[Tuple[ParallelLayout, int]], ev: Evaluator, top: int, rejected: int,
+          max_evaluations: int) -> Tuple[List[Candidate], List[Candidate]]:
+    """Price ``layouts`` (sorted best first) until ``top`` fit and ``rejected`` did not: (fits, rejected)."""
     fits: List[Candidate] = []
     rej: List[Candidate] = []
     # Data parallel demand grows with the micro-batch: once (d, k, precision, accumulating) fits at
@@ -338,26 +410,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             if not cand.exact:
                 cand = ev.evaluate(lay, L)
             rej.append(cand)
-    for cand in rej:
-        cand.remedy = _remedies(cand, fits, h, budget)
-    warnings: List[str] = []
-    for cand in (fits or rej)[:1]:
-        for w in cand.outside.get("warnings", []):
-            if w not in warnings:
-                warnings.append(w)
-    advice = _allocator_advice(fits[0], costs, fw) if fits else None
-    if advice:
-        warnings.append(advice["warning"])
-    suggestion = None
-    if not fits:
-        suggestion = _smallest_fleet(ev, costs, global_batch_size, g, hosts, precisions)
-    res = FitResult(model=model_name, framework=fw, global_batch_size=global_batch_size,
-                    fleet=fleet or f"{g}x{format_bytes(gpus[0].total_bytes)}", hosts=hosts, gpus_per_host=g,
-                    fits=fits, rejected=rej, searched=len(layouts), evaluated=ev.evaluated, headroom=h,
-                    block_names=list(first.block_names), suggestion=suggestion, warnings=warnings, costs=costs)
-    res.seconds = time.perf_counter() - t0
-    res.expandable_segments = bool(advice)
-    return res
+    return fits, rej
 
 
 def _allocator_advice(cand: Candidate, costs: Dict[str, Costs], framework: str) -> Optional[Dict[str, Any]]:

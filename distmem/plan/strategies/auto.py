@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
+from ... import settings
 from ...errors import ConfigError, DoesNotFitError
 from ...units import format_bytes, plural
 from ..strategy import Strategy, option
@@ -68,12 +69,28 @@ class AutoOptions:
     rejected: int = option(1, cli=False, help="best rejected layouts to keep for the error")
     costs: Optional[Dict[str, Any]] = option(None, cli=False, help="precomputed fit costs per precision")
     framework: Optional[str] = option(None, cli=False, help="whose allocator and overhead to model")
+    expandable_segments: Any = option("auto", cli=False,
+                                      help="torch's expandable segments: auto (set by init() where the chosen "
+                                           "layout needs them, unless DISTMEM_TORCH_EXPANDABLE_SEGMENTS or "
+                                           "PYTORCH_ALLOC_CONF says otherwise), True, or False (limits leave "
+                                           "room for the largest block instead)")
 
 
 def _given(budget: Any, what: str) -> Any:
     """The budget's reserve or foreign use as fit takes it: bytes, or a percentage of each GPU."""
     fraction = getattr(budget, f"{what}_fraction")
     return f"{fraction * 100:g}%" if fraction else getattr(budget, f"{what}_bytes")
+
+
+def expandable_allowed(value: Any, env: Any) -> bool:
+    """Whether the job may run with torch's expandable segments: ``value`` when given, else unless the
+    user turned them off (``DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0``, ``expandable_segments:False`` in
+    ``PYTORCH_ALLOC_CONF``): every door reads the same environment, so every door plans the same."""
+    if value in (True, False):
+        return value
+    if value not in ("auto", None):
+        raise ConfigError(f"expandable_segments={value!r}: use 'auto', True or False")
+    return settings.torch_expandable_segments(env) is not False
 
 
 def _fit(ctx: "Context", opts: AutoOptions) -> Any:
@@ -96,7 +113,8 @@ def _fit(ctx: "Context", opts: AutoOptions) -> Any:
         reserve=_given(ctx.budget, "reserve"), foreign=_given(ctx.budget, "foreign"), fixed_local_size=local, top=1,
         rejected=opts.rejected, recompute=opts.recompute, nccl=opts.nccl, nccl_buffsize=opts.nccl_buffsize,
         overhead=ctx.given_overhead, estimate=ctx.estimate_method, shardings=opts.shardings,
-        wrapper=plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=True, env=ctx.env))
+        wrapper=plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=True, env=ctx.env),
+        expandable_segments=expandable_allowed(opts.expandable_segments, ctx.env))
     for name in ("schedules", "pipelines", "micro_batches"):
         if getattr(opts, name) is not None:
             args[name] = getattr(opts, name)
@@ -151,11 +169,19 @@ def plan(ctx: "Context", opts: AutoOptions) -> Plan:
         "guard_start_batch": lay.micro_batch, "step_units": round(lay.step_units(), 3),
         "outside": chosen.outside, "headroom": result.headroom, "model": result.model,
         "global_batch_size": opts.global_batch_size,
+        # torch: the chosen limits hold only with the allocator's expandable segments; init() sets them
+        # for the job before CUDA starts (distmem.apply.torch.prepare)
+        "expandable_segments": bool(result.expandable_segments),
     }
     plan_.options.update(strategy_requested="auto", global_batch_size=opts.global_batch_size)
     for w in result.warnings:
         if w not in plan_.warnings:
             plan_.warnings.append(w)
+    if result.expandable_segments:
+        plan_.warnings.append(
+            "init() sets torch's expandable segments for this job before CUDA starts (PYTORCH_ALLOC_CONF="
+            "expandable_segments:True, merged with the other settings there), as this layout needs; "
+            "DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0 plans without them (limits with room for the largest block)")
     return plan_
 
 

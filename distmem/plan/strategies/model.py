@@ -4,7 +4,9 @@ A host runs ``local_size`` ranks and each owns ``gpus_per_rank`` GPUs (default: 
 ranks per host): local rank ``r`` gets GPUs ``r*g .. r*g + g - 1``. The model's layers are cut
 into ``g`` contiguous groups so that the largest group's demand (weights + gradients + optimizer
 state + activations at the batch + the input it receives from the previous device, in bytes) is
-as small as possible — exactly, ties broken toward the fewest bytes crossing devices. Each
+as small as possible — exactly, ties broken toward the fewest bytes crossing devices. A group's
+demand also counts its backward's gradients in flight, by the pipeline stage's rule
+(:func:`distmem.plan.partition.backward_transient`, a layer's ``backward_bytes`` included). Each
 device's limit is its group's demand plus headroom, in whole MiB.
 
 The placement map (``plan.extras["model"]["placement"]``, layer name -> ``"/GPU:k"``) names
@@ -120,6 +122,7 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
         breakdown = {"state_bytes": sum(d.state_bytes for d in part.stages) - added, "wrapper_bytes": added,
                      "activation_bytes": sum(d.activation_bytes for d in part.stages),
                      "boundary_bytes": sum(d.boundary_bytes for d in part.stages),
+                     "transient_bytes": sum(d.transient_bytes for d in part.stages),
                      "planned_bytes": sum(wants)}
         alloc = Allocation(rank, pl.local_rank, pl.host, "model", "cpu", replica=rank,
                            demand_bytes=sum(d.total_bytes for d in part.stages), breakdown=breakdown,
@@ -143,7 +146,8 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
                         f"layer group {k} ({part.layer_names[d.start]}..{part.layer_names[d.stop - 1]}, "
                         f"{d.num_layers} layers) needs {format_bytes(d.total_bytes)} (weights+grads+optimizer "
                         f"{format_bytes(d.state_bytes)}, activations {format_bytes(d.activation_bytes)}, input "
-                        f"{format_bytes(d.boundary_bytes)}) but GPU {gpu.index} of rank {rank} offers "
+                        f"{format_bytes(d.boundary_bytes)}, backward gradients in flight "
+                        f"{format_bytes(d.transient_bytes)}) but GPU {gpu.index} of rank {rank} offers "
                         f"{format_bytes(share)} after the reserve {format_bytes(budget.reserve_of(gpu))}, foreign "
                         f"{format_bytes(budget.foreign_of(gpu))} and per-process overhead "
                         f"{format_bytes(budget.overhead_bytes)}; give each rank more GPUs (gpus_per_rank=), run "
@@ -163,7 +167,8 @@ def plan(ctx: "Context", opts: ModelOptions) -> Plan:
         "gpus_per_rank": g, "device_type": kind, "placement": placement,
         "groups": [{"group": k, "device": device_name(kind, k), "demand_bytes": d.total_bytes,
                     "planned_bytes": wants[k], "state_bytes": d.state_bytes, "activation_bytes": d.activation_bytes,
-                    "boundary_bytes": d.boundary_bytes, "first_layer": part.layer_names[d.start],
+                    "boundary_bytes": d.boundary_bytes, "transient_bytes": d.transient_bytes,
+                    "first_layer": part.layer_names[d.start],
                     "last_layer": part.layer_names[d.stop - 1], "num_layers": d.num_layers}
                    for k, d in enumerate(part.stages)],
         "cut_bytes": part.cut_bytes, "batch_size": batch_size,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...errors import ConfigError, DoesNotFitError
-from ...units import SizeLike, format_bytes, parse_bytes, plural
+from ...units import MiB, SizeLike, format_bytes, parse_bytes, plural
 from ...discover.gpus import Gpu
 from ..budget import Budget, growth_note, idle_warnings, slot
 from ..partition import SCHEDULES, Partition, StageDemand, layers_from_dicts, partition_pipeline
@@ -95,8 +95,9 @@ def _explicit_stages(stages: Sequence[SizeLike], num_stages: Optional[int]) -> L
     out = []
     for s, value in enumerate(stages):
         nbytes = parse_bytes(value, what=f"stages[{s}]")
-        if nbytes <= 0:
-            raise ConfigError(f"stages[{s}]={value!r}: a stage needs a positive size")
+        if nbytes < MiB:
+            raise ConfigError(f"stages[{s}]={value!r} is {nbytes} bytes: a stage's demand is a size of at least 1 MiB "
+                              "(e.g. 9GiB); the number of stages is num_stages= (--num-stages 4, -o num_stages=4)")
         out.append(StageDemand(stage=s, start=s, stop=s + 1, state_bytes=nbytes, activation_bytes=0,
                                boundary_bytes=0, in_flight=1))
     return out

@@ -21,7 +21,7 @@ from ...units import SizeLike, format_bytes, plural
 from ..budget import growth_note, idle_warnings, slot
 from ..strategy import Strategy, option
 from ..types import Allocation, Plan
-from ..wrappers import SHARDINGS, grad_fraction, sharding_wrapper
+from ..wrappers import SHARDINGS, grad_fraction, mixed_precision, sharding_wrapper
 from .text import layers_file, shape, whole_number
 
 if TYPE_CHECKING:
@@ -51,6 +51,16 @@ class ShardedOptions:
                                                   help="one sample without the batch axis, e.g. 3,224,224")
     headroom: Optional[SizeLike] = option(
         None, metavar="PCT", help="added to each rank's demand for the allocator (default 10%%); 0 keeps it")
+    units: Any = option(None, metavar="CLASS,...|PATH,...",
+                        help="FSDP2 units, as fully_shard is applied: module class names (LlamaDecoderLayer), module "
+                             "paths (model.layers.0) or, in Python, a policy callable; 'root' for none (default: the "
+                             "model's repeated block, every module of its class a unit, the root holding the rest)")
+    param_dtype: Optional[str] = option(None, choices=("float32", "bfloat16", "float16"),
+                                        help="FSDP2 MixedPrecisionPolicy(param_dtype=...): parameters gathered and the "
+                                             "step computed in it, the shards and optimizer in float32 (default: none)")
+    reduce_dtype: Optional[str] = option(None, choices=("float32", "bfloat16", "float16"),
+                                         help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the gradients' "
+                                              "reduce-scatter dtype (default: param_dtype)")
 
 
 def _degree(ctx: "Context", opts: ShardedOptions) -> int:
@@ -74,7 +84,15 @@ def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[i
         raise ConfigError(f"sharding={opts.sharding!r} is not one of {', '.join(SHARDINGS)}")
     if isinstance(opts.prefetch, bool) or not isinstance(opts.prefetch, int) or opts.prefetch < 0:
         raise ConfigError(f"prefetch={opts.prefetch!r}: give the FSDP2 units gathered ahead, a whole number >= 0")
-    wrapper = sharding_wrapper(opts.sharding, degree, prefetch=opts.prefetch)
+    if (opts.param_dtype or opts.reduce_dtype) and not opts.sharding.startswith("fsdp2"):
+        raise ConfigError(f"param_dtype/reduce_dtype are FSDP2's MixedPrecisionPolicy; sharding={opts.sharding!r} "
+                          "runs the model as it is: give precision='mixed_bfloat16' for autocast, or sharding='fsdp2'")
+    if opts.reduce_dtype and not opts.param_dtype:
+        raise ConfigError(f"reduce_dtype={opts.reduce_dtype!r} without param_dtype: give param_dtype too (FSDP2 "
+                          "reduces in param_dtype unless told otherwise)")
+    if opts.layers is not None and (opts.units is not None or opts.param_dtype):
+        raise ConfigError("units= and param_dtype= need model= (the module is what is wrapped); with layers= each "
+                          "layer is one unit, in the dtype its costs were given in")
     batch = int(opts.batch_size or 8)
 
     def compute() -> Tuple[int, Dict[str, int], List[str]]:
@@ -89,13 +107,24 @@ def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[i
                                         gradient_fraction=grad_fraction(opts.optimizer))
         else:
             costs = costs_from_model(opts.model, [prec], optimizer=opts.optimizer, input_shape=opts.input_shape,
-                                     batch_size=batch, method=ctx.estimate_method)[prec]
+                                     batch_size=batch, method=ctx.estimate_method, units=opts.units,
+                                     param_dtype=opts.param_dtype)[prec]
+        wrapper = sharding_wrapper(opts.sharding, degree, prefetch=opts.prefetch,
+                                   **mixed_precision(opts.param_dtype, opts.reduce_dtype, _master_bytes(costs)))
         peak, parts = costs.rank_peak(batch, False, wrapper)
         from ..wrappers import wrapper_demand
 
         return int(peak), {k: int(v) for k, v in parts.items()}, wrapper_demand(wrapper, costs.model_state()).rules
 
     return ctx.agreed(compute)
+
+
+def _master_bytes(costs: Any) -> float:
+    """Bytes per element of the model's parameters as held (the sharded master copy)."""
+    est = getattr(costs, "est", None)
+    if est is None or not getattr(est, "params", 0):
+        return 4.0
+    return float(est.param_bytes) / float(est.params)
 
 
 def plan(ctx: "Context", opts: ShardedOptions) -> Plan:
@@ -147,9 +176,14 @@ def plan(ctx: "Context", opts: ShardedOptions) -> Plan:
     extras: Dict[str, Any] = {"sharded": {
         "sharding": opts.sharding, "degree": degree, "groups": ctx.topo.size // degree, "batch_size": opts.batch_size,
         "demand_bytes": demand, "planned_bytes": want, "parts": parts, "rules": rules, "headroom": budget.headroom,
-        "source": "model" if opts.model is not None else "layers"}}
+        "source": "model" if opts.model is not None else "layers",
+        "units": next((r.split(". ", 1)[0][len("FSDP2 units: "):] for r in rules if r.startswith("FSDP2 units: ")),
+                      None), "param_dtype": opts.param_dtype, "reduce_dtype": opts.reduce_dtype}}
     options = dict(sharding=opts.sharding, degree=degree, batch_size=opts.batch_size, prefetch=opts.prefetch,
-                   optimizer=str(opts.optimizer), precision=str(opts.precision))
+                   optimizer=str(opts.optimizer), precision=str(opts.precision),
+                   units=opts.units if opts.units is None or isinstance(opts.units, (str, list, tuple)) else
+                   getattr(opts.units, "__qualname__", "a policy"), param_dtype=opts.param_dtype,
+                   reduce_dtype=opts.reduce_dtype)
     return ctx.make_plan("sharded", allocations, options, extras=extras, warnings=warnings)
 
 

@@ -2,9 +2,9 @@
 :func:`distmem.plan.strategy.option`): each reader names the flag and the accepted form on error."""
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, List, Optional, Tuple
 
+from ... import untrusted
 from ...errors import ConfigError
 from ..partition import layers_from_dicts
 
@@ -46,9 +46,8 @@ def shape(text: Optional[str]) -> Optional[Tuple[int, ...]]:
 def layers_file(path: str) -> List[Any]:
     """Per-layer costs from a JSON file: a list of ``{name, state_bytes, activation_bytes,
     output_bytes}``, ``{"layers": [...]}``, or what ``distmem estimate --per-layer --json`` writes."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+    try:  # checked: no link, no FIFO, at most 64 MiB, this user's own in a folder others can write
+        data = untrusted.read_json(path, max_bytes=64 * 1024**2, what="the layer costs file")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--layers {path}: cannot read a JSON list of layer costs ({exc}); write "
                           "[{\"name\": ..., \"state_bytes\": ..., \"activation_bytes\": ..., \"output_bytes\": ...}, "

@@ -18,7 +18,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..aggregate import Report
-from .files import atomic_path, atomic_write, read_json, write_json
+from .files import atomic_file, atomic_write, read_json, write_json
 from .png import plot
 from .prometheus import prometheus, prometheus_text
 from .table import print_report, rich_table, table
@@ -26,7 +26,7 @@ from .tensorboard import TensorBoard
 
 __all__ = ["Sink", "TableSink", "JsonSink", "PngSink", "TensorBoardSink", "PrometheusSink", "write_all", "flush_all", "close_all",
            "table", "rich_table", "print_report", "write_json", "read_json", "plot", "prometheus",
-           "prometheus_text", "TensorBoard", "atomic_path", "atomic_write"]
+           "prometheus_text", "TensorBoard", "atomic_file", "atomic_write"]
 
 log = logging.getLogger("distmem")
 
@@ -84,6 +84,12 @@ class PngSink(Sink):
     name = "png"
 
     def __init__(self, path: str):
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is not None:  # without it, flush says so (never stops training)
+            from .png import plot_format
+
+            plot_format(path, "plot=")  # a name whose format is unknown is refused now, not after training
         self.path = path
 
     def flush(self, report: Optional[Report] = None) -> None:

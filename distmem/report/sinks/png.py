@@ -1,7 +1,10 @@
-"""The report as a PNG: planned beside actual per rank, and the timeline of the periodic reports."""
+"""The report as a picture: planned beside actual per rank, and the timeline of the periodic reports.
+The format follows the file's extension (``.png``, ``.svg``, ``.pdf``, ``.jpg``... what matplotlib
+writes, :func:`plot_format`); any other name is refused before the work, with the list."""
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -10,11 +13,33 @@ from ...errors import ConfigError
 from ...observe.snapshot import plan_usage
 from ...units import GiB, MiB, format_bytes, plural
 from ..aggregate import WARN_NEAR_LIMIT, Report
-from .files import atomic_path
+from .files import atomic_file
 from .table import source_note
 
-__all__ = ["plot"]
+__all__ = ["plot", "plot_format"]
 
+
+
+#: Formats matplotlib lists that need more than matplotlib (pgf: a LaTeX installation).
+_NEEDS_MORE = {"pgf"}
+
+
+def plot_format(path: str, what: str = "plot") -> str:
+    """The picture format ``path``'s extension names (``"png"`` for ``report.png``, ``"jpeg"`` is
+    ``"jpeg"``): one matplotlib writes. ConfigError naming ``what``, the path and the formats
+    otherwise (a name without an extension included), so ``out.jpg`` holds JPEG bytes, never PNG
+    ones under a JPEG name. Needs matplotlib (ConfigError with the remedy without it)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise ConfigError(f"{what} {path!r} needs matplotlib: pip install matplotlib (or distmem[report])") from None
+    formats = sorted(f for f in FigureCanvasAgg.get_supported_filetypes() if f not in _NEEDS_MORE)
+    ext = os.path.splitext(str(path))[1].lower().lstrip(".")
+    if ext not in formats:
+        said = f"ends in .{ext}" if ext else "has no extension"
+        raise ConfigError(f"{what} {path!r} {said}, not a picture format distmem can write; name the file with one "
+                          f"of .{', .'.join(formats)} (e.g. {os.path.splitext(str(path))[0] or 'report'}.png)")
+    return ext
 
 
 def _unit(max_bytes: float) -> Tuple[float, str]:
@@ -240,14 +265,14 @@ def _nothing_to_draw(ax: Any, report: Report, limits: bool) -> None:
 
 
 def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]] = None, dpi: int = 110) -> str:
-    """Draw the report as a PNG: per-rank bars of limit / peak / current (and NVML), the timeline of
+    """Draw the report as a picture in the format ``path``'s extension names (:func:`plot_format`):
+    per-rank bars of limit / peak / current (and NVML), the timeline of
     every rank under it when there is one, and the warnings. Requires matplotlib; uses its Agg canvas
     directly, so it never touches pyplot's global state or a display."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ConfigError("plot() needs matplotlib: pip install matplotlib (or distmem[report])") from None
+    fmt = plot_format(path)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     points = list(timeline if timeline is not None else report.timeline)
     used_max, limit_max = _extent(report, points)
     # Usage far below the plan (a dry run, or a small model on a big GPU) would be a flat line under
@@ -312,6 +337,6 @@ def plot(report: Report, path: str, timeline: Optional[Sequence[Dict[str, Any]]]
                  linespacing=1.35)
     else:
         fig.text(left, foot_top, "\u2713 no warnings", ha="left", va="top", fontsize=9, color="#2E7D32")
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, format="png")
+    with atomic_file(path, "." + fmt) as f:
+        fig.savefig(f, format=fmt)
     return path

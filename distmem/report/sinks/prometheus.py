@@ -47,9 +47,9 @@ _LABEL_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345
 
 def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, step: Optional[int] = None) -> str:
     """The report in Prometheus' text exposition format: one gauge per rank and figure, job gauges,
-    and one ``distmem_warnings`` gauge per warning kind. ``labels`` (e.g. ``{"run": "resnet-7"}``) go on
-    every series, so several jobs on one node can share the textfile folder. No timestamps: the
-    textfile collector does not accept them."""
+    and one ``distmem_warnings`` gauge per warning kind. ``labels`` (e.g. ``{"run": "resnet-7"}``) and
+    the report's ``job_id`` go on every series, so several jobs on one node can share the textfile
+    folder. No timestamps: the textfile collector does not accept them."""
     base = dict(labels or {})
     for k in base:
         if not k or not set(k) <= _LABEL_NAME_OK or k[0].isdigit() or k.startswith("__"):
@@ -58,6 +58,8 @@ def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, ste
         if k in ("job", "instance"):
             raise ConfigError(f"Prometheus label {k!r} is set by the scraper (node_exporter would rename it "
                               "exported_" + k + "); call it e.g. 'run' instead")
+    # The report's job id closes every series' labels: `distmem top` merges textfiles by job and rank.
+    job = {"job_id": report.aggregates["job_id"]} if report.aggregates.get("job_id") and "job_id" not in base else {}
     lines: List[str] = []
 
     def gauge(name: str, helptext: str, series: Sequence[Tuple[Dict[str, Any], Optional[float]]]) -> None:
@@ -67,7 +69,7 @@ def prometheus_text(report: Report, labels: Optional[Dict[str, str]] = None, ste
         lines.append(f"# HELP {name} {helptext}")
         lines.append(f"# TYPE {name} gauge")
         for lab, v in series:
-            lines.append(f"{name}{_labels({**base, **lab})} {_num(v)}")
+            lines.append(f"{name}{_labels({**base, **lab, **job})} {_num(v)}")
 
     def rank_labels(s: Any) -> Dict[str, Any]:
         out = {"rank": s.rank, "host": s.host, "local_rank": s.local_rank,

@@ -95,6 +95,8 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="folder for this rank's row as <hostname>-<pid>.json "
                     "(launchers may split long output lines; a file cannot be interleaved)")
     ap.add_argument("--timeout", type=float, default=45.0, help="seconds for the transport and report()")
+    ap.add_argument("--enforce", default="framework", choices=["framework", "native"],
+                    help="init()'s enforce=: native requires the cap distmem-exec set (the row then carries it)")
     args = ap.parse_args()
     row = {"hostname": socket.gethostname(), "pid": os.getpid(),
            "env": {k: os.environ[k] for k in SEEN if k in os.environ}}
@@ -102,8 +104,12 @@ def main() -> int:
         _transport(args.transport, args.timeout)
         import distmem
 
-        plan = distmem.init(strategy="data", framework="none", verbose=False)
+        plan = distmem.init(strategy="data", framework="none", verbose=False, enforce=args.enforce)
         m = plan.mine
+        if args.enforce == "native":
+            from distmem.apply import native
+
+            row.update(cap=native.status()["cap_bytes"], limit=m.limit_bytes)
         row.update(rank=m.rank, size=plan.world_size, local_rank=m.local_rank, host=m.host, mode=m.mode,
                    devices=[{"index": d.index, "uuid": d.uuid, "shared_by": d.shared_by, "enforce": d.enforce,
                              "planned_bytes": d.planned_bytes, "total_bytes": d.total_bytes}

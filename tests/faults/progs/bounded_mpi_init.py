@@ -1,4 +1,4 @@
-"""A bounded MPI_Init, for the hang bench/faults.py finds under mpirun: a rank lost before MPI_Init
+"""A bounded MPI_Init, for the hang bench/comm/faults.py finds under mpirun: a rank lost before MPI_Init
 (distmem initialises MPI lazily, inside the first report()) leaves every other rank blocked in
 MPI_Init's fence, with no timeout, and mpi4py holds the GIL there, so a thread cannot bound it.
 Calling MPI_Init_thread through ctypes (which releases the GIL) in a daemon thread can be bounded;

@@ -1,4 +1,4 @@
-"""One rank of a fault-injection launch (bench/faults.py, tests/faults): the distmem calls a training
+"""One rank of a fault-injection launch (bench/comm/faults.py, tests/faults): the distmem calls a training
 job makes, in order, with one rank (FAULT_RANK) killing or stopping itself at a chosen point.
 
 Phases, each a sequence of collective distmem calls every rank makes:

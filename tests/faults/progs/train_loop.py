@@ -1,4 +1,4 @@
-"""One rank of a fail-fast launch (tests/faults/test_fail_fast.py, bench/fail_fast.py): a tiny data
+"""One rank of a fail-fast launch (tests/faults/test_fail_fast.py, bench/comm/fail_fast.py): a tiny data
 parallel training loop whose gradient all-reduce is the framework's own (torch.distributed Gloo
 under torchrun, mpi4py's Allreduce under mpirun, horovod.tensorflow's allreduce under horovodrun
 --gloo or --mpi, ``hvd.init()`` after ``distmem.init()`` as users write it); one rank (FF_VICTIM)
@@ -45,6 +45,8 @@ if mode == "distmem":
     import distmem
 
     distmem.init(fleet="4x16GiB", framework="none", verbose=False)
+    if os.environ.get("FF_REPLACE_EXCEPTHOOK") == "1":  # a library that installs its own hook after init()
+        sys.excepthook = lambda tp, value, tb: sys.__excepthook__(tp, value, tb)
 
 import numpy as np  # noqa: E402
 

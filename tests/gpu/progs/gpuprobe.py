@@ -1,4 +1,4 @@
-"""What the GPU tests and bench/packing.py do to a GPU and how they look at it, written once.
+"""What the GPU tests and bench/plan/packing.py do to a GPU and how they look at it, written once.
 
 ``Nvml`` reads NVML through pynvml directly, never through distmem, so that every claim is checked
 against an independent source. The operations (pin, a training step, fill until OOM, release) use

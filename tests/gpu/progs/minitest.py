@@ -3,7 +3,7 @@
     python tests/gpu/progs/minitest.py tests/gpu/test_pinning.py ... [--stub]
 
 Supports what the GPU tests use: module and function marks (``gpus(n)`` as tests/gpu/conftest.py
-reads it: skipped with fewer GPUs, a failure when DISTMEM_REQUIRE_GPU=1), ``parametrize`` (with
+reads it: skipped with fewer GPUs, a failure when DISTMEM_REQUIRE_GPU=1 and there is none), ``parametrize`` (with
 ``ids``), the ``tmp_path`` and ``monkeypatch`` fixtures, ``pytest.skip`` and ``pytest.fail``. With
 real pytest importable it uses real pytest's exceptions; ``--stub`` forces the stand-in (to test
 this runner). Exit code 1 when any test failed or none ran.
@@ -79,6 +79,12 @@ class MonkeyPatch:
         setattr(obj, name, value)
         self._undo.append(lambda: setattr(obj, name, old))
 
+    def setitem(self, mapping, key, value):
+        missing = key not in mapping
+        old = mapping.get(key)
+        mapping[key] = value
+        self._undo.append(lambda: mapping.pop(key) if missing else mapping.__setitem__(key, old))
+
     def setenv(self, name, value):
         old = os.environ.get(name)
         os.environ[name] = str(value)
@@ -147,6 +153,7 @@ def main(argv):
     required = os.environ.get("DISTMEM_REQUIRE_GPU") == "1"
     results = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
+    rows = []
     for path in files:
         name = os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(name, path)
@@ -168,11 +175,10 @@ def main(argv):
                 t0 = time.monotonic()
                 mp = MonkeyPatch()
                 try:
-                    if n_gpu < need:
-                        if required:
-                            raise Failed(f"DISTMEM_REQUIRE_GPU=1 but this test would skip: needs {need} GPU(s), "
-                                         f"NVML sees {n_gpu}")
-                        raise Skipped(f"needs {need} GPU(s), NVML sees {n_gpu}")
+                    if n_gpu < need:  # the rule of tests/gpu/conftest.py
+                        if required and n_gpu == 0:
+                            raise Failed(f"DISTMEM_REQUIRE_GPU=1 but NVML sees no GPU; this test needs {need}")
+                        raise Skipped(f"needs {need} GPUs; this machine has {n_gpu}")
                     args = dict(kw)
                     params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
                     if "tmp_path" in params:
@@ -190,11 +196,23 @@ def main(argv):
                     mp.undo()
                 key = outcome.split()[0].lower()
                 results[key] = results.get(key, 0) + 1
-                print(f"{nodeid} {outcome} ({time.monotonic() - t0:.1f} s)", flush=True)
+                seconds = time.monotonic() - t0
+                rows.append({"id": nodeid, "outcome": key, "seconds": round(seconds, 2)}
+                            | ({"reason": outcome[len(key) + 2:-1]} if key == "skipped" else {})
+                            | ({"reason": failures[-1][1][-2000:]} if key == "failed" else {}))
+                print(f"{nodeid} {outcome} ({seconds:.1f} s)", flush=True)
+                if os.environ.get("DISTMEM_GPU_RESULTS"):  # a run cut short still says what finished
+                    from launch import write_results
+
+                    write_results(os.environ["DISTMEM_GPU_RESULTS"], "minitest", rows, complete=False)
     for nodeid, tb in failures:
         print(f"\n_____ {nodeid} _____\n{tb}", flush=True)
     print(f"\nminitest: {results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped",
           flush=True)
+    if os.environ.get("DISTMEM_GPU_RESULTS"):
+        from launch import write_results
+
+        write_results(os.environ["DISTMEM_GPU_RESULTS"], "minitest", rows)
     return 1 if results["failed"] or not results["passed"] else 0
 
 

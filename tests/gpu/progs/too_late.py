@@ -1,16 +1,15 @@
-"""One process posing as torchrun's rank 1 of 2 (so its plan is GPU 1): start CUDA on GPU FIRST with
-a tensor, then call distmem.init(framework="torch"). Prints one JSON line: the error (if any) and where
-NVML sees this process afterwards.
+"""One process, no launcher (its plan: GPU 0): start CUDA on GPU FIRST with a tensor - and, given
+HOLD and LIMIT, have torch hold HOLD of that GPU (a fraction of NVML's total) - then call
+distmem.init(framework="torch"[, limit=LIMIT]). Prints one JSON line: the error (if any) and where NVML
+sees this process afterwards.
 
-    python tests/gpu/progs/too_late.py FIRST
+    python tests/gpu/progs/too_late.py FIRST [HOLD LIMIT]
 """
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.update({"TORCHELASTIC_RUN_ID": "distmem-too-late", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                   "LOCAL_WORLD_SIZE": "2"})
 
 import gpuprobe  # noqa: E402
 
@@ -19,19 +18,23 @@ gpuprobe.setup()
 
 def main():
     first = int(sys.argv[1])
+    hold, limit = (float(sys.argv[2]), sys.argv[3]) if len(sys.argv) > 3 else (0.0, None)
     nv = gpuprobe.Nvml()
-    gpuprobe.Gpu(first).touch()
+    gpu = gpuprobe.Gpu(first)
+    gpu.touch()
+    held = [gpu.alloc(int(hold * nv.gpu(nv.index_of(gpu.uuid()))["total"]))] if hold else []
     import distmem
 
-    result = {"first": first, "pid": os.getpid(), "error": None, "error_type": None}
+    result = {"first": first, "hold": hold, "limit": limit, "pid": os.getpid(), "error": None, "error_type": None}
     try:
-        plan = distmem.init(framework="torch")
+        plan = distmem.init(framework="torch", **({"limit": limit} if limit else {}))
         result["planned"] = plan.mine.device
         gpuprobe.Gpu(plan.mine.device).touch()
     except distmem.DistmemError as exc:
         result.update(error=str(exc), error_type=type(exc).__name__)
     result["where"] = nv.where()
     print("TOO_LATE " + json.dumps(result), flush=True)
+    gpu.release(held)
 
 
 if __name__ == "__main__":

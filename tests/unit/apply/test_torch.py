@@ -411,3 +411,53 @@ def test_too_late_changes_no_allocator_setting(monkeypatch):
     with pytest.raises(TooLateError):
         tadapter.apply(data_plan(1, 2), backend=fake, expandable_segments=True)
     assert fake.settings == [] and "PYTORCH_ALLOC_CONF" not in os.environ and fake.calls == []
+
+
+class CappedCuda(FakeCuda):
+    """torch.cuda under distmem's native cap: cuMemGetInfo reports min(device, cap) as the total,
+    the device's properties keep the real one."""
+
+    def __init__(self, cap, **kw):
+        super().__init__(**kw)
+        self.cap = cap
+
+    def mem_get_info(self, i):
+        free, total = super().mem_get_info(i)
+        return min(free, self.cap), min(total, self.cap)
+
+    def device_total(self, i):
+        return self.total
+
+
+def _cap_in_force(monkeypatch, cap):
+    from distmem.apply import native
+
+    monkeypatch.setattr(native, "status", lambda device=None: {"active": True, "cap_bytes": cap, "device": device})
+
+
+def test_sharing_check_under_the_native_cap_uses_the_device_total(monkeypatch):
+    # issue 35: on the H200 under `mpirun -np 2 distmem-exec`, every rank warned that 2 x (69 GiB +
+    # overhead) does not fit "a total of 69.0 GiB": the cap's rewritten total, not the device's.
+    plan = data_plan(0, 2, fleet="1x143771MiB", reserve="1GiB")  # fits the device (the test above)
+    planned = plan.mine.devices[0].planned_bytes
+    _cap_in_force(monkeypatch, planned)
+    out = tadapter.apply(plan, backend=CappedCuda(planned, n=1))
+    assert not [w for w in plan.warnings if "CUDA reports a total" in w], plan.warnings
+    dev = out["devices"][0]
+    assert dev["limit_bytes"] <= planned and dev["total_bytes"] == planned
+    assert dev["device_total_bytes"] == H200_CUDA_TOTAL
+    # the same check still speaks where the device itself is short: 2 ranks planned on NVML's total
+    tight = data_plan(0, 2, fleet="1x143771MiB", reserve="1MiB")
+    tight_share = tight.mine.devices[0].planned_bytes
+    _cap_in_force(monkeypatch, tight_share)
+    tadapter.apply(tight, backend=CappedCuda(tight_share, n=1, total=H200_CUDA_TOTAL - 2 * GiB))
+    assert [w for w in tight.warnings if "CUDA reports a total of 137.8 GiB" in w], tight.warnings
+
+
+def test_a_plan_above_the_native_cap_names_the_cap(monkeypatch):
+    plan = data_plan(0, 2, fleet="1x143771MiB")
+    cap = 10 * GiB
+    _cap_in_force(monkeypatch, cap)
+    tadapter.apply(plan, backend=CappedCuda(cap, n=1))
+    w = [x for x in plan.warnings if "exceeds" in x]
+    assert w and "native cap of 10.0 GiB" in w[0] and "DISTMEM_CAP_BYTES" in w[0], plan.warnings

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 PKG = os.path.join(ROOT, "distmem")
 
 #: Modules with no distmem dependencies beyond other leaves; anything may import them.
-LEAVES = {"errors", "units", "costs", "settings", "defaults", "session", "console", "bounded", "children"}
+LEAVES = {"errors", "units", "costs", "settings", "defaults", "session", "console", "bounded", "children", "untrusted"}
 #: Stages in flow order: a module may import its own stage and earlier ones.
 STAGES = ["discover", "comm", "estimate", "plan", "apply", "observe", "report", "guard", "cli"]
 #: Public framework integrations over the stages (like the facade): they may import any stage, and only

@@ -299,6 +299,16 @@ CASES: List[Case] = [
          ["/no/such/report.json"]),
     Case("plan-from-margin-negative", _cmd("plan", "--gpus", "2x16GiB", "--from", "{tmp}/report.json",
                                            "--from-margin", "-1"), ["-1"]),
+    # issue 35: a ratio above 1 given as a number looks like a percentage: refused, both readings said
+    Case("plan-from-margin-percent-as-number", _cmd("plan", "--gpus", "2x16GiB", "--from", "{tmp}/report.json",
+                                                    "--from-margin", "10"), ["--from-margin", "'10%'", "'1000%'"]),
+    Case("plan-headroom-percent-as-number", _cmd("plan", *PIPE, "--headroom", "5"), ["headroom", "'5%'"]),
+    Case("fit-headroom-percent-as-number", _cmd(*FIT, "--headroom", "15"), ["headroom", "'15%'"]),
+    # issue 35: a plot's format follows its name; one matplotlib cannot write is refused with the list
+    Case("report-plot-unknown-format", _cmd(*REP, "--plot", "{tmp}/out.gif"), ["--plot", "out.gif", ".png"]),
+    # issue 35: a per-host fleet names the job's hosts; ranks that do not split over them say how to place them
+    Case("plan-per-host-fleet-uneven", _cmd("plan", "--gpus", "a=2x80GiB;b=2x16GiB", "--ranks", "5"),
+         ["--ranks 5", "--hosts a:3,b:2"]),
 ]
 
 _LAYER = {"name": "dense", "state_bytes": 4_000_000, "activation_bytes": 1_000_000, "output_bytes": 100_000}

@@ -192,7 +192,7 @@ def test_stale_records_of_a_dead_earlier_job_are_ignored_and_swept(tmp_path):
 
 
 def test_exchange_cost_is_small_and_the_decision_identical(tmp_path):
-    """Two real processes meet; their layouts are identical (the timing figure is in bench/layout.py)."""
+    """Two real processes meet; their layouts are identical (the timing figure is in bench/comm/layout_exchange.py)."""
     job = uuid.uuid4().hex
     envs = [ompi(r, 2, r, 2, job, str(tmp_path), DISTMEM_FLEET="1x16GiB") for r in range(2)]
     rows = run_ranks(envs)

@@ -30,7 +30,7 @@ print("RESULT " + json.dumps({"rank": plan.mine.rank, "shared_by": plan.mine.dev
 """ % ROOT
 
 
-def ranks(folder: str, job: str, delays=(0, 0), timeout: str = "20") -> list:
+def ranks(folder: str, job: str, delays=(0, 0), timeout: str = "20", stderr: list = None, **extra: str) -> list:
     procs = []
     for r, delay in enumerate(delays):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM", "HOROVOD_",
@@ -39,6 +39,7 @@ def ranks(folder: str, job: str, delays=(0, 0), timeout: str = "20") -> list:
                    OMPI_COMM_WORLD_LOCAL_RANK=str(r), OMPI_COMM_WORLD_LOCAL_SIZE=str(len(delays)),
                    OMPI_MCA_ess_base_jobid=job, DISTMEM_LAYOUT_DIR=folder, DISTMEM_LAYOUT_TIMEOUT=timeout,
                    DISTMEM_FLEET="1x16GiB", DISTMEM_QUIET="1", RANK_DELAY=str(delay))
+        env.update(extra)
         procs.append(subprocess.Popen([sys.executable, "-c", RANK], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     out = []
@@ -46,6 +47,8 @@ def ranks(folder: str, job: str, delays=(0, 0), timeout: str = "20") -> list:
         so, se = p.communicate(timeout=120)
         assert p.returncode == 0, se[-3000:]
         out.append(json.loads(next(ln for ln in so.splitlines() if ln.startswith("RESULT "))[7:]))
+        if stderr is not None:
+            stderr.append(se)
     return out
 
 
@@ -87,14 +90,17 @@ def test_modes_while_the_job_runs(tmp_path):
     assert not user.exists()
 
 
-def test_a_link_at_the_users_folder_is_refused(tmp_path):
+def test_a_link_at_the_users_folder_is_refused_and_the_job_meets_in_its_own_folder(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()
     (tmp_path / private.user_folder_name()).symlink_to(target)
-    with pytest.raises(ConfigError, match=r"symbolic link.*DISTMEM_LAYOUT_DIR"):
-        exchange(TOPO, fleet_inventory("1x16GiB", "h"), timeout=0.2, directory=str(tmp_path),
-                 env={"OMPI_MCA_ess_base_jobid": "j"})
-    assert list(target.iterdir()) == []
+    said: list = []
+    rows = ranks(str(tmp_path), uuid.uuid4().hex, stderr=said, XDG_CACHE_HOME=str(tmp_path / "cache"),
+                 DISTMEM_QUIET="0")
+    assert [r["shared_by"] for r in rows] == [2, 2]
+    assert list(target.iterdir()) == []  # never followed
+    lines = [ln for se in said for ln in se.splitlines() if "symbolic link" in ln]
+    assert len(lines) == 1 and str(tmp_path / "cache" / "distmem" / "layout") in lines[0], said
 
 
 def test_our_own_loose_folder_of_an_older_version_is_tightened(tmp_path):

@@ -166,14 +166,13 @@ def test_bfc_model_reproduces_tensorflows_chunk_peak_in_its_own_order(monkeypatc
     """TensorFlow's own allocation sequence (profiler trace of a fresh process: build, three steps),
     replayed through distmem's BFC model, peaks where TensorFlow's allocator did: the allocator's rules
     are right, so what an estimate misses in fragmentation comes from the executor's order."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bfc_replay
+    from bench.estimate import bfc_replay
     # one inter-op and one intra-op thread: with several, two kernels allocate at once and the
     # profiler's order of their events is not always the allocator's (a fresh-clone CI run on TF 2.21
     # replayed 7% low), so the replay would test the trace's ordering, not the allocator's rules
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                TF_NUM_INTEROP_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", bfc_replay.CHILD, os.path.join(ROOT, "bench"), str(tmp_path),
+    out = subprocess.run([sys.executable, "-c", bfc_replay.CHILD, ROOT, str(tmp_path),
                           "Conv1D", "200", "32", "momentum", "float32"], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -90,6 +90,9 @@ def test_a_keras_spec_is_measured_in_a_child_that_rebuilds_it(keras, monkeypatch
     """))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
+    # the working folder is never searched (docs/security.md): the user puts the module's folder on
+    # PYTHONPATH, which the measuring child searches first
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     monkeypatch.syspath_prepend(str(tmp_path))
     est = estimate("tiny_factory:build", 16, "sgd", method="measure", device="cpu")
     assert est.method == "measured" and "child process rebuilt" in est.measurement["how"]

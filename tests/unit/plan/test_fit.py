@@ -400,3 +400,41 @@ def test_plan_auto_from_a_torch_module():
     assert f["precision"] == "float32"
     assert f["data_parallel"] * f["accumulation"] * f["micro_batch"] == 64
     assert [s["blocks"] for s in f["stages"]][0][0] == "0"
+
+
+def _outside_bound():
+    """Four blocks, one with 400 MiB of activations per sample: one rank holds it on a 2 GiB GPU,
+    four ranks cannot (each also holds NCCL's communicator and buffers outside the allocator)."""
+    return {"float32": LayerListCosts([LayerCost("stem", 16 * MiB, 8 * MiB, 8 * MiB),
+                                       LayerCost("big", 32 * MiB, 400 * MiB, 8 * MiB),
+                                       LayerCost("neck", 16 * MiB, 8 * MiB, 8 * MiB),
+                                       LayerCost("head", 16 * MiB, 8 * MiB, 8 * MiB)], 1)}
+
+
+def test_what_fits_the_fleet_given_is_the_answer_with_the_gpus_it_leaves_idle():
+    """Issue 35: ``distmem fit --model torchvision:resnet50 --global-batch-size 256 --gpus 4x2GiB``
+    said nothing fits 4 GPUs and that "the smallest fleet that fits is 1 such GPU". A layout of fewer
+    ranks than GPUs fits the fleet given: it is listed as a fit, with the GPUs it leaves idle and why."""
+    res = solve_fit(_outside_bound(), global_batch_size=4, gpus=gpus("4x2GiB"), top=3, rejected=2)
+    assert res.fits and all(f.layout.ranks == 1 for f in res.fits)
+    assert res.idle_gpus == 3 and res.to_dict()["idle_gpus"] == 3
+    assert res.rejected and all(r.layout.ranks == 4 for r in res.rejected)  # every GPU busy: why not
+    assert "smallest fleet" not in (res.suggestion or "")
+    assert "leaves 3 GPUs idle" in res.suggestion and "outside the allocator" in res.suggestion
+    text = res.table()
+    assert "the best leaves 3 GPUs idle" in text and "(1 rank; 3 GPUs idle)" in text
+    # a launched job cannot idle its ranks: strategy='auto' keeps every rank (no idle answer)
+    launched = solve_fit(_outside_bound(), global_batch_size=4, gpus=gpus("4x2GiB"), top=3, rejected=2,
+                         fixed_local_size=4)
+    assert not launched.fits and launched.idle_gpus == 0
+
+
+def test_a_smaller_fleet_is_never_named_for_one_that_holds_it():
+    """Where the search's own limits (here: pipelines of 4 stages only) leave nothing, the remedy says
+    what fits these GPUs outside those limits, not that a fleet the user already has would."""
+    res = solve_fit(_outside_bound(), global_batch_size=4, gpus=gpus("4x2GiB"), top=3, rejected=2, pipelines=[4])
+    assert not res.fits
+    assert "smallest fleet" not in res.suggestion
+    assert "nothing the search was allowed to try fits" in res.suggestion and "--pipelines" in res.suggestion
+    far = solve_fit(costs(24), global_batch_size=64, gpus=gpus("2x8GiB"), top=3, rejected=2)
+    assert "smallest fleet that fits is 3 such GPUs (2 hosts of 2 GPUs)" in far.suggestion

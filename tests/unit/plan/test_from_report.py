@@ -39,17 +39,58 @@ def test_each_rank_from_its_peak_plus_the_margin(tmp_path):
     assert plan(path, margin=0.25).for_rank(1).limit_bytes == mib_up(6 * GiB * 1.25)
 
 
-def test_a_rank_that_ran_out_gets_what_it_needed_from_what_the_others_left(tmp_path):
+def oom_record(tmp_path, rank, **kw):
+    (tmp_path / "oom").mkdir(exist_ok=True)
+    rec = {"distmem_oom": 1, "kind": "oom", "rank": rank, "world_size": 4, **kw}
+    (tmp_path / "oom" / f"rank-{rank}.json").write_text(json.dumps(rec))
+
+
+def test_a_rank_that_ran_out_is_never_planned_above_its_share(tmp_path):
+    # the others' unused share is not given to it: data parallel splits the GPU equally
     path = report(tmp_path, [{"rank": r, "peak_bytes": 2 * GiB} for r in range(3)])
-    (tmp_path / "oom").mkdir()
-    (tmp_path / "oom" / "rank-3.json").write_text(json.dumps(
-        {"distmem_oom": 1, "rank": 3, "allocated_bytes": 18 * GiB, "request_bytes": 4 * GiB, "world_size": 4}))
+    oom_record(tmp_path, 3, allocated_bytes=18 * GiB, request_bytes=4 * GiB)
     share = plan().for_rank(3).limit_bytes
     assert 18 * GiB + 4 * GiB > share  # it could not fit in the equal share
     p = plan(path)
-    assert p.for_rank(3).limit_bytes == mib_up(22 * GiB * 1.1)
-    assert sum(a.limit_bytes for a in p.allocations) <= 4 * share  # the GPU still holds every rank
-    assert not [w for w in p.warnings if "will run out again" in w]
+    assert p.for_rank(3).limit_bytes == share
+    capped = p.extras["from_report"]["capped"]
+    assert [c["rank"] for c in capped] == [3] and capped[0]["wanted_bytes"] == mib_up(22 * GiB * 1.1)
+    assert [w for w in p.warnings if "rank 3 needed 22.0 GiB" in w and "will run out again" in w]
+
+
+def test_the_changes_that_fit_are_named_with_their_figures(tmp_path):
+    # rank 3 was fed 8x its peers' batch: 6 GiB entering the step + 1 GiB of activations per 64 samples;
+    # the peers' records (stopped by fail fast at step 2) measured their steps
+    def steps(samples, entering=6 * GiB, act=2 * GiB):
+        return [{"step": 1, "allocated_bytes": entering, "peak_bytes": entering, "samples": samples,
+                 "elements": samples * 100},
+                {"step": 2, "allocated_bytes": entering, "peak_bytes": entering + act * samples // 64,
+                 "samples": samples, "elements": samples * 100}]
+    figures = {"device_total_bytes": 80 * GiB, "driver_reserved_bytes": 0, "reserve_bytes": 256 * MiB,
+               "overhead_bytes": 768 * MiB, "shared_by": 4, "limit_bytes": 19 * GiB}
+    for r in range(3):
+        oom_record(tmp_path, r, kind="stopped", step=2, steps=steps(64),
+                   peak_bytes=8 * GiB, allocated_bytes=6 * GiB, units={"samples": 64, "elements": 6400}, **figures)
+    # rank 3 took the same batch at step 1; at step 2 its shard held 512 samples
+    oom_record(tmp_path, 3, step=2, steps=steps(64)[:1] + [dict(steps(64)[1], samples=512, elements=51200)],
+               allocated_bytes=17 * GiB, request_bytes=GiB, units={"samples": 512, "elements": 51200}, **figures)
+    p = plan(str(tmp_path))
+    share = plan().for_rank(3).limit_bytes
+    assert p.for_rank(3).limit_bytes == share
+    c = p.extras["from_report"]["capped"][0]
+    assert c["figure_bytes"] == 6 * GiB + 16 * GiB  # its whole step: its step 1 scaled to its batch
+    kinds = {x["change"]: x for x in c["changes"]}
+    assert kinds["balance_batch"]["fits"] and kinds["balance_batch"]["samples_per_rank"] == 176
+    assert kinds["balance_batch"]["need_bytes"] == 6 * GiB + int(2 * GiB * 176 / 64)
+    assert kinds["micro_batch"]["fits"] and kinds["micro_batch"]["micro_batch"] == 256
+    assert kinds["fewer_ranks"]["ranks_per_gpu"] == 3 and kinds["fewer_ranks"]["fits"]
+    assert kinds["fewer_ranks"]["share_bytes"] == (80 * GiB - 256 * MiB - 3 * 768 * MiB) // 3 // MiB * MiB
+    warning = next(w for w in p.warnings if w.startswith("rank 3 needed"))
+    assert "balance the batch" in warning and "micro-batch of 256" in warning
+    # the peers finished a step before they were stopped (peak 8 GiB), but the change that fits is to
+    # balance the batch: each then takes 176 samples, and is planned for that step
+    assert p.for_rank(0).limit_bytes == mib_up(kinds["balance_batch"]["need_bytes"] * 1.1) > mib_up(8 * GiB * 1.1)
+    assert p.for_rank(0).limit_bytes <= share
 
 
 def test_a_pipeline_stage_takes_the_largest_figure_of_its_ranks(tmp_path):

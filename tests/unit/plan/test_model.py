@@ -104,3 +104,27 @@ def test_framework_option_is_accepted():
     # distmem.init passes framework= to the model planner
     plan = make_plan("model", topo(1, 1), CPU, layers=layers(), framework="tensorflow")
     assert plan.options["framework"] == "tensorflow"
+
+
+def test_a_group_counts_its_backward_in_flight_as_a_pipeline_stage_does():
+    """Issue 35: examples/model_parallel.py peaked above its plan on every rank. A model-parallel
+    device runs the backward of its layers as a pipeline stage does: the gradient it received for
+    its output, the busiest layer's output and input gradients, and what that layer's backward step
+    allocates besides (``backward_bytes``: Keras's optimizer updates run beside the backward). The
+    group's demand counts them, by the stage's rule (partition.backward_transient)."""
+    from distmem.plan.partition import backward_transient
+
+    rows = [LayerCost(f"l{k}", 64 * MiB, 8 * MiB, 4 * MiB, backward_bytes=(32 if k == 1 else 0) * MiB)
+            for k in range(4)]
+    plan = make_plan("model", topo(1, 1), fleet_inventory("2x80GiB"), layers=rows, headroom=0)
+    groups = plan.extras["model"]["groups"]
+    bounds = [(0, 2), (2, 4)]
+    assert [(g["first_layer"], g["last_layer"]) for g in groups] == [("l0", "l1"), ("l2", "l3")]
+    for g, (i, j) in zip(groups, bounds):
+        assert g["transient_bytes"] == backward_transient(rows, i, j) > 0
+        assert g["demand_bytes"] == 2 * 72 * MiB + g["transient_bytes"] + (4 * MiB if i else 0)
+    # the first group: its output's gradient (4 MiB) held, at l1 its output and input gradients
+    # (4 + 4 MiB) and the 32 MiB its step allocates
+    assert groups[0]["transient_bytes"] == (4 + 4 + 4 + 32) * MiB
+    assert plan.mine.breakdown["transient_bytes"] == sum(g["transient_bytes"] for g in groups)
+    assert plan.mine.demand_bytes == sum(g["demand_bytes"] for g in groups)

@@ -162,7 +162,8 @@ def test_growth_mode_only_budgets():
     ({"layers": [LayerCost("a", 1, 1)], "num_stages": 4}, "cannot fill 4 parts"),
     ({"layers": [LayerCost(f"l{k}", 1, 1) for k in range(4)], "schedule": "zb"}, "schedule='zb'"),
     ({"layers": [LayerCost(f"l{k}", 1, 1) for k in range(4)], "num_micro_batches": 0}, "num_micro_batches=0: give a whole number"),
-    ({"stages": ["0"]}, "positive size"),
+    ({"stages": ["0"]}, "at least 1 MiB"),
+    ({"stages": ["4", "4", "4", "4"]}, "the number of stages is num_stages="),
 ])
 def test_bad_input(kwargs, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):

@@ -256,3 +256,27 @@ def test_no_headroom_where_no_peak_is_known():
     mixed = [snap(0, size=2, peak=None), snap(1, size=2, peak=7 * GiB)]
     for rep in (aggregate(mixed, 2), reduce_locally(mixed, 2)):
         assert rep.aggregates["min_headroom_bytes"] == 3 * GiB and rep.aggregates["min_headroom_rank"] == 1
+
+
+@pytest.mark.parametrize("path", ["full", "summary"])
+def test_a_limit_made_from_its_demand_warns_only_once_the_demand_is_passed(path):
+    """Issue 35: a plan whose limit is its demand + 10% headroom put a rank that used exactly its
+    demand at 91% of the limit, above the 90% warning: examples warned about their own correct
+    plan. Where the allocation says its demand, "near the limit" starts above that demand (and above
+    90%), on both report paths; without a demand (an equal split) 90% stays the rule."""
+    def job(peaks, demand):
+        out = []
+        for r, p in enumerate(peaks):
+            s = snap(r, size=len(peaks), peak=p, limit=11 * GiB)
+            if demand is not None:
+                s.allocation["demand_bytes"] = demand
+            out.append(s)
+        return out
+
+    build = aggregate if path == "full" else reduce_locally
+    within = build(job([10 * GiB, int(9.95 * GiB)], 10 * GiB), 2)
+    assert "near_limit" not in within.kinds(), within.warnings
+    past = build(job([int(10.2 * GiB), 5 * GiB], 10 * GiB), 2)
+    assert "near_limit" in past.kinds() and "rank 0" in past.warnings[0]
+    split = build(job([10 * GiB, 5 * GiB], None), 2)
+    assert "near_limit" in split.kinds()  # an equal split's limit is what the GPU offers: 90% warns

@@ -136,7 +136,7 @@ def test_memory_report_keras_flags():
 
 def test_memory_report_costs_nothing_between_reports():
     """Issue 18: Keras times every batch hook; between two reports the callback only counts, it does
-    not even call into the schedule (bench/keras_hook_cost.py measures the hook: ~0.1 us)."""
+    not even call into the schedule (bench/report/keras_hook_cost.py measures the hook: ~0.1 us)."""
     tf = pytest.importorskip("tensorflow")
     distmem.init(fleet="2x16GiB", framework="tensorflow", verbose=False)
     from distmem.keras import MemoryReport

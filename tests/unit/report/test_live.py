@@ -119,3 +119,51 @@ def test_the_watcher_reads_only_what_changed(tmp_path):
 def test_keys_are_split_with_escape_sequences_whole():
     assert _keys("sh\x1b[Bq") == ["s", "h", "\x1b[B", "q"]
     assert _keys("\x1b[6~j") == ["\x1b[6~", "j"]
+
+
+def test_two_jobs_in_one_folder_never_merge_by_rank(tmp_path):
+    """Issue 36, finding 8: rows merged by rank alone, so another job's rank 0 replaced this one's.
+    Each file's job id (what its writer put in it) keeps them apart; one job's per-host files merge."""
+    a, b = _report([GiB] * 8), _report([3 * GiB] * 8)
+    a.aggregates["job_id"], b.aggregates["job_id"] = "aaaa", "bbbb"
+    b.created = a.created + 10
+    job = LiveJob()
+    job.update("a.prom", prometheus_text(a))
+    job.update("b.json", json.dumps(b.to_dict()))
+    rows = job.rows()
+    assert len(rows) == 16 and {r.job for r in rows} == {"job aaaa", "job bbbb"}
+    assert [r.peak for r in rows if r.rank == 0] == [GiB, 3 * GiB]
+    text = "\n".join(render(job, ViewState(), width=200))
+    assert "job aaaa: 8 rank(s)" in text and "job bbbb: 8 rank(s)" in text and "in 2 jobs" in text
+    same = LiveJob()
+    same.update("host-a.prom", prometheus_text(a))
+    same.update("host-b.json", json.dumps(dict(a.to_dict(), created=a.created + 1)))
+    assert len(same.rows()) == 8 and len(same.jobs()) == 1
+
+
+def test_text_from_a_file_never_drives_the_terminal():
+    rep = _report([GiB] * 8, hosts=("a\x1b]0;owned\x07", "b\x1b[2J"))
+    rep.warnings.append("rank 1 \x1b[31mred\x1b[0m")
+    job = LiveJob()
+    job.update("r.json", json.dumps(rep.to_dict()))
+    job.update("p.prom", prometheus_text(rep).replace('host="b', 'host="\\u001b[31mb'))
+    job.update("bad\x1b[1m.json", "{not json")
+    text = "\n".join(render(job, ViewState(), width=400))
+    assert "\x1b" not in text and "\x07" not in text
+    assert "a\\x1b]0;owned\\x07" in text and "\\x1b[31mred" in text
+
+
+def test_top_says_what_it_found_where_no_report_is(tmp_path, capsys):
+    from distmem.cli import main
+
+    (tmp_path / "notes.json").write_text('{"name": "not a report"}')
+    (tmp_path / "broken.json").write_text("{half")
+    assert main(["top", str(tmp_path), "--once"]) != 0
+    err = capsys.readouterr().err
+    assert "2 file(s) ending in .json or .prom, none a report" in err
+    assert "notes.json: ValueError: JSON but not a distmem report (no 'world_size')" in err and "broken.json" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.txt").write_text("x")
+    assert main(["top", str(empty), "--once"]) != 0
+    assert "nothing ending in .json or .prom (it holds 1 other file(s), e.g. x.txt)" in capsys.readouterr().err

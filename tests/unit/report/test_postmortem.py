@@ -12,46 +12,153 @@ from distmem.report import postmortem as pm
 from distmem.units import GiB, MiB
 
 
+GPU = {"device_total_bytes": 140 * GiB, "driver_reserved_bytes": 600 * MiB, "reserve_bytes": 256 * MiB,
+       "overhead_bytes": 768 * MiB, "shared_by": 4, "foreign_planned_bytes": 0}
+
+
 def rec(**kw):
-    base = {"distmem_oom": 1, "rank": 0, "world_size": 4, "time": 1.0, "source": "torch-allocator", "strategy": "data",
-            "stage": None, "stages": [], "limit_bytes": 20 * GiB, "allocated_bytes": 10 * GiB,
+    base = {"distmem_oom": 1, "kind": "oom", "rank": 0, "world_size": 4, "time": 1.0, "source": "torch-allocator",
+            "strategy": "data", "stage": None, "stages": [], "limit_bytes": 20 * GiB, "allocated_bytes": 10 * GiB,
             "reserved_bytes": 10 * GiB + 100 * MiB, "largest_free_bytes": 50 * MiB, "request_bytes": 2 * GiB,
-            "gpu_processes": [], "foreign_planned_bytes": 0, "device_free_bytes": 1 * GiB}
+            "gpu_processes": [], "foreign_planned_bytes": 0, "device_free_bytes": 40 * GiB}
     base.update(kw)
     return base
+
+
+def steps(*points):
+    """Step notes: (step, allocated entering it, peak so far, samples) -> note_step's points."""
+    return [{"step": s, "allocated_bytes": a, "peak_bytes": p, "samples": n, "elements": n * 1000}
+            for s, a, p, n in points]
 
 
 def kinds(r, records=()):
     return [c["kind"] for c in pm.diagnose(r, records)]
 
 
-def test_over_plan_names_the_rank_and_by_how_much():
+# -- the case of the issue: rank 3 fed 8x its peers' batch -----------------------------------
+
+def issue_case():
+    """4 ranks, each a hard limit of 34.1 GiB; ranks 0-2 peaked at 11.3 GiB on their step of 64 samples
+    (6.5 GiB entering it), rank 3 was fed 512 and ran out 32 MiB short of a 2 GiB block."""
+    peer = dict(GPU, kind="stopped", step=0, limit_bytes=int(34.1 * GiB), allocated_bytes=int(7.9 * GiB),
+                reserved_bytes=12 * GiB, peak_bytes=int(11.3 * GiB), units={"samples": 64, "elements": 64000},
+                steps=steps((0, int(6.5 * GiB), int(6.5 * GiB), 64)))
+    peers = [dict(peer, rank=r) for r in range(3)]
+    r3 = rec(**GPU, rank=3, step=0, limit_bytes=int(34.1 * GiB), allocated_bytes=int(30.1 * GiB),
+             reserved_bytes=34 * GiB, largest_free_bytes=2 * GiB - 32 * MiB, request_bytes=2 * GiB,
+             units={"samples": 512, "elements": 512000}, steps=steps((0, int(6.5 * GiB), int(6.5 * GiB), 512)))
+    return r3, peers
+
+
+def test_the_issue_case_is_imbalance_with_its_figures_not_fragmentation():
+    r3, peers = issue_case()
+    causes = pm.diagnose(r3, [r3] + peers)
+    first = causes[0]
+    assert first["kind"] == "imbalance" and first["confidence"] == "high"
+    assert "fragmentation" not in [c["kind"] for c in causes]  # 32 MiB short of 2 GiB is a tie
+    need = 6.5 * GiB + 8 * (11.3 - 6.5) * GiB  # its peers' step scaled to its batch: ~44.9 GiB
+    assert abs(first["needed_bytes"] - need) < 2 * MiB and first["ratio"] == pytest.approx(need / (11.3 * GiB), 0.01)
+    assert "4.0x the median of its 3 peers (11.3 GiB)" in first["message"]
+    assert "it was fed 8.0x the median of theirs" in first["message"] and "44.9 GiB" in first["message"]
+    # the change it names fits: every rank its share of the 704 samples, 176 each
+    assert first["change"]["change"] == "balance_batch" and first["change"]["samples_per_rank"] == 176
+    assert first["change"]["need_bytes"] * 1.1 <= 34.1 * GiB
+    # the step needs more than the limit too: named after the imbalance
+    assert [c["kind"] for c in causes][1] == "over_plan"
+
+
+def test_the_issue_case_without_sizes_still_compares_the_bytes():
+    # no batch noted: what it held at the failure is already 2.7x its peers' peak; they were stopped
+    # inside their first step, so their peaks may be partial: medium, not high
+    r3, peers = issue_case()
+    for r in [r3] + peers:
+        r["units"] = {}
+        r["steps"] = [{k: v for k, v in p.items() if k not in ("samples", "elements")} for p in r["steps"]]
+    causes = pm.diagnose(r3, [r3] + peers)
+    assert causes[0]["kind"] == "imbalance" and causes[0]["confidence"] == "medium"
+    assert causes[0]["needed_bytes"] == int(30.1 * GiB) + 2 * GiB  # a lower bound: "(at least)"
+    assert "(at least)" in causes[0]["message"]
+    assert "fragmentation" not in [c["kind"] for c in causes]
+
+
+def test_a_tie_is_not_fragmentation_but_a_real_gap_is():
+    # the pool holds 6 GiB free; the whole step (history: 9 GiB) fits in its 14 GiB pool
+    hist = steps((4, 5 * GiB, 5 * GiB, 100), (5, 5 * GiB, 9 * GiB, 100))
+    base = dict(step=5, steps=hist, units={"samples": 100, "elements": 100000}, allocated_bytes=8 * GiB,
+                reserved_bytes=14 * GiB, request_bytes=1 * GiB)
+    assert kinds(rec(**base, largest_free_bytes=600 * MiB))[0] == "fragmentation"
+    c = pm.diagnose(rec(**base, largest_free_bytes=600 * MiB))[0]
+    assert c["confidence"] == "high" and c["change"]["change"] == "expandable_segments" and c["change"]["fits"]
+    assert "fragmentation" not in kinds(rec(**base, largest_free_bytes=1 * GiB - 20 * MiB))  # within 5%: a tie
+    assert "fragmentation" not in kinds(rec(**base, largest_free_bytes=2 * GiB))  # a block fits
+    # the same pool, but the step needs more than the pool could hold (25 GiB, limit 20): not its shape
+    big = dict(base, units={"samples": 500, "elements": 500000})
+    assert "fragmentation" not in kinds(rec(**big, largest_free_bytes=600 * MiB))
+
+
+def test_over_plan_prices_the_whole_step_and_names_a_micro_batch_that_fits():
+    # every rank fed too much: distmem's estimate of the model at 256 samples and halves of it
+    est = {"batch_size": 256, "method": "simulated", "state_bytes": 2 * GiB,
+           "points": [[256, 30 * GiB], [128, 19 * GiB], [64, 9 * GiB], [32, 5 * GiB]]}
+    r = rec(rank=2, step=0, estimate=est, units={"samples": 256, "elements": 256000}, allocated_bytes=17 * GiB,
+            reserved_bytes=18 * GiB, request_bytes=2 * GiB, steps=steps((0, 2 * GiB, 2 * GiB, 256)))
+    causes = pm.diagnose(r)
+    assert causes[0]["kind"] == "over_plan" and causes[0]["needed_bytes"] == 30 * GiB
+    assert causes[0]["source"] == "estimate" and causes[0]["confidence"] == "high"
+    change = causes[0]["change"]
+    assert change["change"] == "micro_batch" and change["micro_batch"] == 64 and change["accumulation"] == 4
+    # what it held at the failure alone would not have said it: 19 GiB of 20
+    assert pm.needed_bytes(r) < r["limit_bytes"]
+
+
+def test_over_plan_on_the_lower_bound_alone():
     r = rec(rank=2, allocated_bytes=19 * GiB, reserved_bytes=19 * GiB + 10 * MiB)
     causes = pm.diagnose(r)
     assert [c["kind"] for c in causes] == ["over_plan"]
-    assert causes[0]["over_by_bytes"] == 1 * GiB
+    assert causes[0]["over_by_bytes"] == 1 * GiB and "(at least)" in causes[0]["message"]
     assert causes[0]["would_hold_bytes"] == pm.would_hold(21 * GiB) >= 21 * GiB * 1.1
-    assert "distmem plan --from" in causes[0]["remedy"]
 
 
-def test_fragmentation_when_the_pool_has_room_but_no_block():
-    r = rec(allocated_bytes=8 * GiB, reserved_bytes=14 * GiB, largest_free_bytes=600 * MiB, request_bytes=1 * GiB)
-    assert kinds(r) == ["fragmentation"]
-    # the same pool with a block large enough is not fragmentation
-    assert "fragmentation" not in kinds(rec(allocated_bytes=8 * GiB, reserved_bytes=14 * GiB,
-                                            largest_free_bytes=2 * GiB, request_bytes=1 * GiB))
+def test_growth_across_steps():
+    # 300 MiB more held entering each step: a loss history kept as tensors
+    hist = steps(*[(k, 3 * GiB + k * 300 * MiB, 3 * GiB + k * 300 * MiB + 2 * GiB, 32) for k in range(20)])
+    r = rec(step=19, steps=hist, units={"samples": 32, "elements": 32000}, limit_bytes=10 * GiB,
+            allocated_bytes=3 * GiB + 19 * 300 * MiB + 1 * GiB, reserved_bytes=10 * GiB, request_bytes=2 * GiB)
+    causes = pm.diagnose(r)
+    assert causes[0]["kind"] == "growth" and causes[0]["confidence"] == "high"
+    assert causes[0]["per_step_bytes"] == 300 * MiB
+    assert causes[0]["change"]["change"] == "release_kept" and causes[0]["change"]["need_bytes"] <= 10 * GiB / 1.1
+    # steady steps are not growth
+    flat = steps(*[(k, 3 * GiB, 5 * GiB, 32) for k in range(20)])
+    assert "growth" not in kinds(rec(step=19, steps=flat, limit_bytes=4 * GiB))
 
 
-def test_foreign_process_within_the_plan():
-    procs = [{"device": 0, "pid": 111, "bytes": 9 * GiB, "who": "other"},
-             {"device": 0, "pid": 222, "bytes": 3 * GiB, "who": "rank 1"},
+def test_foreign_process_when_the_gpu_was_full():
+    procs = [{"device": 0, "pid": 111, "bytes": 100 * GiB, "who": "other"},
+             {"device": 0, "pid": 222, "bytes": 11 * GiB, "who": "rank 1"},
              {"device": 0, "pid": os.getpid(), "bytes": 11 * GiB, "who": "self"}]
-    r = rec(gpu_processes=procs, device_free_bytes=100 * MiB)
+    r = rec(**GPU, gpu_processes=procs, device_free_bytes=100 * MiB)
     causes = pm.diagnose(r)
     assert [c["kind"] for c in causes] == ["foreign_process"]
-    assert causes[0]["pids"] == [111] and causes[0]["unplanned_bytes"] == 9 * GiB
-    # memory the plan reserved for others (foreign=) is not a cause
-    assert "foreign_process" not in kinds(dict(r, foreign_planned_bytes=10 * GiB))
+    assert causes[0]["pids"] == [111] and causes[0]["unplanned_bytes"] == 100 * GiB
+    # planning around 100 GiB leaves each of 4 ranks less than its step: stop it
+    assert causes[0]["change"]["change"] == "stop_foreign"
+    # memory the plan reserved for others (foreign=) is not a cause; nor is a GPU with room
+    assert "foreign_process" not in kinds(dict(r, foreign_planned_bytes=100 * GiB))
+    assert "foreign_process" not in kinds(dict(r, device_free_bytes=50 * GiB))
+
+
+def test_outside_the_allocator_when_the_gpu_was_full():
+    # each rank's process holds 6 GiB more than its pool and context: NCCL communicators, a library's pool
+    procs = [{"device": 0, "pid": 10 + k, "bytes": 30 * GiB + 768 * MiB + 6 * GiB, "who": "self" if k == 0 else
+              f"rank {k}"} for k in range(4)]
+    r0 = rec(**GPU, rank=0, gpu_processes=procs, limit_bytes=34 * GiB, allocated_bytes=29 * GiB,
+             reserved_bytes=30 * GiB, request_bytes=1 * GiB, device_free_bytes=200 * MiB, largest_free_bytes=0)
+    peers = [dict(r0, rank=k, kind="stopped", peak_bytes=29 * GiB, request_bytes=None) for k in range(1, 4)]
+    causes = pm.diagnose(r0, [r0] + peers)
+    assert causes[0]["kind"] == "outside_allocator" and causes[0]["outside_bytes"] == 24 * GiB
+    assert causes[0]["change"]["change"] == "outside_cap" and causes[0]["change"]["max_outside_bytes"] > 0
+    assert "foreign_process" not in [c["kind"] for c in causes]
 
 
 def test_wrong_stage_from_the_stage_rows():
@@ -76,11 +183,13 @@ def test_unexplained_lists_the_figures():
 def test_page_names_the_first_rank_and_the_next_plan():
     late = rec(rank=3, time=5.0, allocated_bytes=19 * GiB)
     early = rec(rank=1, time=2.0, allocated_bytes=19 * GiB)
-    page = pm.postmortem([late, early], run_dir="runs/x")
+    stopped = rec(rank=0, time=2.1, kind="stopped", peak_bytes=19 * GiB, request_bytes=None)
+    page = pm.postmortem([late, early, stopped], run_dir="runs/x")
     assert page["first"] == 1 and page["ranks_out"] == [1, 3] and page["causes"] == {"over_plan": 2}
+    assert [p["rank"] for p in page["stopped"]] == [0]
     text = pm.render_text(page)
     assert "2 of 4 ranks ran out of memory; first: rank 1" in text
-    assert "distmem plan --from runs/x" in text
+    assert "distmem plan --from runs/x" in text and "stopped by fail fast: rank 0" in text
 
 
 class FakeAllocator:
@@ -227,8 +336,62 @@ def test_the_report_names_this_jobs_oom_and_not_an_earlier_runs(tmp_path, monkey
     oom_record.write_record(rec(rank=0, pid=os.getpid(), allocated_bytes=19 * GiB, step=7), str(tmp_path))
     rep = distmem.report(print_table=False)
     assert rep.aggregates["postmortem"]["ranks_out"] == [0]
-    assert any(w.startswith("rank 0 ran out of memory at step 7: over its plan") for w in rep.warnings)
+    assert any(w.startswith("rank 0 ran out of memory at step 7: the step needs more than its limit")
+               for w in rep.warnings)
     # a record an earlier run left (another pid, written before this process started) is not this job's
     oom_record.write_record(rec(rank=0, pid=1, time=1.0, allocated_bytes=19 * GiB), str(tmp_path))
     assert "postmortem" not in distmem.report(print_table=False).aggregates
     distmem.reset()
+
+
+class Priced:
+    """An estimate as note_estimate reads it: its batch, method, state and the step's peak at a batch."""
+    batch_size, method, state_bytes, layers = 64, "simulated", 1 * GiB, []
+
+    def train_bytes(self, b):
+        return 1 * GiB + b * 16 * MiB
+
+
+def test_the_record_carries_the_steps_the_batch_and_the_estimate(hooks):
+    import numpy as np
+
+    fake, run = hooks
+    oom_record.note_estimate(Priced())
+    for step in (5, 6):
+        oom_record.note_step(step, (np.zeros((32, 128)), np.zeros(32)))
+    fake.observers[0](0, 2 * GiB, 16 * GiB, 300 * MiB)
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "oom" and [p["step"] for p in r["steps"]] == [5, 6]
+    assert r["steps"][-1]["allocated_bytes"] == 3 * GiB and r["steps"][-1]["peak_bytes"] == 4 * GiB
+    assert r["units"] == {"samples": 32, "elements": 32 * 128}
+    assert r["estimate"]["points"][:2] == [[32, GiB + 32 * 16 * MiB], [16, GiB + 16 * 16 * MiB]]
+    assert r["reserve_bytes"] is not None and r["explicit_limit"] is False
+
+
+def test_a_rank_stopped_by_fail_fast_writes_what_it_held_once(hooks):
+    fake, run = hooks
+    oom_record.note_step(3, 64)
+    assert oom.record_stopped("rank 1 (host h) failed (OutOfMemoryError: ...)")
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "stopped" and r["units"] == {"samples": 64, "elements": 64} and r["peak_bytes"] == 4 * GiB
+    page = pm.postmortem([r])
+    assert page["entries"] == [] and [p["rank"] for p in page["stopped"]] == [0]
+    # its own out-of-memory error replaces it, counted as the first; then nothing replaces that
+    fake.observers[0](0, 2 * GiB, 16 * GiB, 300 * MiB)
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "oom" and r["count"] == 1 and "first" not in r
+    assert oom.record_stopped("rank 1 failed") is None
+    assert json.loads((run / "oom" / "rank-0.json").read_text())["kind"] == "oom"
+
+
+def test_a_rank_that_ends_on_another_error_writes_what_it_held(hooks, capsys):
+    import sys
+
+    _, run = hooks
+    try:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:31106")
+    except RuntimeError:
+        sys.excepthook(*sys.exc_info())
+    r = json.loads((run / "oom" / "rank-0.json").read_text())
+    assert r["kind"] == "stopped" and "Connection closed by peer" in r["error"]
+    assert "Connection closed" in capsys.readouterr().err  # the user's traceback still printed

@@ -28,8 +28,32 @@ def nvmlDeviceGetHandleByIndex(i):
     return i
 
 
+def nvmlDeviceGetHandleByUUID(uuid):
+    u = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    for i in range(state.COUNT):
+        if u.lower().replace("gpu-", "") == state.uuid(i):
+            return i
+    raise NVMLError("Not Found")
+
+
 def nvmlDeviceGetUUID(h):
     return "GPU-" + state.uuid(h)
+
+
+def nvmlDeviceGetHandleByUUID(uuid):
+    uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    for i in range(state.COUNT):
+        if uuid in ("GPU-" + state.uuid(i), state.uuid(i)):
+            return i
+    raise NVMLError("Not Found")
+
+
+def nvmlDeviceGetMaxMigDeviceCount(h):
+    return 0
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(h, i):
+    raise NVMLError("Not Supported")
 
 
 def nvmlDeviceGetName(h):

@@ -1,0 +1,1 @@
+"""Benches of distmem.comm (run each as `python bench/comm/NAME.py`)."""

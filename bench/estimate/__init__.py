@@ -1,0 +1,1 @@
+"""Benches of distmem.estimate (run each as `python bench/estimate/NAME.py`)."""

@@ -1,0 +1,1 @@
+"""Benches of distmem.guard (run each as `python bench/guard/NAME.py`)."""

@@ -1,0 +1,1 @@
+"""Benches of distmem.plan (run each as `python bench/plan/NAME.py`)."""

@@ -1,0 +1,1501 @@
+"""``distmem.fit`` proven at scale: hundreds of (model, fleet, global batch) cases on one GPU, whole process.
+
+    PYTHONPATH=. python3 bench/plan/fit_scale.py run --budget-s 390 --out $OUT            # on the GPU machine
+    PYTHONPATH=. python3 bench/plan/fit_scale.py run --budget-s 390 --out $OUT \\
+        --skip-done bench/results/fit_scale_h200.jsonl                                    # the next session: the rest
+    PYTHONPATH=. python3 bench/plan/fit_scale.py dry --max-cases 20                        # CPU: fit's answers only
+    PYTHONPATH=. python3 bench/plan/fit_scale.py smoke --max-cases 6                       # CPU: the training runs' plumbing
+    PYTHONPATH=. python3 bench/plan/fit_scale.py run --cpu --budget-s 900 --out /tmp/fs --only 'hand:mlp'  # CPU: the coordinator
+    PYTHONPATH=. python3 bench/plan/fit_scale.py summarize bench/results/fit_scale_h200.jsonl
+
+Every case is a question a user asks ``distmem.fit`` (the public door) before launch: a model built as
+users build it (torchvision and timm models, Hugging Face models from their configs - large
+vocabularies, gradient checkpointing - and models written by hand as ``nn.Sequential`` of blocks), a
+global batch and a fleet of GPUs of 8 to 80 GiB (``"4x16GiB"``), in a precision (``"auto"`` tries
+float32 and mixed_bfloat16; mixed_float16 too), with the shardings it may use (ZeRO-1/2, FSDP2). The
+model is built on the meta device and estimated there (``estimate="model"``: the answer a laptop or
+login node gets; ``--estimate auto`` measures where a GPU is at hand). Models whose top-level children
+do not run in sequence are asked with ``pipelines=[1]`` (data parallel, sharded or not), as a user of
+DDP/FSDP asks.
+
+Then, each run in a fresh process on this one GPU, emulating the fleet's GPU
+(``torch.cuda.set_per_process_memory_fraction``; several runs at once, each under its own fraction,
+packed so that their caps and contexts fit the GPU):
+
+* ``chosen``: the chosen layout's heaviest rank (rank 0 of N through torch's fake process group
+  ``torch.testing._internal.distributed.fake_pg``; a pipeline stage alone with the micro-batches its
+  schedule keeps in flight) trains 4 optimizer steps under its planned limit, with the allocator
+  settings ``init()`` gives the job (expandable segments where fit says it needs them);
+* ``best_rejected``: the best rejected layout's binding rank under its GPU's share;
+* ``mb_up``: the chosen layout with the next micro-batch up (fit's own verdict on it: asked again
+  where it was not among the rejected), under its share, when fit rejects it;
+* ``default_allocator`` (cases where fit asked for expandable segments): the chosen rank again
+  without them, the evidence that the setting is needed.
+
+Each run reads NVML's per-process usage (``nvmlDeviceGetComputeRunningProcesses``, by pid; sampled
+while it trains and after) beside the allocator's peaks. A layout fits only if the whole process -
+the allocator's reserve, the CUDA context, cuBLAS/cuDNN, and NCCL's communicators where the job
+runs them (modelled: one GPU has no peers) - stays inside the rank's part of its GPU (its share plus
+the memory outside the allocator the plan counted). Per run the memory outside the allocator
+measured (NVML minus torch's reserved) is booked beside :mod:`distmem.plan.outside`'s figure.
+
+Results: one JSON line per case as it completes (``fit_scale_h200.jsonl``: fit's answer, every
+run), and a summary (``fit_scale_h200_summary.json``): chosen layouts out of memory (allocator OOM
+or NVML over the share; target 0), rejected layouts that would have trained (target <= 5%), the
+median memory the chosen layout left unused, fit's time per case, the outside-allocator model
+against NVML. Cases run most informative first (every model family, wrapper and precision early);
+what the ``--budget-s`` leaves undone, a later run takes with ``--skip-done``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MiB = 1024 ** 2
+GiB = 1024 ** 3
+NAME = "fit_scale_h200"
+STEPS = 4
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[fit-scale {time.time() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ====================================================================== models, as users build them
+
+@dataclass(frozen=True)
+class Model:
+    """A model of the bench. ``kind``: what it takes (``image``: (B, 3, S, S); ``tokens``: (B, S)
+    token ids; ``seq2seq``: encoder ids (B, S) and decoder ids (B, S/2); ``vector``: (B, S)).
+    ``sequential``: its top-level children run one after another (pipeline stages are slices of
+    them). ``spec``: asked of fit as a spec string (the CLI's form) instead of a built module.
+    ``tied``: weights shared between top-level children (no FSDP2 per child)."""
+
+    key: str
+    family: str
+    kind: str
+    size: int
+    vocab: int = 0
+    classes: int = 1000
+    sequential: bool = False
+    spec: Optional[str] = None
+    tied: bool = False
+    tags: Tuple[str, ...] = ()
+    params_m: float = 0.0  # millions of parameters (scheduling: a build may hold the whole model once)
+
+
+def _hf_config(name: str) -> Tuple[Any, Any, bool]:
+    """(config, model class, gradient checkpointing) of a Hugging Face model of the bench."""
+    import transformers as T
+
+    ckpt = name.endswith("+ckpt")
+    base = name[:-5] if ckpt else name
+    if base == "gpt2":
+        return T.GPT2Config(), T.GPT2LMHeadModel, ckpt
+    if base == "gpt2-medium":
+        return T.GPT2Config(n_embd=1024, n_layer=24, n_head=16), T.GPT2LMHeadModel, ckpt
+    if base == "llama-160m":
+        return (T.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                              num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024),
+                T.LlamaForCausalLM, ckpt)
+    if base == "llama3-400m":  # Llama 3's 128k vocabulary on a small body
+        return (T.LlamaConfig(vocab_size=128256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048),
+                T.LlamaForCausalLM, ckpt)
+    if base == "qwen2-0.5b":  # Qwen2-0.5B's shape: 152k vocabulary, tied embeddings
+        return (T.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                              tie_word_embeddings=True),
+                T.Qwen2ForCausalLM, ckpt)
+    if base == "mistral-1b":
+        return (T.MistralConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048),
+                T.MistralForCausalLM, ckpt)
+    if base == "gemma-300m":  # Gemma's 256k vocabulary
+        return (T.GemmaConfig(vocab_size=256000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                              max_position_embeddings=2048),
+                T.GemmaForCausalLM, ckpt)
+    if base == "bert-base":
+        return T.BertConfig(), T.BertForMaskedLM, ckpt
+    if base == "t5-small":
+        return T.T5Config(), T.T5ForConditionalGeneration, ckpt
+    raise KeyError(name)
+
+
+def _gpt(d: int, layers: int, heads: int, seq: int, vocab: int):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from collections import OrderedDict
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d)
+            self.pos = nn.Embedding(seq, d)
+
+        def forward(self, idx):
+            return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ln2, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+            q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.out = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, x):
+            return self.out(self.ln(x))
+
+    class GPT(nn.Sequential):
+        def example_input(self, batch):  # what the estimator feeds it: token ids
+            return torch.zeros((batch, seq), dtype=torch.long)
+
+    parts: "OrderedDict[str, Any]" = OrderedDict(embed=Embed())
+    for i in range(layers):
+        parts[f"block{i}"] = Block()
+    parts["head"] = Head()
+    return GPT(parts)
+
+
+def _vgg16_seq():
+    import torch.nn as nn
+    import torchvision
+    from collections import OrderedDict
+
+    tv = torchvision.models.vgg16(weights=None)
+    parts: "OrderedDict[str, Any]" = OrderedDict()
+    convs, i, k = list(tv.features), 0, 0
+    while i < len(convs):  # one block per convolution with its ReLU (and a following pool)
+        group = [convs[i]]
+        i += 1
+        while i < len(convs) and not isinstance(convs[i], nn.Conv2d):
+            group.append(convs[i])
+            i += 1
+        parts[f"conv{k}"] = nn.Sequential(*group)
+        k += 1
+    parts["pool"] = nn.Sequential(tv.avgpool, nn.Flatten())
+    cls = list(tv.classifier)
+    parts["fc0"], parts["fc1"], parts["fc2"] = nn.Sequential(*cls[0:3]), nn.Sequential(*cls[3:6]), cls[6]
+    return nn.Sequential(parts)
+
+
+def _resnet_seq(depth: int):
+    import torch.nn as nn
+    import torchvision
+    from collections import OrderedDict
+
+    tv = getattr(torchvision.models, f"resnet{depth}")(weights=None)
+    parts: "OrderedDict[str, Any]" = OrderedDict(stem=nn.Sequential(tv.conv1, tv.bn1, tv.relu, tv.maxpool))
+    for li in range(1, 5):
+        for bi, block in enumerate(getattr(tv, f"layer{li}")):
+            parts[f"layer{li}_{bi}"] = block
+    parts["pool"] = nn.Sequential(tv.avgpool, nn.Flatten())
+    parts["fc"] = tv.fc
+    return nn.Sequential(parts)
+
+
+def _mlp(width: int, depth: int, inputs: int, classes: int):
+    import torch.nn as nn
+
+    layers: List[Any] = [nn.Sequential(nn.Linear(inputs, width), nn.GELU())]
+    layers += [nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()) for _ in range(depth)]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+_TV = [("resnet18", 11.7), ("resnet50", 25.6), ("resnet101", 44.5), ("vgg16", 138.4), ("vit_b_16", 86.6),
+       ("convnext_tiny", 28.6), ("efficientnet_b0", 5.3), ("mobilenet_v3_large", 5.5), ("densenet121", 8.0),
+       ("swin_t", 28.3), ("wide_resnet50_2", 68.9)]
+_TIMM = [("vit_small_patch16_224", 22.1), ("vit_base_patch16_224", 86.6), ("convnext_small", 50.2),
+         ("efficientnet_b2", 9.1), ("resnet50d", 25.6), ("swin_tiny_patch4_window7_224", 28.3),
+         ("regnety_016", 11.2), ("mixer_b16_224", 59.9)]
+_HF = [("gpt2", "tokens", 1024, 50257, True, 124), ("gpt2-medium", "tokens", 1024, 50257, True, 355),
+       ("gpt2-medium+ckpt", "tokens", 1024, 50257, True, 355), ("llama-160m", "tokens", 1024, 32000, False, 134),
+       ("llama3-400m", "tokens", 1024, 128256, False, 480), ("llama3-400m+ckpt", "tokens", 1024, 128256, False, 480),
+       ("qwen2-0.5b", "tokens", 1024, 151936, True, 494), ("qwen2-0.5b+ckpt", "tokens", 1024, 151936, True, 494),
+       ("mistral-1b", "tokens", 1024, 32000, False, 1100), ("gemma-300m", "tokens", 1024, 256000, True, 440),
+       ("bert-base", "tokens", 512, 30522, True, 110), ("t5-small", "seq2seq", 512, 32128, True, 60)]
+
+
+def _models() -> Dict[str, Model]:
+    out: Dict[str, Model] = {}
+    for name, pm in _TV:
+        out[f"tv:{name}"] = Model(f"tv:{name}", "torchvision", "image", 224, spec=f"torchvision:{name}", params_m=pm,
+                                  tags=("conv",) if not name.startswith(("vit", "swin")) else ("attention",))
+    for name, pm in _TIMM:
+        out[f"timm:{name}"] = Model(f"timm:{name}", "timm", "image", 224, params_m=pm,
+                                    tags=("attention",) if name.startswith(("vit", "swin", "mixer")) else ("conv",))
+    for name, kind, seq, vocab, tied, pm in _HF:
+        tags = ["attention"] + (["large-vocab"] if vocab >= 100000 else []) + (["checkpointing"] if "+ckpt" in name
+                                                                              else [])
+        out[f"hf:{name}"] = Model(f"hf:{name}", "huggingface", kind, seq, vocab=vocab, tied=tied, tags=tuple(tags),
+                                  params_m=pm)
+    for key, d, layers, heads, pm in (("gpt-125m", 768, 12, 12, 124), ("gpt-350m", 1024, 24, 16, 355),
+                                      ("gpt-1b", 1600, 32, 25, 1040)):
+        out[f"hand:{key}"] = Model(f"hand:{key}", "hand-written", "tokens", 1024, vocab=32768, sequential=True,
+                                   tags=("attention", "pipeline"), params_m=pm)
+    out["hand:vgg16-seq"] = Model("hand:vgg16-seq", "hand-written", "image", 224, sequential=True,
+                                  tags=("conv", "pipeline"), params_m=138.4)
+    out["hand:resnet50-seq"] = Model("hand:resnet50-seq", "hand-written", "image", 224, sequential=True,
+                                     tags=("conv", "pipeline"), params_m=25.6)
+    out["hand:mlp"] = Model("hand:mlp", "hand-written", "vector", 4096, sequential=True, tags=("mlp", "pipeline"),
+                            params_m=570)
+    return out
+
+
+MODELS = _models()
+
+
+def build(key: str):
+    """The model ``key`` built under the current ``torch.device`` context, as its users build it."""
+    m = MODELS[key]
+    if m.family == "torchvision":
+        import torchvision
+
+        return getattr(torchvision.models, key.split(":", 1)[1])(weights=None)
+    if m.family == "timm":
+        import timm
+
+        return timm.create_model(key.split(":", 1)[1], pretrained=False)
+    if m.family == "huggingface":
+        cfg, cls, ckpt = _hf_config(key.split(":", 1)[1])
+        model = cls(cfg)
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        return model
+    name = key.split(":", 1)[1]
+    if name.startswith("gpt-"):
+        d, layers, heads = {"gpt-125m": (768, 12, 12), "gpt-350m": (1024, 24, 16), "gpt-1b": (1600, 32, 25)}[name]
+        return _gpt(d, layers, heads, m.size, m.vocab)
+    if name == "vgg16-seq":
+        return _vgg16_seq()
+    if name == "resnet50-seq":
+        return _resnet_seq(50)
+    return _mlp(8192, 6, m.size, m.classes)
+
+
+#: ``smoke`` (CPU): token sequences this long instead of the model's, so a step takes seconds
+SMOKE_SEQ_ENV = "FIT_SCALE_SMOKE_SEQ"
+
+
+def inputs(key: str, batch: int, device: str) -> Tuple[tuple, Dict[str, Any]]:
+    """A batch for ``key`` on ``device``: what the estimator feeds it (token ids; images; vectors)."""
+    import torch
+
+    m = MODELS[key]
+    real = device != "meta"
+    if m.kind in ("tokens", "seq2seq"):
+        seq = int(os.environ.get(SMOKE_SEQ_ENV) or m.size)
+        ids = (torch.randint(0, m.vocab, (batch, seq), device=device) if real
+               else torch.zeros((batch, seq), dtype=torch.long, device=device))
+        if m.kind == "seq2seq":
+            dec = torch.zeros((batch, seq // 2), dtype=torch.long, device=device)
+            return (), {"input_ids": ids, "decoder_input_ids": dec}
+        return ((ids,), {}) if m.family == "hand-written" else ((), {"input_ids": ids})
+    shape = (batch, 3, m.size, m.size) if m.kind == "image" else (batch, m.size)
+    return ((torch.randn(shape, device=device) if real else torch.empty(shape, device=device)),), {}
+
+
+def loss_of(out: Any):
+    """The loss the estimator assumes: cross-entropy over the last dimension of the logits, in float32."""
+    import torch
+    import torch.nn.functional as F
+
+    t = out
+    if isinstance(t, dict):
+        t = t.get("logits", next(iter(t.values())))
+    if isinstance(t, (list, tuple)):
+        t = t[0]
+    t = getattr(t, "logits", t)
+    logits = t.reshape(-1, t.shape[-1])
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+
+
+# ====================================================================== the cases
+
+@dataclass(frozen=True)
+class Case:
+    """One question: ``model`` at ``batch`` samples per step on ``hosts`` hosts of ``count`` GPUs of
+    ``gib`` GiB, in ``precision``, with ``shardings`` (fit's option)."""
+
+    model: str
+    batch: int
+    count: int
+    gib: int
+    hosts: int = 1
+    precision: str = "auto"
+    shardings: str = "auto"
+
+    @property
+    def fleet(self) -> str:
+        return f"{self.count}x{self.gib}GiB"
+
+    @property
+    def id(self) -> str:
+        return (f"{self.model} B={self.batch} {self.hosts}x{self.fleet} {self.precision} "
+                f"shardings={self.shardings}")
+
+    def tags(self) -> List[str]:
+        m = MODELS[self.model]
+        gpu = "gpu<=12" if self.gib <= 12 else "gpu<=24" if self.gib <= 24 else "gpu<=48" if self.gib <= 48 else "gpu80"
+        return ([f"family:{m.family}", f"model:{self.model}", f"precision:{self.precision}",
+                 f"shardings:{self.shardings}", gpu, f"gpus:{self.count * self.hosts}", f"kind:{m.kind}"]
+                + [f"tag:{t}" for t in m.tags] + (["hosts>1"] if self.hosts > 1 else []))
+
+    def cost(self) -> float:
+        """A rough share of the GPU's time and memory the case's runs take (orders ties)."""
+        return self.gib * (1 + MODELS[self.model].params_m / 500)
+
+
+#: per model: (global batch, GPUs per host, GiB per GPU[, hosts]) questions; the precision and the
+#: shardings asked rotate over each model's questions
+_PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
+_SHARDINGS = ("auto", "none", "zero1,zero2", "fsdp2,fsdp2_keep")
+
+_IMAGE_SMALL = [(256, 4, 8), (512, 4, 12), (1024, 8, 10), (128, 2, 8), (512, 8, 16), (2048, 8, 24), (128, 1, 8)]
+_IMAGE_MID = [(256, 4, 16), (512, 8, 12), (128, 2, 10), (256, 4, 24), (1024, 8, 32), (512, 4, 40), (256, 1, 16)]
+_IMAGE_BIG = [(256, 4, 16), (128, 4, 10), (512, 8, 24), (256, 2, 40), (1024, 8, 80), (64, 2, 8), (128, 1, 24)]
+
+_QUESTIONS: Dict[str, List[Tuple[int, ...]]] = {
+    "tv:resnet18": _IMAGE_SMALL, "tv:resnet50": _IMAGE_MID, "tv:resnet101": _IMAGE_MID,
+    "tv:vgg16": _IMAGE_BIG, "tv:vit_b_16": _IMAGE_MID, "tv:convnext_tiny": _IMAGE_MID,
+    "tv:efficientnet_b0": _IMAGE_SMALL, "tv:mobilenet_v3_large": _IMAGE_SMALL, "tv:densenet121": _IMAGE_SMALL,
+    "tv:swin_t": _IMAGE_MID, "tv:wide_resnet50_2": _IMAGE_BIG,
+    "timm:vit_small_patch16_224": _IMAGE_SMALL, "timm:vit_base_patch16_224": _IMAGE_MID,
+    "timm:convnext_small": _IMAGE_MID, "timm:efficientnet_b2": _IMAGE_SMALL, "timm:resnet50d": _IMAGE_MID,
+    "timm:swin_tiny_patch4_window7_224": _IMAGE_MID, "timm:regnety_016": _IMAGE_SMALL,
+    "timm:mixer_b16_224": _IMAGE_BIG,
+    "hf:gpt2": [(32, 4, 12), (64, 8, 10), (16, 2, 8), (128, 8, 24), (64, 4, 40), (8, 1, 8)],
+    "hf:gpt2-medium": [(32, 4, 16), (64, 8, 24), (16, 4, 10), (128, 4, 80)],
+    "hf:gpt2-medium+ckpt": [(32, 4, 12), (128, 8, 16), (64, 2, 24)],
+    "hf:llama-160m": [(32, 4, 12), (64, 8, 16), (16, 2, 8), (128, 4, 40), (16, 1, 12)],
+    "hf:llama3-400m": [(32, 8, 24), (16, 4, 16), (64, 4, 48), (128, 8, 80)],
+    "hf:llama3-400m+ckpt": [(32, 4, 16), (64, 8, 20), (128, 4, 40)],
+    "hf:qwen2-0.5b": [(16, 4, 24), (32, 8, 32), (64, 4, 80), (8, 2, 16)],
+    "hf:qwen2-0.5b+ckpt": [(32, 4, 24), (64, 8, 40), (16, 2, 16)],
+    "hf:mistral-1b": [(16, 8, 40), (32, 8, 48), (64, 4, 80), (16, 8, 24), (8, 4, 32)],
+    "hf:gemma-300m": [(16, 4, 24), (32, 8, 40), (8, 2, 16), (64, 4, 80)],
+    "hf:bert-base": [(64, 4, 12), (128, 8, 10), (256, 4, 24), (32, 2, 8)],
+    "hf:t5-small": [(64, 4, 8), (128, 8, 12), (256, 4, 24), (32, 2, 8)],
+    "hand:gpt-125m": [(32, 4, 8), (64, 8, 12), (128, 8, 16), (16, 2, 8), (64, 4, 24), (16, 1, 10)],
+    "hand:gpt-350m": [(64, 4, 16), (128, 8, 24), (32, 8, 8), (64, 8, 12, 2), (128, 4, 40)],
+    "hand:gpt-1b": [(32, 4, 16), (64, 8, 24), (16, 8, 8), (32, 8, 12), (128, 8, 48, 2), (64, 4, 80)],
+    "hand:vgg16-seq": [(256, 4, 16), (128, 8, 8), (512, 8, 24), (64, 4, 10)],
+    "hand:resnet50-seq": [(512, 4, 12), (256, 8, 8), (1024, 8, 24), (128, 2, 10)],
+    "hand:mlp": [(4096, 4, 8), (16384, 8, 12), (8192, 2, 16), (2048, 8, 10)],
+}
+
+
+def all_cases() -> List[Case]:
+    """Every case of the bench (in a fixed order; :func:`order_cases` decides the running order)."""
+    out: List[Case] = []
+    for key, questions in _QUESTIONS.items():
+        m = MODELS[key]
+        for i, q in enumerate(questions):
+            batch, count, gib = q[:3]
+            hosts = q[3] if len(q) > 3 else 1
+            prec = _PRECISIONS[i % len(_PRECISIONS)]
+            shard = _SHARDINGS[(i + len(key)) % len(_SHARDINGS)]
+            if (m.tied or m.family == "huggingface") and shard in ("auto", "fsdp2,fsdp2_keep"):
+                # fit prices FSDP2 with one unit per block, and a block is a top-level child: a
+                # Hugging Face model's two children (the body, the head; tied weights between them)
+                # are not the units its users shard (decoder layers), so its users are asked as ZeRO's
+                shard = "zero1,zero2"
+            out.append(Case(key, batch, count, gib, hosts, prec, shard))
+    return out
+
+
+def order_cases(cases: Sequence[Case]) -> List[Case]:
+    """Most informative first: each next case adds the most tags (family, model, precision,
+    shardings, GPU size, ...) not yet covered, cheaper first among equals; once every tag is
+    covered, models take turns."""
+    left = list(cases)
+    seen: Dict[str, int] = {}
+    per_model: Dict[str, int] = {}
+    out: List[Case] = []
+    while left:
+        def score(c: Case) -> Tuple[Any, ...]:
+            new = sum(1 for t in c.tags() if t not in seen)
+            return (-new, per_model.get(c.model, 0), sum(seen.get(t, 0) for t in c.tags()), c.cost(), c.id)
+        best = min(left, key=score)
+        left.remove(best)
+        out.append(best)
+        per_model[best.model] = per_model.get(best.model, 0) + 1
+        for t in best.tags():
+            seen[t] = seen.get(t, 0) + 1
+    return out
+
+
+# ====================================================================== asking fit (the door)
+
+def _stage_row(stage: Any) -> Dict[str, Any]:
+    d = stage.to_dict()
+    d.pop("blocks", None)
+    return d
+
+
+def _candidate(cand: Any, stage: Any) -> Dict[str, Any]:
+    out = cand.outside or {}
+    parts = dict(out.get("parts", {}))
+    nccl = sum(v for k, v in parts.items() if k.startswith("nccl"))
+    return {"layout": cand.layout.to_dict(), "describe": cand.layout.describe(), "fits": bool(cand.fits),
+            "stage": _stage_row(stage), "outside_total": int(out.get("total_bytes", 0)),
+            "outside_parts": parts, "outside_nccl": int(nccl)}
+
+
+def _fit_kwargs(case: Case, estimate: str) -> Dict[str, Any]:
+    m = MODELS[case.model]
+    kw: Dict[str, Any] = dict(global_batch_size=case.batch, gpus=case.fleet, hosts=case.hosts,
+                              precision=case.precision, estimate=estimate, top=3, rejected=8)
+    if case.shardings != "auto":
+        kw["shardings"] = case.shardings
+    if not m.sequential:
+        kw["pipelines"] = [1]  # its children do not run in sequence: data parallel, sharded or not
+    if m.kind in ("image", "vector"):
+        kw["input_shape"] = (3, m.size, m.size) if m.kind == "image" else (m.size,)
+    return kw
+
+
+def _asked_model(key: str) -> Any:
+    """What the user hands fit: a spec string, or the model built on the meta device (no memory)
+    with the example input its estimator needs."""
+    import torch
+
+    m = MODELS[key]
+    if m.spec:
+        return m.spec
+    with torch.device("meta"):
+        model = build(key)
+    if m.family == "huggingface":
+        def example_input(batch: int, _key: str = key) -> Dict[str, Any]:
+            return inputs(_key, batch, "meta")[1]
+        model.example_input = example_input
+    return model
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ask(case_dict: Dict[str, Any], estimate: str = "model") -> Dict[str, Any]:
+    """Ask ``distmem.fit`` about one case (in an asker process, CUDA hidden); the answer as plain data."""
+    import distmem
+
+    case = Case(**case_dict)
+    answer: Dict[str, Any] = {"case": case.id, "params": asdict(case), "family": MODELS[case.model].family}
+    model = _asked_model(case.model)
+    kw = _fit_kwargs(case, estimate)
+    t = time.perf_counter()
+    try:
+        res = distmem.fit(model, **kw)
+    except Exception as exc:  # noqa: BLE001 - a refusal is an answer too (booked, not run)
+        answer.update(error=f"{type(exc).__name__}: {str(exc)[:600]}", fit_seconds=round(time.perf_counter() - t, 3))
+        return answer
+    answer.update(fit_seconds=round(time.perf_counter() - t, 3), solver_seconds=round(res.seconds, 3),
+                  searched=res.searched, evaluated=res.evaluated, blocks=len(res.block_names),
+                  expandable_segments=bool(res.expandable_segments), warnings=list(res.warnings)[:4],
+                  suggestion=res.suggestion)
+    if res.chosen is not None:
+        answer["chosen"] = _candidate(res.chosen, res.chosen.heaviest)
+    if res.rejected:
+        rj = next((r for r in res.rejected if r.layout.ranks_per_gpu == 1 and r.binding is not None), None) \
+            or next((r for r in res.rejected if r.binding is not None), None)
+        if rj is not None:
+            answer["best_rejected"] = _candidate(rj, rj.binding)
+    if res.chosen is not None:
+        answer["mb_up"] = _mb_up(model, case, kw, res)
+    if res.expandable_segments:
+        # the same question where expandable segments cannot be set (CUDA started before init, or
+        # the user turned them off): fit must leave the headroom the largest block needs instead
+        t = time.perf_counter()
+        try:
+            res2 = distmem.fit(model, **dict(kw, expandable_segments=False))
+            if res2.chosen is not None:
+                answer["without_expandable"] = dict(_candidate(res2.chosen, res2.chosen.heaviest),
+                                                    fit_seconds=round(time.perf_counter() - t, 3))
+        except TypeError:  # a fit without the option (older tree): nothing to ask
+            pass
+    return answer
+
+
+def _mb_up(model: Any, case: Case, kw: Dict[str, Any], res: Any) -> Dict[str, Any]:
+    """fit's verdict on the chosen layout with the next micro-batch up (same replicas, stages,
+    sharding, precision): from its rejected list, else asked again with the search pinned to it."""
+    import distmem
+
+    lay = res.chosen.layout
+    per = case.batch // lay.data_parallel
+    ups = [d for d in _divisors(per) if d > lay.micro_batch]
+    if not ups:
+        return {"status": "none", "why": f"micro-batch {lay.micro_batch} is the replica's whole batch"}
+    up = replace(lay, micro_batch=ups[0], accumulation=per // ups[0])
+    for cand in res.rejected:
+        if cand.layout == up and cand.binding is not None:
+            return dict(_candidate(cand, cand.binding), status="rejected", asked="in the first answer")
+    for cand in res.fits:
+        if cand.layout == up:
+            return {"status": "fits", "describe": up.describe()}
+    pinned = dict(kw, pipelines=[lay.pipeline], micro_batches=[up.micro_batch], ranks_per_gpu=[lay.ranks_per_gpu],
+                  shardings=[lay.shard] if lay.shard else "none", precision=lay.precision, recompute=lay.recompute,
+                  top=1, rejected=4)
+    if lay.pipeline > 1:
+        pinned["schedules"] = [lay.schedule]
+    t = time.perf_counter()
+    try:
+        res2 = distmem.fit(model, **pinned)
+    except Exception as exc:  # noqa: BLE001 - booked: no verdict to run
+        return {"status": "none", "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    secs = round(time.perf_counter() - t, 3)
+    for cand in res2.fits:
+        if cand.layout == up:
+            return {"status": "fits", "describe": up.describe(), "fit_seconds": secs}
+    for cand in res2.rejected:
+        if cand.layout == up and cand.binding is not None:
+            return dict(_candidate(cand, cand.binding), status="rejected", asked="pinned", fit_seconds=secs)
+    return {"status": "none", "why": f"{up.describe()} not among fit's answers", "fit_seconds": secs}
+
+
+# ====================================================================== the runs
+
+ROLES = ("chosen", "best_rejected", "mb_up", "default_allocator", "without_expandable")
+
+
+def run_specs(answer: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The runs of one answered case, most important first."""
+    case = answer["params"]
+    specs: List[Dict[str, Any]] = []
+    xs = bool(answer.get("expandable_segments"))
+
+    def spec(role: str, cand: Dict[str, Any], limit_key: str, expandable: bool) -> Optional[Dict[str, Any]]:
+        lay, st = cand["layout"], cand["stage"]
+        limit = int(st[limit_key])
+        if limit < MiB:
+            return None
+        process_outside = cand["outside_total"] - cand["outside_nccl"]
+        return {"case": answer["case"], "role": role, "describe": cand["describe"], "model": case["model"],
+                "micro_batch": lay["micro_batch"],
+                "accumulation": lay["accumulation"], "precision": lay["precision"], "shard": lay["shard"] or "",
+                "world": lay["data_parallel"], "pipeline": lay["pipeline"], "schedule": lay["schedule"],
+                "recompute": bool(lay["recompute"]), "first_block": st["first_block"], "stop_block": st["stop_block"],
+                "blocks": answer.get("blocks", 0), "in_flight": st["in_flight"] if lay["pipeline"] > 1 else 1,
+                "limit_bytes": limit, "planned_bytes": int(st["planned_bytes"]), "share_bytes": int(st["share_bytes"]),
+                "estimated_peak": int(st["allocator_bytes"]),
+                "slice_bytes": int(st["share_bytes"]) + cand["outside_total"],
+                "outside_modelled": cand["outside_total"], "outside_modelled_process": process_outside,
+                "outside_nccl": cand["outside_nccl"], "gpu_total_bytes": int(st["gpu_total_bytes"]),
+                "shared_by": int(st["shared_by"]), "expandable": expandable, "steps": STEPS,
+                "params_m": MODELS[case["model"]].params_m}
+
+    if "chosen" in answer:
+        specs.append(spec("chosen", answer["chosen"], "planned_bytes", xs))
+    if "best_rejected" in answer:
+        specs.append(spec("best_rejected", answer["best_rejected"], "share_bytes", xs))
+    up = answer.get("mb_up") or {}
+    if up.get("status") == "rejected":
+        specs.append(spec("mb_up", up, "share_bytes", xs))
+    if xs and "chosen" in answer:
+        specs.append(spec("default_allocator", answer["chosen"], "planned_bytes", False))
+    if "without_expandable" in answer:
+        specs.append(spec("without_expandable", answer["without_expandable"], "planned_bytes", False))
+    return [s for s in specs if s is not None]
+
+
+def _fraction(limit: int, total: int) -> float:
+    """The fraction whose cap ``int(fraction * total)`` is at most ``limit`` (never above it)."""
+    import math
+
+    if limit >= total:
+        return 1.0
+    f = limit / total
+    while int(f * total) > limit:
+        f = math.nextafter(f, 0.0)
+    return f
+
+
+class _Nvml:
+    """NVML's memory for one process (by pid), sampled in a thread while it trains."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.ok = False
+        self.peak = 0
+        self.error: Optional[str] = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nv = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self.ok = True
+        except Exception as exc:  # noqa: BLE001 - booked: the run still says what the allocator saw
+            self.error = f"{type(exc).__name__}: {exc}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def used(self) -> Optional[int]:
+        if not self.ok:
+            return None
+        try:
+            for p in self.nv.nvmlDeviceGetComputeRunningProcesses(self.handle):
+                if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                    return int(p.usedGpuMemory)
+        except Exception as exc:  # noqa: BLE001
+            self.error = f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            v = self.used()
+            if v is not None:
+                self.peak = max(self.peak, v)
+            self._stop.wait(0.02)
+
+    def start(self) -> "_Nvml":
+        if self.ok:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+
+_OOM_FREE = re.compile(r"of which ([\d.]+) (GiB|MiB|KiB|bytes) is free")
+_OOM_ASK = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|bytes)")
+_UNIT = {"GiB": GiB, "MiB": MiB, "KiB": 1024, "bytes": 1}
+
+
+def physical_oom(message: str) -> bool:
+    """Whether an out-of-memory message says the GPU itself had no room (other runs of the bench),
+    not this process's cap: its free memory was below the request."""
+    free, ask_ = _OOM_FREE.search(message or ""), _OOM_ASK.search(message or "")
+    if not free or not ask_:
+        return False
+    return float(free.group(1)) * _UNIT[free.group(2)] < float(ask_.group(1)) * _UNIT[ask_.group(2)]
+
+
+def _zero_optimizer(model: Any, kind: str):
+    """ZeRO-1: ``ZeroRedundancyOptimizer`` over Adam; ZeRO-2: also free the gradients of parameters
+    another rank owns once they are accumulated (a stage-2 rank keeps only its partition's)."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    opt = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.Adam)
+    if kind == "zero2":
+        owned = {id(p) for g in opt.optim.param_groups for p in g["params"]}
+        for p in model.parameters():
+            if id(p) not in owned and p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    return opt
+
+
+def _init_shards(model: Any) -> None:
+    """Each rank initialises its own shards (FSDP2 built on the meta device)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.dim() > 1:
+                local.normal_(0.0, 0.02)
+            elif name.endswith("weight"):
+                local.fill_(1.0)
+            else:
+                local.zero_()
+
+
+def _materialise(module: Any, device: str) -> Any:
+    """A module built on the meta device, on ``device`` with weights and buffers initialised."""
+    import copy
+
+    import torch
+
+    real = copy.deepcopy(module).to_empty(device=device)
+    _init_shards(real)
+    with torch.no_grad():
+        for name, b in real.named_buffers():
+            b.fill_(1) if "running_var" in name else b.zero_()
+    return real
+
+
+def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
+    """One rank of one layout for ``spec["steps"]`` steps under ``spec["limit_bytes"]``, in this
+    (fresh) process; ``device="cpu"``: the plumbing alone (nothing measured)."""
+    t0 = time.time()
+    cuda = device == "cuda"
+    if spec.get("expandable") and cuda:
+        # what init() sets before CUDA starts (and tells the allocator at run time: torch may have
+        # read its settings at import)
+        for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            os.environ[var] = "expandable_segments:True"
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    out: Dict[str, Any] = {"oom": False, "error": None, "torch": torch.__version__}
+    nvml = _Nvml() if cuda else None
+    if cuda:
+        torch.set_num_threads(2)  # the GPU does the work; many runs share the host's cores
+        torch.cuda.set_device(0)
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setter is not None:
+            try:
+                setter(f"expandable_segments:{'True' if spec.get('expandable') else 'False'}")
+            except Exception as exc:  # noqa: BLE001 - the environment set before the process started holds
+                out["allocator_setting_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    key, mb, m = spec["model"], int(spec["micro_batch"]), int(spec["accumulation"])
+    world, shard, p = int(spec["world"]), spec.get("shard") or "", int(spec["pipeline"])
+    mixed = spec["precision"] != "float32"
+    cdt = torch.bfloat16 if spec["precision"] == "mixed_bfloat16" else torch.float16
+    limit = int(spec["limit_bytes"])
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+
+    def cap() -> None:
+        if cuda:
+            torch.cuda.empty_cache()
+            f = _fraction(limit, total)
+            torch.cuda.set_per_process_memory_fraction(f, 0)
+            out["cap_bytes"] = int(f * total)
+
+    if shard and not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    stage_in: Optional[Tuple[Tuple[int, ...], Any]] = None
+    try:
+        first, stop = int(spec["first_block"]), int(spec["stop_block"])
+        fsdp = shard.startswith("fsdp2")  # sharded after building: the whole model (stage) is held once, uncapped
+        if p > 1:
+            # a pipeline stage: its blocks alone; its input's shape from the blocks before it on the
+            # meta device, its dtype under autocast from one real micro-batch of 1 through them (one
+            # block on the device at a time, before the cap)
+            with torch.device("meta"):
+                children = list(build(key).children())
+            if spec.get("blocks") and len(children) != int(spec["blocks"]):
+                raise RuntimeError(f"{key}: fit cut {spec['blocks']} blocks but the model has {len(children)} "
+                                   "top-level children; its stages are not slices of them")
+            with torch.no_grad():
+                h = inputs(key, mb, "meta")[0][0]
+                for c in children[:first]:
+                    h = c(h)
+            shape, dtype = tuple(h.shape), h.dtype
+            if first > 0 and mixed:
+                with torch.no_grad(), torch.autocast(device, dtype=cdt):
+                    hh = inputs(key, 1, device)[0][0]
+                    for c in children[:first]:
+                        real = _materialise(c, device)
+                        hh = real(hh)
+                        del real
+                dtype = hh.dtype
+                del hh
+            stage_in = (shape, dtype)
+            if not fsdp:
+                cap()
+            model = _materialise(nn.Sequential(*children[first:stop]), device)
+        else:
+            if not fsdp:
+                cap()
+            with torch.device(device):
+                model = build(key)
+        model.train()
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            units = len(list(model.children()))
+            if p == 1 and spec.get("blocks") and units != int(spec["blocks"]):
+                raise RuntimeError(f"{key}: fit priced FSDP2 over {spec['blocks']} blocks but the model has {units} "
+                                   "top-level children to shard")
+
+            for child in model.children():
+                fully_shard(child, reshard_after_forward=shard == "fsdp2")
+            fully_shard(model)
+            cap()
+        if shard in ("zero1", "zero2"):
+            opt = _zero_optimizer(model, shard)
+        else:
+            opt = torch.optim.Adam(model.parameters())
+        scaler = torch.amp.GradScaler(device) if spec["precision"] == "mixed_float16" else None
+        last_stage = p == 1 or stop >= int(spec.get("blocks") or stop)
+        recompute = bool(spec.get("recompute")) and p > 1
+
+        def make_input():
+            if stage_in is None or first == 0:
+                return inputs(key, mb, device)
+            shape, dtype = stage_in
+            return (torch.randn(shape, device=device, dtype=dtype).requires_grad_(True),), {}
+
+        def forward(args, kwargs):
+            from torch.utils.checkpoint import checkpoint
+
+            with torch.autocast(device, dtype=cdt, enabled=mixed):
+                if recompute:
+                    return checkpoint(model, *args, use_reentrant=False)
+                return model(*args, **kwargs)
+
+        def backward(o):
+            if last_stage:
+                loss = loss_of(o)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            else:
+                o.backward(torch.randn_like(o))
+
+        in_flight = max(1, int(spec.get("in_flight") or 1))
+        peaks: List[int] = []
+        if cuda:
+            torch.cuda.synchronize()
+            out["reserved_before_steps"] = int(torch.cuda.memory_reserved())
+            out["allocated_before_steps"] = int(torch.cuda.memory_allocated())
+            nvml.start()
+        for _ in range(int(spec.get("steps", STEPS))):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            pending: List[Any] = []
+            kept = None
+            for i in range(m):
+                args, kwargs = make_input()
+                pending.append(forward(args, kwargs))
+                del args, kwargs
+                if len(pending) >= in_flight:
+                    o = pending.pop(0)
+                    backward(o)
+                    if i == m - 1 and p == 1:
+                        kept = o  # the step's output lives to the update, as the estimator's step
+                    del o
+            while pending:
+                o = pending.pop(0)
+                backward(o)
+                del o
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            del kept
+            if cuda:
+                torch.cuda.synchronize()
+                peaks.append(int(torch.cuda.max_memory_allocated()))
+        out["steps_allocated"] = peaks
+    except torch.cuda.OutOfMemoryError as exc:
+        msg = str(exc).split("\n")[0][:400]
+        out.update(oom=True, error=msg, physical_oom=physical_oom(msg))
+    except Exception as exc:  # noqa: BLE001 - booked as an error, not an out-of-memory
+        out.update(oom=None, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if cuda:
+        torch.cuda.synchronize()
+        time.sleep(0.3)  # NVML's per-process figure lags the allocations a little
+        st = torch.cuda.memory_stats()
+        used_end = nvml.used() if nvml is not None else None
+        nvml.stop()
+        reserved = int(torch.cuda.memory_reserved())
+        out.update(peak_allocated=int(st.get("allocated_bytes.all.peak", 0)),
+                   peak_reserved=int(st.get("reserved_bytes.all.peak", 0)), reserved_end=reserved,
+                   nvml_end=used_end, nvml_peak=max(nvml.peak, used_end or 0) or None, nvml_error=nvml.error,
+                   alloc_retries=int(st.get("num_alloc_retries", 0)),
+                   outside_measured=(used_end - reserved) if used_end is not None else None)
+        if spec.get("expandable"):
+            try:
+                out["expandable_effective"] = any(s.get("is_expandable") for s in torch.cuda.memory_snapshot())
+            except Exception:  # noqa: BLE001 - a torch without the flag
+                out["expandable_effective"] = None
+    out["seconds"] = round(time.time() - t0, 2)
+    return out
+
+
+class _Fresh:
+    """A run in a fresh interpreter (``python fit_scale.py child SPEC RESULT``) whose environment sets
+    the allocator before torch is imported: the runs with expandable segments, as ``init()`` gives
+    them to a job. Looks like a ``multiprocessing.Process`` to the coordinator."""
+
+    def __init__(self, spec: Dict[str, Any], path: str) -> None:
+        import subprocess
+
+        with open(path + ".spec", "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            env[var] = "expandable_segments:True"
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", path + ".spec", path],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except Exception:  # noqa: BLE001 - still running: the coordinator books it
+            pass
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.proc.returncode
+
+
+def _child(spec: Dict[str, Any], path: str) -> None:
+    """A run's process: the result as JSON at ``path`` (read by the coordinator once it exits)."""
+    try:
+        result = gpu_run(spec, device=spec.get("device", "cuda"))
+    except BaseException as exc:  # noqa: BLE001 - the coordinator books it
+        result = {"oom": None, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+# ====================================================================== judging and the summary
+
+def judge(spec: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:
+    """A run's verdict. ``over_share``: the whole process as NVML saw it, plus the NCCL communicators
+    the real job holds (modelled: fake process groups have none), above the rank's part of its GPU
+    (share + the memory outside the allocator the plan counted). ``trained``: all steps, no
+    out-of-memory, not over the share."""
+    v: Dict[str, Any] = {}
+    if r.get("physical_oom") or r.get("oom") is None:
+        v["status"] = "error"
+        return v
+    nv = r.get("nvml_peak")
+    whole = (nv + int(spec.get("outside_nccl", 0))) if nv else None
+    v["whole_process_bytes"] = whole
+    v["over_share"] = bool(whole is not None and whole > spec["slice_bytes"])
+    # beyond what the GPU itself has for each of its ranks (the reserve too): it could not have run
+    per_rank = int(spec.get("gpu_total_bytes", 0)) // max(1, int(spec.get("shared_by", 1)))
+    v["over_gpu"] = bool(whole is not None and per_rank and whole > per_rank)
+    v["trained"] = (not r["oom"]) and not v["over_share"]
+    v["status"] = "trained" if v["trained"] else ("oom" if r["oom"] else "over_share")
+    if r.get("peak_allocated") and not r["oom"]:
+        v["peak_over_limit"] = round(r["peak_allocated"] / spec["limit_bytes"], 4)
+        v["estimate_error"] = round(spec["estimated_peak"] / r["peak_allocated"] - 1, 4)
+        share = spec["share_bytes"]
+        v["unused_of_share"] = round((share - r["peak_allocated"]) / share, 4)
+        v["limit_slack_of_share"] = round((spec["planned_bytes"] - r["peak_allocated"]) / share, 4)
+    if r.get("outside_measured") is not None:
+        v["outside_over_model"] = int(r["outside_measured"]) - int(spec["outside_modelled_process"])
+    return v
+
+
+def _pct(values: List[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def summarize(records: List[Dict[str, Any]], seconds: float = 0.0, budget_s: Optional[float] = None,
+              env: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The summary over the cases' records."""
+    runs = [(rec, run) for rec in records for run in rec.get("runs", [])]
+
+    def role(name: str) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+        return [(rec, run) for rec, run in runs if run["spec"]["role"] == name]
+
+    chosen = [x for x in role("chosen") if x[1]["verdict"]["status"] != "error"]
+    failed = [x for x in chosen if not x[1]["verdict"]["trained"]]
+    rejected = [x for x in role("best_rejected") + role("mb_up") if x[1]["verdict"]["status"] != "error"]
+    wrongly = [x for x in rejected if x[1]["verdict"]["trained"]]
+    errors = [(rec, run) for rec, run in runs if run["verdict"]["status"] == "error"]
+    unused = [run["verdict"]["unused_of_share"] for _, run in chosen if "unused_of_share" in run["verdict"]]
+    slack = [run["verdict"]["limit_slack_of_share"] for _, run in chosen if "limit_slack_of_share" in run["verdict"]]
+    ratio = [run["verdict"]["peak_over_limit"] for _, run in chosen if "peak_over_limit" in run["verdict"]]
+    est = [run["verdict"]["estimate_error"] for _, run in chosen if "estimate_error" in run["verdict"]]
+    fit_s = [rec["answer"]["fit_seconds"] for rec in records if "fit_seconds" in rec.get("answer", {})]
+    solver_s = [rec["answer"]["solver_seconds"] for rec in records if "solver_seconds" in rec.get("answer", {})]
+    outside = [(run["spec"], run["result"]) for _, run in runs if run["result"].get("outside_measured") is not None]
+    over_model = [r["outside_measured"] - s["outside_modelled_process"] for s, r in outside]
+    xs = [rec for rec in records if rec.get("answer", {}).get("expandable_segments")]
+    probe = [run for _, run in role("default_allocator") if run["verdict"]["status"] != "error"]
+    without = [run for _, run in role("without_expandable") if run["verdict"]["status"] != "error"]
+    best_rej = [x for x in role("best_rejected") if x[1]["verdict"]["status"] != "error"]
+
+    def by(items: Iterable[Tuple[Dict[str, Any], Any]], key: Callable[[Dict[str, Any]], str]) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for rec, _ in items:
+            out[key(rec)] = out.get(key(rec), 0) + 1
+        return dict(sorted(out.items()))
+
+    def row(rec: Dict[str, Any], run: Dict[str, Any]) -> str:
+        s, r, v = run["spec"], run["result"], run["verdict"]
+        what = ("out of memory" if r.get("oom") else f"NVML {v.get('whole_process_bytes', 0) / GiB:.2f} GiB over the "
+                f"part {s['slice_bytes'] / GiB:.2f} GiB" if v.get("over_share") else "trained")
+        return (f"{rec['case']}: {s['role']} {s.get('describe', '')} limit {s['limit_bytes'] / GiB:.2f} GiB: {what}"
+                + (f" ({(r.get('error') or '')[:120]})" if r.get("oom") else ""))
+
+    n_chosen, n_rej = len(chosen), len(rejected)
+    layouts = [rec["answer"]["chosen"]["layout"] for rec in records if "chosen" in rec.get("answer", {})]
+    summary: Dict[str, Any] = {
+        "bench": "fit_scale", **(env or {}),
+        "cases": len(records), "families": by(((rec, None) for rec in records), lambda rec: rec["answer"]["family"]),
+        "cases_where_nothing_fits": sum(1 for rec in records if "chosen" not in rec.get("answer", {})
+                                        and "error" not in rec.get("answer", {})),
+        "cases_fit_refused": sum(1 for rec in records if "error" in rec.get("answer", {})),
+        "chosen_layouts": {"pipeline": sum(1 for l in layouts if l["pipeline"] > 1),
+                           "sharded": dict(sorted({s: sum(1 for l in layouts if l["shard"] == s)
+                                                   for s in {l["shard"] for l in layouts}}.items())),
+                           "accumulation": sum(1 for l in layouts if l["pipeline"] == 1 and l["accumulation"] > 1),
+                           "recompute": sum(1 for l in layouts if l["recompute"]),
+                           "two_ranks_per_gpu": sum(1 for l in layouts if l["ranks_per_gpu"] > 1),
+                           "precision": dict(sorted({p: sum(1 for l in layouts if l["precision"] == p)
+                                                     for p in {l["precision"] for l in layouts}}.items()))},
+        "chosen_runs": n_chosen,
+        "chosen_out_of_memory": sum(1 for _, run in failed if run["result"].get("oom")),
+        "chosen_over_share_nvml": sum(1 for _, run in failed if run["verdict"].get("over_share")),
+        "chosen_over_gpu_nvml": sum(1 for _, run in failed if run["verdict"].get("over_gpu")),
+        "chosen_failed": len(failed),
+        "runs_without_nvml": sum(1 for _, run in runs if run["verdict"]["status"] != "error"
+                                 and not run["result"].get("nvml_peak")),
+        "chosen_failures": [row(rec, run) for rec, run in failed][:40],
+        "rejected_runs": n_rej,
+        "rejected_would_have_trained": len(wrongly),
+        "rejected_would_have_trained_rate": round(len(wrongly) / n_rej, 4) if n_rej else None,
+        "rejected_would_have_trained_cases": [row(rec, run) for rec, run in wrongly][:40],
+        "unused_of_share_median": _pct(unused, 0.5),
+        "limit_slack_of_share_median": _pct(slack, 0.5),
+        "peak_over_limit": {"min": _pct(ratio, 0.0), "median": _pct(ratio, 0.5), "max": _pct(ratio, 1.0)},
+        "estimate_error": {"median_abs": _pct([abs(e) for e in est], 0.5), "worst_under": _pct(est, 0.0),
+                           "worst_over": _pct(est, 1.0)},
+        "fit_seconds": {"median": _pct(fit_s, 0.5), "p90": _pct(fit_s, 0.9), "max": _pct(fit_s, 1.0),
+                        "mean": round(statistics.mean(fit_s), 3) if fit_s else None,
+                        "search_median": _pct(solver_s, 0.5),
+                        "what": "distmem.fit(model, ...) per case, the estimate on the meta device included; "
+                                "search: FitResult.seconds"},
+        "outside_allocator": {
+            "runs": len(outside),
+            "measured_median_mib": _mib(_pct([r["outside_measured"] for _, r in outside], 0.5)),
+            "measured_max_mib": _mib(_pct([r["outside_measured"] for _, r in outside], 1.0)),
+            "modelled_mib": sorted({_mib(s["outside_modelled_process"]) for s, _ in outside}),
+            "measured_minus_modelled_max_mib": _mib(_pct(over_model, 1.0)),
+            "measured_minus_modelled_median_mib": _mib(_pct(over_model, 0.5)),
+            "runs_above_model": sum(1 for x in over_model if x > 0),
+            "by_group_max_mib": _outside_groups(outside)},
+        "expandable_segments": {
+            "cases_advised": len(xs),
+            "default_allocator_runs": len(probe),
+            "default_allocator_out_of_memory": sum(1 for r in probe if r["result"].get("oom")),
+            "without_expandable_runs": len(without),
+            "without_expandable_failed": sum(1 for r in without if not r["verdict"]["trained"])},
+        "by_family": {fam: {"chosen_runs": sum(1 for rec, _ in chosen if rec["answer"]["family"] == fam),
+                            "chosen_failed": sum(1 for rec, _ in failed if rec["answer"]["family"] == fam),
+                            "rejected_runs": sum(1 for rec, _ in rejected if rec["answer"]["family"] == fam),
+                            "rejected_would_have_trained": sum(1 for rec, _ in wrongly
+                                                               if rec["answer"]["family"] == fam)}
+                      for fam in sorted({rec["answer"].get("family", "?") for rec in records})},
+        "errors": len(errors),
+        "error_runs": [f"{rec['case']}: {run['spec']['role']}: {(run['result'].get('error') or '')[:160]}"
+                       for rec, run in errors][:20],
+        "baseline": "the best rejected layout's binding rank under its GPU's share: what a search without the "
+                    "memory check runs when that layout ranks first",
+        "ours_failure_rate": round(len(failed) / n_chosen, 4) if n_chosen else None,
+        "baseline_failure_rate": round(sum(1 for _, run in best_rej if not run["verdict"]["trained"])
+                                       / len(best_rej), 4) if best_rej else None,
+        "targets": {"chosen_failed": 0, "rejected_would_have_trained_rate": 0.05, "limit_slack_of_share_median": 0.10},
+        "seconds": round(seconds, 1), "budget_s": budget_s,
+    }
+    return summary
+
+
+def _mib(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v / MiB, 1)
+
+
+def _outside_groups(outside: List[Tuple[Dict[str, Any], Dict[str, Any]]]) -> Dict[str, float]:
+    """The largest measured memory outside the allocator per kind of model x precision."""
+    out: Dict[str, int] = {}
+    for s, r in outside:
+        m = MODELS.get(s["model"])
+        g = f"{m.kind if m else '?'}/{'+'.join(m.tags) if m else ''}/{s['precision']}"
+        out[g] = max(out.get(g, 0), int(r["outside_measured"]))
+    return {k: _mib(v) for k, v in sorted(out.items())}
+
+
+def line(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """The bench's one JSON line: the figure (chosen layouts that failed, of those run), the baseline
+    measured in the same run (the best rejected layouts that failed) and their ratio."""
+    ours, base = summary.get("ours_failure_rate"), summary.get("baseline_failure_rate")
+    keys = ("cases", "chosen_runs", "chosen_failed", "chosen_out_of_memory", "chosen_over_share_nvml", "rejected_runs",
+            "rejected_would_have_trained_rate", "unused_of_share_median", "limit_slack_of_share_median", "fit_seconds",
+            "errors", "seconds")
+    return {"bench": "fit_scale", "figure": ours, "peer": base,
+            "ratio": round(ours / base, 4) if ours is not None and base else None,
+            **{k: summary.get(k) for k in keys}}
+
+
+# ====================================================================== scheduling runs on the one GPU
+
+@dataclass
+class Job:
+    """A run waiting for (or holding) its part of the GPU. ``need``: bytes it may hold at once."""
+
+    order: Tuple[int, int]
+    spec: Dict[str, Any]
+    need: int
+    queued_at: float = 0.0
+
+
+def job_need(spec: Dict[str, Any], outside: int = 1536 * MiB) -> int:
+    """What a run may hold on the GPU: its cap and its context; an FSDP2 run builds the whole model
+    first (float32, uncapped), a pipeline stage runs the blocks before it once."""
+    build = int(spec.get("params_m", 0) * 1e6 * 4) if str(spec.get("shard", "")).startswith("fsdp2") else 0
+    return max(int(spec["limit_bytes"]), build) + outside
+
+
+def pick(pending: List[Job], used: int, capacity: int, running: int, workers: int, now: float,
+         patience_s: float = 15.0, window: int = 16) -> Optional[Job]:
+    """The next job to start: the first waiting one that fits what is left of the GPU (among the
+    first ``window``), unless the head has waited ``patience_s`` - then only the head, so a large
+    run is not starved by smaller ones."""
+    if running >= workers or not pending:
+        return None
+    head = pending[0]
+    if head.need > capacity:  # larger than what the GPU has for runs: alone, booked as whatever happens
+        return head if used == 0 else None
+    if used + head.need <= capacity:
+        return head
+    if now - head.queued_at >= patience_s:
+        return None
+    for job in pending[1:window]:
+        if used + job.need <= capacity:
+            return job
+    return None
+
+
+# ====================================================================== the coordinator
+
+def _preload() -> List[str]:
+    return ["torch", "torch.nn", "torch.distributed", "torchvision", "timm", "transformers",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+            "transformers.models.qwen2.modeling_qwen2", "transformers.models.mistral.modeling_mistral",
+            "transformers.models.gemma.modeling_gemma", "transformers.models.bert.modeling_bert",
+            "transformers.models.t5.modeling_t5", "pynvml", "distmem", "distmem.plan.fit",
+            "distmem.estimate"]
+
+
+def _asker_init() -> None:
+    # fit is asked before launch: no GPU in the asking process (and no CUDA context on the GPU)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # the meta-device simulation is Python; the cores are the runs'
+    except ImportError:
+        pass
+
+
+def _ask_one(case_dict: Dict[str, Any], estimate: str) -> Dict[str, Any]:
+    try:
+        return ask(case_dict, estimate)
+    except BaseException as exc:  # noqa: BLE001 - booked with the case
+        return {"case": Case(**case_dict).id, "params": case_dict, "family": MODELS[case_dict["model"]].family,
+                "error": f"bench: {type(exc).__name__}: {str(exc)[:600]}"}
+
+
+def read_records(path: Optional[str]) -> List[Dict[str, Any]]:
+    if not path or not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for text in f:
+            text = text.strip()
+            if text.startswith("{"):
+                out.append(json.loads(text))
+    return out
+
+
+def _env() -> Dict[str, Any]:
+    info: Dict[str, Any] = {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        info.update(device=name.decode() if isinstance(name, bytes) else name,
+                    driver=pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda)
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def _gpu_free() -> Tuple[int, int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+    return int(mem.free), int(mem.total)
+
+
+def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
+    """``run``: ask fit about every case (askers), run what it answers (GPU runs), book each case."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    deadline = T0 + args.budget_s
+    done_before = read_records(args.skip_done)
+    done_ids = {r["case"] for r in done_before}
+    cases = [c for c in selected(args) if c.id not in done_ids]
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, f"{args.name}.jsonl")
+    with open(jsonl, "w") as f:  # the earlier cases first, so this file is complete on its own
+        for rec in done_before:
+            f.write(json.dumps(rec) + "\n")
+    log(f"{len(cases)} cases to run ({len(done_before)} done before), budget {args.budget_s:.0f} s")
+    if args.cpu:  # the coordinator's plumbing on CPU: short runs, nothing measured
+        os.environ[SMOKE_SEQ_ENV] = "16"
+        free, total = 64 * GiB, 64 * GiB
+    else:
+        free, total = _gpu_free()
+    capacity = free - int(args.margin_gib * GiB)
+    log(f"GPU: {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB; runs may hold {capacity / GiB:.1f} GiB at once")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_preload())
+    askers = ProcessPoolExecutor(max_workers=args.askers, mp_context=ctx, initializer=_asker_init)
+    futures = [(i, c, askers.submit(_ask_one, asdict(c), args.estimate)) for i, c in enumerate(cases)]
+    tmp = tempfile.mkdtemp(prefix="fit-scale-")
+    pending: List[Job] = []
+    running: Dict[int, Tuple[Job, Any, str, float]] = {}
+    open_cases: Dict[int, Dict[str, Any]] = {}
+    answered = set()
+    written = 0
+    seq = 0
+    while True:
+        now = time.time()
+        for i, c, fut in futures:
+            if i in answered or not fut.done():
+                continue
+            answered.add(i)
+            try:
+                answer = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - a dead asker
+                answer = {"case": c.id, "params": asdict(c), "family": MODELS[c.model].family,
+                          "error": f"bench: {type(exc).__name__}: {exc}"}
+            specs = run_specs(answer) if "error" not in answer else []
+            if args.cpu:
+                specs = [dict(sp, device="cpu", micro_batch=1, accumulation=min(2, sp["accumulation"]), steps=1)
+                         for sp in specs]
+            open_cases[i] = {"case": c.id, "order": i, "answer": answer, "runs": [], "left": len(specs)}
+            for k, s in enumerate(specs):
+                pending.append(Job((i, k), s, job_need(s), now))
+            pending.sort(key=lambda j: j.order)
+        # book finished runs
+        for pid, (job, proc, path, started) in list(running.items()):
+            alive = proc.is_alive()
+            if alive and now - started < args.run_timeout_s:
+                continue
+            if alive:
+                proc.kill()
+                proc.join(5)
+                result = {"oom": None, "error": f"ran past {args.run_timeout_s:.0f} s"}
+            else:
+                proc.join(1)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        result = json.load(f)
+                else:
+                    result = {"oom": None, "error": f"process exited {proc.exitcode} without a result"}
+            del running[pid]
+            rec = open_cases[job.order[0]]
+            rec["runs"].append({"spec": job.spec, "result": result, "verdict": judge(job.spec, result)})
+            rec["left"] -= 1
+            v = rec["runs"][-1]["verdict"]
+            log(f"{rec['case']}: {job.spec['role']} -> {v['status']} (peak "
+                f"{(result.get('peak_allocated') or 0) / GiB:.2f} GiB, limit {job.spec['limit_bytes'] / GiB:.2f} GiB, "
+                f"NVML {(result.get('nvml_peak') or 0) / GiB:.2f} GiB)")
+        for i in sorted(open_cases):
+            rec = open_cases[i]
+            if rec["left"] == 0:
+                rec.pop("left")
+                rec["runs"].sort(key=lambda r: ROLES.index(r["spec"]["role"]))
+                with open(jsonl, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                written += 1
+                del open_cases[i]
+        # start runs
+        if now < deadline - args.tail_s:
+            while True:
+                used = sum(j.need for j, _, _, _ in running.values())
+                job = pick(pending, used, capacity, len(running), args.workers, now)
+                if job is None:
+                    break
+                pending.remove(job)
+                seq += 1
+                path = os.path.join(tmp, f"run{seq}.json")
+                if job.spec.get("expandable"):
+                    proc: Any = _Fresh(job.spec, path)
+                else:  # forked from a server that imported torch (never CUDA): a fresh process, quick
+                    proc = ctx.Process(target=_child, args=(job.spec, path), daemon=True)
+                    proc.start()
+                running[proc.pid] = (job, proc, path, time.time())
+        all_answered = len(answered) == len(futures)
+        if all_answered and not pending and not running and not open_cases:
+            break
+        if now >= deadline - 5 or (now >= deadline - args.tail_s and not running):
+            break
+        time.sleep(0.05)
+    # the budget is spent: what is still running or waiting is left to a later run (--skip-done)
+    for job, proc, _, _ in running.values():
+        proc.kill()
+    asking = list((getattr(askers, "_processes", None) or {}).values())  # the pool forgets them on shutdown
+    askers.shutdown(wait=False, cancel_futures=True)
+    for proc in asking:
+        if proc.is_alive():
+            proc.kill()
+    log(f"{written} cases booked in this run; {len(cases) - written} left for a later run (--skip-done)")
+    records = read_records(jsonl)
+    summary = summarize(records, time.time() - T0, args.budget_s, _env())
+    summary.update(cases_this_run=written, cases_left=len(cases) - written, estimate=args.estimate,
+                   workers=args.workers, askers=args.askers)
+    with open(os.path.join(args.out, f"{args.name}_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(line(summary)), flush=True)
+    return summary
+
+
+def selected(args: argparse.Namespace) -> List[Case]:
+    """The cases in running order, those matching ``--only``, the first ``--max-cases``."""
+    cases = [c for c in order_cases(all_cases()) if not args.only or re.search(args.only, c.id)]
+    return cases[:args.max_cases or None]
+
+
+def dry(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """``dry``: fit's answers only (no GPU), in order, with what would run."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    cases = selected(args)
+    log(f"{len(cases)} cases of {len(all_cases())}")
+    answers = []
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torchvision", "distmem"])
+    with ProcessPoolExecutor(max_workers=args.askers, mp_context=ctx, initializer=_asker_init) as pool:
+        for c, a in zip(cases, pool.map(_ask_one, [asdict(c) for c in cases], [args.estimate] * len(cases))):
+            runs = [s["role"] for s in run_specs(a)] if "error" not in a else []
+            ch = a.get("chosen", {}).get("describe")
+            log(f"{c.id}: {a.get('fit_seconds')} s; chosen {ch}; xs={a.get('expandable_segments')}; runs {runs}"
+                + (f"; ERROR {a['error'][:300]}" if "error" in a else ""))
+            answers.append(a)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.name}_dry.jsonl"), "w") as f:
+            for a in answers:
+                f.write(json.dumps(a) + "\n")
+    recs = [{"case": a["case"], "answer": a, "runs": []} for a in answers]
+    s = summarize(recs)
+    print(json.dumps({k: s[k] for k in ("cases", "families", "cases_where_nothing_fits", "cases_fit_refused",
+                                        "chosen_layouts", "fit_seconds")}))
+    return answers
+
+
+def smoke(args: argparse.Namespace) -> int:
+    """``smoke``: the runs' plumbing on CPU (models, wrappers through the fake process group, pipeline
+    stages, accumulation, the loss) at micro-batch 1 for one step, nothing measured."""
+    answers = read_records(args.answers) if args.answers else dry(args)
+    os.environ[SMOKE_SEQ_ENV] = "32"
+    bad = 0
+    for a in answers:
+        for s in run_specs(a) if "error" not in a else []:
+            if s["params_m"] > args.smoke_max_params_m:
+                continue
+            s = dict(s, micro_batch=1, accumulation=min(2, s["accumulation"]), steps=1)
+            r = gpu_run(s, device="cpu")
+            ok = r.get("oom") is False
+            bad += not ok
+            log(f"smoke {a['case']}: {s['role']} ({s['shard'] or 'replicated'}, pp{s['pipeline']}): "
+                f"{'ok' if ok else r.get('error')} in {r.get('seconds')} s")
+    return 1 if bad else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=["run", "dry", "smoke", "summarize", "cases", "child"])
+    ap.add_argument("files", nargs="*", help="summarize: the .jsonl files")
+    ap.add_argument("--budget-s", type=float, default=None, help="run: device seconds for the whole run (required)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT)")
+    ap.add_argument("--name", default=NAME, help=f"results' file name stem (default {NAME})")
+    ap.add_argument("--skip-done", default=None, metavar="FILE", help="a .jsonl of an earlier run: its cases are kept, "
+                                                                      "not run again")
+    ap.add_argument("--max-cases", type=int, default=0, help="only the first N cases in running order")
+    ap.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose id matches")
+    ap.add_argument("--workers", type=int, default=9, help="runs at once on the GPU (default 9)")
+    ap.add_argument("--askers", type=int, default=6, help="processes asking fit at once (default 6)")
+    ap.add_argument("--estimate", default="model", choices=["model", "auto"], help="fit's estimate= (default model: "
+                    "the meta-device simulation, as before launch)")
+    ap.add_argument("--margin-gib", type=float, default=6.0, help="GPU memory left free by the packing (default 6)")
+    ap.add_argument("--run-timeout-s", type=float, default=150.0, help="a run killed after this long")
+    ap.add_argument("--tail-s", type=float, default=40.0, help="no run starts this close to the budget's end")
+    ap.add_argument("--answers", default=None, help="smoke: answers from an earlier dry run (its _dry.jsonl)")
+    ap.add_argument("--cpu", action="store_true", help="run: the coordinator's plumbing on CPU (runs at micro-batch 1, "
+                                                       "one step, short sequences; nothing measured)")
+    ap.add_argument("--smoke-max-params-m", type=float, default=150.0, help="smoke: skip larger models on CPU")
+    a = ap.parse_args(argv)
+    if a.mode == "child":  # one run: SPEC_FILE RESULT_FILE
+        with open(a.files[0]) as f:
+            _child(json.load(f), a.files[1])
+        return 0
+    if a.mode == "cases":
+        for c in order_cases(all_cases()):
+            print(c.id)
+        return 0
+    if a.mode == "summarize":
+        recs = [r for p in a.files for r in read_records(p)]
+        s = summarize(recs)
+        print(json.dumps(s, indent=1))
+        print(json.dumps(line(s)))
+        return 0
+    if a.mode == "dry":
+        dry(a)
+        return 0
+    if a.mode == "smoke":
+        return smoke(a)
+    if a.budget_s is None:
+        ap.error("run needs --budget-s SECONDS (the device time this run may take)")
+    if not a.out:
+        ap.error("run needs --out FOLDER (or $OUT)")
+    coordinate(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

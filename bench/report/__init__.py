@@ -1,0 +1,1 @@
+"""Benches of distmem.report (run each as `python bench/report/NAME.py`)."""
