@@ -118,6 +118,12 @@ SETUPS: Dict[str, Setup] = {s.name: s for s in [
           made={"runs/x/report.json": _REPORT, "runs/x/timeline.json": _TIMELINE}),
     Setup("tf", "TensorFlow imported as tf, as the page's earlier code has it",
           preamble="import tensorflow as tf\n"),
+    Setup("torch-loader", "the reader's build_model() (a torch MLP over 1024 features) and a loader of a few "
+                          "(x, y) batches",
+          preamble="import torch\n"
+                   "def build_model():\n    return torch.nn.Sequential(torch.nn.Linear(1024, 256), torch.nn.ReLU(), "
+                   "torch.nn.Linear(256, 10))\n"
+                   "loader = [(torch.randn(256, 1024), torch.randint(0, 10, (256,))) for _ in range(3)]\n"),
     Setup("loop", "a training loop's pieces the snippet calls (a loader, a train_step) after distmem.init(), "
                   "which the page calls first",
           preamble="import distmem\ndistmem.init(strategy='data')\nloader = range(250)\n"

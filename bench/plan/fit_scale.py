@@ -1203,8 +1203,7 @@ def _preload() -> List[str]:
             "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
             "transformers.models.qwen2.modeling_qwen2", "transformers.models.mistral.modeling_mistral",
             "transformers.models.gemma.modeling_gemma", "transformers.models.bert.modeling_bert",
-            "transformers.models.t5.modeling_t5", "pynvml", "distmem", "distmem.plan.fit",
-            "distmem.estimate"]
+            "transformers.models.t5.modeling_t5", "pynvml", "distmem", "distmem.estimate"]
 
 
 def _asker_init() -> None:

@@ -12,6 +12,10 @@ first releases the pool's wholly free segments, as torch does, then calls the ou
 observers (distmem's record) and raises ``torch.cuda.OutOfMemoryError`` with torch's message.
 With expandable segments (``expandable_segments:True``) the pool maps pages on demand: no segment
 boundaries, only 2 MiB pages.
+
+distmem-bench: internal - a stand-in GPU, not a figure: it books a CPU job's tensors through the
+estimator's model of torch's caching allocator so the jobs run out of memory here as on a GPU; the
+door measured is ``distmem postmortem`` (bench/report/postmortem_scenarios.py), which never sees it.
 """
 from __future__ import annotations
 

@@ -106,12 +106,13 @@ def run_phase(out: str, k: int, limit: int, src: str) -> list:
 def closed_loop(out: str) -> dict:
     import torch
 
-    from distmem import defaults
     from distmem.estimate import estimate
 
     est = estimate(mlp(torch), batch_size=BATCH, optimizer="adam", input_shape=(WIDTH,), method="model")
-    limit_est = est.footprint_bytes("torch", overhead_bytes=0, headroom=defaults.LIMIT_HEADROOM)
-    overhead = defaults.OVERHEAD_BYTES
+    # the documented defaults a plan uses (README: 10% headroom over a demand, 768 MiB per process outside
+    # the allocator), as a user reads them
+    limit_est = est.footprint_bytes("torch", overhead_bytes=0, headroom=0.10)
+    overhead = 768 * 1024 ** 2
     k1 = max(int(BUDGET // (limit_est + overhead)), 1)
     one = os.path.join(out, "loop-estimate")
     rows1 = run_phase(one, k1, limit_est, "-")

@@ -159,7 +159,9 @@ class _stderr_without:
         except (OSError, ValueError):
             pass
         self.saved = os.dup(2)
-        self.file = tempfile.TemporaryFile()
+        # in memory, not a file in a folder others can write (docs/security.md); elsewhere an unnamed one
+        memfd = getattr(os, "memfd_create", None)
+        self.file = os.fdopen(memfd("distmem-stderr"), "w+b") if memfd else tempfile.TemporaryFile()
         os.dup2(self.file.fileno(), 2)
 
     def __exit__(self, *exc: object) -> None:
