@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -257,6 +258,51 @@ def score(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+#: the parts, by the path (``Bound.source``) that made their figures
+PATHS = {"default": "measured", "carried": "carried", "model": "modelled", "calibrate": "modelled"}
+
+
+def _up(x: float) -> float:
+    """Rounded up to the next 5 points (0.083 -> 0.10; 0 -> 0)."""
+    return math.ceil(max(x, 0.0) * 20 - 1e-9) / 20
+
+
+def margins(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per path, from the **fit** half only: the margin its cases need (``under``: the largest
+    fraction a reference was above the figure, ``over``: the largest the figure was above the
+    reference, each rounded up to 5 points), then on the **held** half how many references lie
+    inside the bound that margin gives (``Bound.around``) and inside the table's margin now
+    (``table.KERAS_MARGINS``: the one estimates use)."""
+    from distmem.estimate.table import Bound, path_margin, PathMargin
+    refs = {r["id"]: r["reference"] for r in rows if r["part"] == "reference" and "reference" in r}
+    out: Dict[str, Any] = {}
+    for source in sorted(set(PATHS.values())):
+        got = {h: [(r, refs[r["id"]]) for r in rows if r.get("half") == h and r.get("source") == source
+                   and "figure" in r and r["id"] in refs] for h in ("fit", "held")}
+        if not got["fit"]:
+            continue
+        under = max(ref / r["figure"] - 1 for r, ref in got["fit"])
+        over = max(r["figure"] / ref - 1 for r, ref in got["fit"])
+        fitted = PathMargin(_up(under), _up(over), "fit half")
+        table = path_margin("keras", source)
+
+        def inside(m, pairs):
+            bounds = [(r, ref, Bound.around(r["figure"], m, source)) for r, ref in pairs]
+            return [r["id"] for r, ref, b in bounds if b.low_bytes <= ref <= b.high_bytes]
+        held = got["held"]
+        out[source] = {
+            "fit_cases": len(got["fit"]), "fit_need_under": round(under, 4), "fit_need_over": round(over, 4),
+            "fitted": {"under": fitted.under, "over": fitted.over},
+            "table": {"under": table.under, "over": table.over, "basis": table.basis},
+            "held_cases": len(held),
+            "held_inside_fitted": f"{len(inside(fitted, held))}/{len(held)}",
+            "held_inside_table": f"{len(inside(table, held))}/{len(held)}",
+            "held_outside_table": [{"id": r["id"], "error": round(r["figure"] / ref - 1, 4)} for r, ref in held
+                                   if r["id"] not in inside(table, held)],
+        }
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--half", default="all", choices=("fit", "held", "all"))
@@ -290,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(line))
         if args.summary:
             with open(args.summary, "w", encoding="utf-8") as f:
-                json.dump({**line, "summary": summary, "source": os.path.basename(args.out),
+                json.dump({**line, "summary": summary, "margins": margins(rows), "source": os.path.basename(args.out),
                            "rows": sorted(rows, key=lambda r: (r["half"], r["id"], r["part"]))}, f, indent=1)
                 f.write("\n")
         return 0
