@@ -228,7 +228,8 @@ def score(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
                 continue
             errs, covered, cost, outside = [], 0, [], []
             crashes = [r["id"] for r in sel if "crash" in r]
-            refused = [r["id"] for r in sel if "error" in r]
+            # a refusal's row holds the worker's message under "error"; a figure's, its relative error
+            refused = [r["id"] for r in sel if isinstance(r.get("error"), str)]
             for r in sel:
                 if "figure" not in r or r["id"] not in refs:
                     continue
@@ -253,6 +254,8 @@ def score(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
                 "cases": len(sel), "scored": len(es), "crashes": len(crashes), "crashed": crashes, "refused": refused,
                 "mean_abs": round(sum(abs(e) for e in es) / len(es), 4), "max": round(most[0], 4), "max_case": most[1],
                 "worst": round(worst[0], 4), "worst_case": worst[1], "bound_covers": f"{covered}/{len(es)}",
+                "percent": {"mean_abs": round(100 * sum(abs(e) for e in es) / len(es), 1),
+                            "max": round(100 * most[0], 1), "worst": round(100 * worst[0], 1)},
                 "outside_half_to_double": outside,
                 "seconds_median": cost[len(cost) // 2], "seconds_max": cost[-1]}
     return out
@@ -297,6 +300,9 @@ def margins(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
             "held_cases": len(held),
             "held_inside_fitted": f"{len(inside(fitted, held))}/{len(held)}",
             "held_inside_table": f"{len(inside(table, held))}/{len(held)}",
+            "held_inside_table_n": len(inside(table, held)),
+            "percent": {"fit_need_under": round(100 * under, 1), "fit_need_over": round(100 * over, 1),
+                        "under": round(100 * table.under), "over": round(100 * table.over)},
             "held_outside_table": [{"id": r["id"], "error": round(r["figure"] / ref - 1, 4)} for r, ref in held
                                    if r["id"] not in inside(table, held)],
         }
