@@ -7,7 +7,7 @@ quotes no product figure of its own (the README quotes ``keras_heldout.py``'s ca
 distmem-bench: internal - it replays the carry rules of the measured path (``measure.extrapolate``)
 on recorded points to choose among them; the product's carried figures are ``keras_heldout.py``'s.
 
-    python bench/estimate/keras_carry_rules.py bench/results/estimate_keras_heldout_tf215.jsonl
+    python bench/estimate/keras_carry_rules.py FILE.jsonl   # keras_heldout.py's lines (it reads them, writes nothing)
 """
 from __future__ import annotations
 

@@ -270,13 +270,18 @@ def _up(x: float) -> float:
     return math.ceil(max(x, 0.0) * 20 - 1e-9) / 20
 
 
+def _inside(figure: int, ref: int, under: float, over: float) -> bool:
+    """``ref`` inside the bound a margin gives ``figure``: ``[figure / (1 + over), figure x (1 + under)]``
+    (README "No figure without a bound"), rounded outwards as the estimate's bound is."""
+    return math.floor(figure / (1.0 + over)) <= ref <= math.ceil(figure * (1.0 + under))
+
+
 def margins(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per path, from the **fit** half only: the margin its cases need (``under``: the largest
-    fraction a reference was above the figure, ``over``: the largest the figure was above the
-    reference, each rounded up to 5 points), then on the **held** half how many references lie
-    inside the bound that margin gives (``Bound.around``) and inside the table's margin now
-    (``table.KERAS_MARGINS``: the one estimates use)."""
-    from distmem.estimate.table import Bound, path_margin, PathMargin
+    """Per path (the ``source`` of each figure), from the **fit** half only: the margin its cases
+    need (``under``: the largest fraction a reference was above the figure, ``over``: the largest
+    the figure was above the reference, each rounded up to 5 points), then on the **held** half how
+    many references lie inside the bound that margin gives, and which do not. The margins estimates
+    use (``KERAS_MARGINS``) are to be these; ``tests/unit/estimate/test_keras_margins.py`` holds it."""
     refs = {r["id"]: r["reference"] for r in rows if r["part"] == "reference" and "reference" in r}
     out: Dict[str, Any] = {}
     for source in sorted(set(PATHS.values())):
@@ -284,27 +289,19 @@ def margins(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
                    and "figure" in r and r["id"] in refs] for h in ("fit", "held")}
         if not got["fit"]:
             continue
-        under = max(ref / r["figure"] - 1 for r, ref in got["fit"])
-        over = max(r["figure"] / ref - 1 for r, ref in got["fit"])
-        fitted = PathMargin(_up(under), _up(over), "fit half")
-        table = path_margin("keras", source)
-
-        def inside(m, pairs):
-            bounds = [(r, ref, Bound.around(r["figure"], m, source)) for r, ref in pairs]
-            return [r["id"] for r, ref, b in bounds if b.low_bytes <= ref <= b.high_bytes]
+        need_under = max(ref / r["figure"] - 1 for r, ref in got["fit"])
+        need_over = max(r["figure"] / ref - 1 for r, ref in got["fit"])
+        under, over = _up(need_under), _up(need_over)
         held = got["held"]
+        ok = [_inside(r["figure"], ref, under, over) for r, ref in held]
         out[source] = {
-            "fit_cases": len(got["fit"]), "fit_need_under": round(under, 4), "fit_need_over": round(over, 4),
-            "fitted": {"under": fitted.under, "over": fitted.over},
-            "table": {"under": table.under, "over": table.over, "basis": table.basis},
-            "held_cases": len(held),
-            "held_inside_fitted": f"{len(inside(fitted, held))}/{len(held)}",
-            "held_inside_table": f"{len(inside(table, held))}/{len(held)}",
-            "held_inside_table_n": len(inside(table, held)),
-            "percent": {"fit_need_under": round(100 * under, 1), "fit_need_over": round(100 * over, 1),
-                        "under": round(100 * table.under), "over": round(100 * table.over)},
-            "held_outside_table": [{"id": r["id"], "error": round(r["figure"] / ref - 1, 4)} for r, ref in held
-                                   if r["id"] not in inside(table, held)],
+            "fit_cases": len(got["fit"]), "fit_need_under": round(need_under, 4), "fit_need_over": round(need_over, 4),
+            "under": under, "over": over, "held_cases": len(held), "held_inside": f"{sum(ok)}/{len(held)}",
+            "held_inside_n": sum(ok),
+            "held_outside": [{"id": r["id"], "part": r["part"], "error": round(r["figure"] / ref - 1, 4)}
+                             for (r, ref), good in zip(held, ok) if not good],
+            "percent": {"fit_need_under": round(100 * need_under, 1), "fit_need_over": round(100 * need_over, 1),
+                        "under": round(100 * under), "over": round(100 * over)},
         }
     return out
 
