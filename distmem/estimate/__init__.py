@@ -29,10 +29,15 @@ def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "ada
     ``"torchvision:resnet50"``, ``"hf:gpt2"``, ``"module.path:factory"``) at ``batch_size`` (None:
     the batch of ``example_input=`` where one is given, else 32).
 
-    ``method``: ``"auto"`` (default) measures where it can — real training steps at two small
-    batches (:func:`~distmem.estimate.measure.extrapolate.measure_batches`), carried to
-    ``batch_size`` by the model — and falls back to the model alone where it cannot (no GPU for
-    torch, a step that does not run), saying so in a warning and in ``Estimate.measurement``;
+    ``method``: ``"auto"`` (default) measures where it can — Keras: real training steps at
+    ``batch_size`` where its step fits the memory at hand (``memory_at_hand=`` bytes, default half
+    the host's available memory on CPU, 90% of the GPU's free memory), with a quarter and a half of
+    it, else at the three largest batches that fit, carried to ``batch_size``
+    (:class:`~distmem.estimate.measure.extrapolate.Ladder`); torch: two small batches
+    (:func:`~distmem.estimate.measure.extrapolate.measure_batches`) carried by the model — and
+    falls back to the model alone where it cannot (no GPU for torch, a step that does not run),
+    saying so in a warning and in ``Estimate.measurement``. ``Estimate.bound()`` says which it was
+    and how far the real peak can be from the figure;
     ``"measure"`` measures or raises; ``"model"`` never runs the model (Keras: analytic, torch:
     simulated on the meta device). Where the measured steps run: a spec in a child process that
     rebuilds it (before this process's framework starts a GPU); a live Keras model in this process
@@ -67,13 +72,14 @@ def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "ada
                                    options.get("batch_dim", 0))
     batch_size = 32 if batch_size is None else batch_size
 
-    def prior(device: str, partial: bool = False) -> Estimate:
+    def prior(device: str, allocator_floor: Optional[int] = None, partial: bool = False) -> Estimate:
         m = loaded()
+        opts = {k: v for k, v in options.items() if k != "memory_at_hand"}
         if framework == "torch":
             dev = "cpu" if device == "cpu" else "cuda"
             try:
                 return estimate_torch(m, batch_size=batch_size, optimizer=optimizer, input_shape=shape,
-                                      **dict(options, device=dev))
+                                      **dict(opts, device=dev))
             except ConfigError as exc:
                 if not partial:
                     raise ConfigError(f"{exc}; a GPU measures such a model: estimate it where one is visible "
@@ -81,8 +87,10 @@ def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "ada
                 from .torch.estimate import state_estimate
                 return state_estimate(m, batch_size=batch_size, optimizer=optimizer, device=dev,
                                       precision=options.get("precision"), name=options.get("name"), why=str(exc))
+        if allocator_floor is not None:
+            opts["allocator_floor"] = allocator_floor
         return estimate_keras(m, batch_size=batch_size, optimizer=optimizer,
-                              **dict(options, device="cpu" if device == "cpu" else "gpu"))
+                              **dict(opts, device="cpu" if device == "cpu" else "gpu"))
     # a spec is measured by a child that rebuilds it; a live model where it lives
     return measured_estimate(framework, model if spec is None else None, spec, int(batch_size), optimizer,
                              options, shape, method, measurement, prior)

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 from ..console import say_back
 from ..errors import DistmemError
 from ..units import format_bytes
-from .loader import framework_of, load_model, parse_shape
+from .loader import load_model, parse_shape
 from .optimizers import OPTIMIZER_NAMES
 from .table import Estimate
 
@@ -45,13 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose allocator the peak models: gpu (default) or cpu (TensorFlow's CPU "
                              "allocator statistics, as the accuracy benchmark measures)")
     parser.add_argument("--method", default="auto", choices=("auto", "measure", "model"),
-                        help="auto (default): run real training steps at two small batches on the device the job "
-                             "will use (GPU, else CPU for Keras; torch needs a GPU) and carry them to the batch with "
-                             "the model, or the model alone where nothing can run (said); measure: measure or fail; "
-                             "model: never run the model (Keras analytic, torch simulated on the meta device)")
+                        help="auto (default): run real training steps on the device the job will use (GPU, else "
+                             "CPU for Keras; torch needs a GPU) - Keras at the batch itself where it fits the memory "
+                             "at hand, torch at two small batches carried by the model - or the model alone where "
+                             "nothing can run (said); measure: measure or fail; model: never run the model (Keras "
+                             "analytic, torch simulated on the meta device)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="Keras: also run a few small-batch training steps of a copy of the model on CPU and "
-                             "add what the analytic estimate missed (the hybrid method; takes seconds)")
+                        help="superseded by the measured path, kept as its alias: --method measure (the model's own "
+                             "steps, its compiled loss or one that fits any output, custom layers included)")
     parser.add_argument("--per-layer", action="store_true", help="print one row per layer")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -69,6 +70,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
              f"peak modelled for {est.device}",
              ""]
     parts = est.breakdown()
+    bound = est.bound()
     totals = [
         ("parameters", f"{est.params:,}"),
         ("weights", format_bytes(est.param_bytes)),
@@ -76,6 +78,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
         ("optimizer state", format_bytes(est.optimizer_bytes)),
         (f"activations kept (batch {b})", format_bytes(est.activation_bytes())),
         ("training peak (allocator)", format_bytes(est.peak_bytes)),
+        (f"  {est.bound_text()}", f"high figure {format_bytes(bound.high_bytes)}"),
     ] + [(f"  of which {k}", format_bytes(v)) for k, v in parts.items()] + [
         (f"GPU footprint ({fw}: +{100 * est.estimate_margin:.0f}% estimate margin, cache, context)",
          format_bytes(est.footprint_bytes(fw))),
@@ -83,13 +86,7 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
     ]
     w = max(len(k) for k, _ in totals)
     lines += [f"{k.ljust(w)}  {v}" for k, v in totals]
-    m = est.measurement or {}
-    if m.get("points"):
-        pts = ", ".join(f"{format_bytes(y)} at batch {b}" for b, y in m["points"])
-        lines += ["", f"measured on {m.get('device')}: {pts} ({m.get('how')}; {m.get('seconds')} s"
-                      f"{', reused' if m.get('reused') else ''}); carried to batch {b} by the '{m.get('rule')}' rule"]
-    elif m.get("fallback"):
-        lines += ["", f"not measured: {m['fallback']}"]
+    lines += _measurement_lines(est)
     if per_layer:
         head = ["#", "layer", "type", "params", "weights", "grads", "optimizer", f"act@{b}", f"out@{b}", "dtype"]
         right = [True, False, False, True, True, True, True, True, True, False]
@@ -104,6 +101,34 @@ def render_table(est: Estimate, per_layer: bool = False) -> str:
     if est.warnings:
         lines += ["", f"{len(est.warnings)} warning(s):"] + [f"  {w_}" for w_ in est.warnings]
     return "\n".join(lines)
+
+
+def _measurement_lines(est: Estimate) -> List[str]:
+    """How the figure was made: what was measured (batches, steps, cost), carried or refused, and
+    where its bound comes from."""
+    b = est.batch_size
+    m = est.measurement or {}
+    bound = est.bound()
+    lines = [""]
+    if m.get("points"):
+        steps = m.get("steps") or {}
+        pts = ", ".join(f"{format_bytes(y)} at batch {pb}" + (f" (worst of {len(steps[str(pb)])} steps)"
+                                                               if len(steps.get(str(pb), [])) > 1 else "")
+                        for pb, y in m["points"])
+        lines.append(f"measured on {m.get('device')}: {pts}; cost {m.get('seconds')} s"
+                     f"{' (reused: measured earlier)' if m.get('reused') else ''} ({m.get('how')})")
+        if m.get("at_target"):
+            lines.append(f"batch {b} was measured; other batches are carried from the measured ones by the "
+                         f"'{m.get('rule')}' rule")
+        else:
+            lines.append(f"carried to batch {b} by the '{m.get('rule')}' rule")
+        for nb, why in ((m.get("ladder") or {}).get("not_run") or {}).items():
+            lines.append(f"batch {nb} not run: {why}")
+    elif m.get("fallback"):
+        lines.append(f"not measured: {m['fallback']}")
+    lines.append(f"bound ({bound.source}): {format_bytes(bound.low_bytes)} .. {format_bytes(bound.high_bytes)}, "
+                 f"from {bound.basis}; planners use the high figure")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,19 +161,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, shape, precision) -> Estimate:
-    from . import estimate, estimate_keras
-    if args.calibrate:  # the older hybrid, on the analytic model
-        model = load_model(args.model, shape)
-        if framework_of(model) == "torch":
-            raise DistmemError("--calibrate is for Keras models; use --method measure for a torch module")
-        return estimate_keras(model, batch_size=args.batch_size, optimizer=args.optimizer, precision=precision,
-                              device="cpu" if args.device == "cpu" else "gpu", calibrate=True, name=args.model)
+    from . import estimate
+    method = "measure" if args.calibrate else args.method
+    if args.calibrate and args.method == "model":
+        raise DistmemError("--calibrate measures the model's steps (it is --method measure); it cannot go with "
+                           "--method model, which never runs the model")
     torch_spec = args.model.partition(":")[0].lower() in ("torchvision", "tv", "hf", "huggingface", "transformers")
     device = None if args.device is None else ("cpu" if args.device == "cpu" else ("cuda" if torch_spec else "gpu"))
     options = {"precision": precision, "name": args.model}
     if device is not None:
         options["device"] = device
-    return estimate(args.model, args.batch_size, args.optimizer, input_shape=shape, method=args.method, **options)
+    return estimate(args.model, args.batch_size, args.optimizer, input_shape=shape, method=method, **options)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

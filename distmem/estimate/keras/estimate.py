@@ -21,12 +21,12 @@ from ..optimizers import (keras_decays_weights, keras_early_update_temporaries, 
                           keras_update_temporaries)
 from ..precision import Precision, dtype_bytes, resolve_precision
 from ..table import Estimate
-from .access import dtype_name, tensor_key, model_io, numel, tensor_shape, all_weights
+from .access import all_weights, dtype_name, model_io, numel, tensor_shape, trainable_weights
 from .graph import Builder, policy_precision
 from .kernels import CONV_KINDS, compute16, onednn_has_16bit, tf_cpu_uncounted_below
 from .rules import KERAS_UPDATE_OVERLAP, LOSS_KEPT_FACTOR
 
-__all__ = ["estimate_keras"]
+__all__ = ["estimate_keras", "weights_only_estimate"]
 
 
 def _add_loss(b: Builder, model) -> int:
@@ -34,7 +34,7 @@ def _add_loss(b: Builder, model) -> int:
     gradient. Returns its row."""
     g = b.g
     _, model_outs = model_io(model)
-    out_ids = [b.ids[tensor_key(t)] for t in model_outs]
+    out_ids = [b.ids[b.key(t)] for t in model_outs]
     loss_row = len(b.rows)
     numel_out = sum(int(numel(tensor_shape(t)[1:])) for t in model_outs)
     loss_keep = g.add(LOSS_KEPT_FACTOR * numel_out * 4)
@@ -171,7 +171,8 @@ def _check(model: Any, batch_size: Any, device: Any) -> str:
 
 def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
                    precision: Any = None, loss_scale: Optional[bool] = None, device: str = "gpu",
-                   calibrate: Any = False, name: Optional[str] = None) -> Estimate:
+                   calibrate: Any = False, name: Optional[str] = None,
+                   allocator_floor: Optional[int] = None) -> Estimate:
     """Per-layer training memory of a built Keras model at ``batch_size``.
 
     ``optimizer``: the optimizer object you train with (its slots are read from a private copy of
@@ -181,7 +182,9 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     ``loss_scale``: whether gradients are unscaled as one group (default: with mixed_float16 or a
     LossScaleOptimizer). ``device``: whose allocator the peak models — ``"gpu"`` counts every
     buffer; ``"cpu"`` models what ``tf.config.experimental.get_memory_info('CPU:0')`` reports,
-    which leaves out buffers below :data:`TF_CPU_UNCOUNTED_BELOW` (the accuracy benchmark's mode).
+    which leaves out buffers below :data:`TF_CPU_UNCOUNTED_BELOW` unless TensorFlow's BFC allocator
+    serves the CPU (``allocator_floor``: those bytes as a process measured them, default read from
+    this process's environment).
     ``calibrate``: ``True`` runs a few training steps of a copy of the model at a small batch on
     CPU (:func:`distmem.estimate.keras.calibrate.measure_keras_step`) and adds what the analytic
     replay of that step missed (never subtracts); a dict ``{"batch": b, "peak": bytes}`` supplies a
@@ -189,7 +192,8 @@ def estimate_keras(model: Any, batch_size: int = 32, optimizer: Any = "adam", *,
     """
     device = _check(model, batch_size, device)
     batch_size = int(batch_size)
-    min_alloc = tf_cpu_uncounted_below() if device == "cpu" else 0
+    floor = tf_cpu_uncounted_below() if allocator_floor is None else int(allocator_floor)
+    min_alloc = floor if device == "cpu" else 0
     prec = resolve_precision(precision) if precision is not None else policy_precision(model)
     opt = _Optimizer(optimizer, prec)
     if loss_scale is None:
@@ -248,9 +252,54 @@ def _calibrate(est: Estimate, g: Graph, held: bool, model: Any, batch_size: int,
     from .calibrate import calibration_batch, measure_keras_step
     point = calibrate if isinstance(calibrate, dict) else \
         measure_keras_step(model, calibration_batch(batch_size), optimizer)
-    cpu_floor = tf_cpu_uncounted_below()
+    cpu_floor = int(point.get("floor", tf_cpu_uncounted_below()))
     analytic = replay(g, int(point["batch"]), grads_held=held, allocator=BFCAllocator(cpu_floor), steps=2).peak
     extra[0] = max(0, int(point["peak"]) - int(analytic))
     est.method = "calibrated"
     est.calibration = {"batch": int(point["batch"]), "measured_cpu_peak": int(point["peak"]),
                        "analytic_cpu_peak": int(analytic), "added_bytes": extra[0]}
+
+
+def weights_only_estimate(model: Any, batch_size: int, optimizer: Any = "adam", *, device: str = "gpu",
+                          reason: str = "", name: Optional[str] = None) -> Estimate:
+    """What can be said of a Keras model without its layer graph (a subclassed model): one row per
+    top-level layer with its weights, gradients and optimizer state, no activations; the step's
+    figure is the state alone until a measurement gives it (``measure.measured``). ``reason``: why
+    the layer graph could not be read, kept as a warning."""
+    from ..table import LayerEstimate
+    prec = policy_precision(model)
+    opt = _Optimizer(optimizer, prec)
+    rows: List[LayerEstimate] = []
+    seen: set = set()
+    layers = list(getattr(model, "layers", []) or []) or [model]
+    for layer in layers:
+        r = LayerEstimate(name=layer.name, kind=type(layer).__name__)
+        trainable = {id(w) for w in trainable_weights(layer)}
+        for w in all_weights(layer):
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
+            shape = tuple(int(d) for d in w.shape)
+            n, wb = numel(shape), dtype_bytes(dtype_name(w))
+            r.params += n
+            r.param_bytes += n * wb
+            if id(w) in trainable:
+                r.trainable_params += n
+                r.grad_bytes += n * wb
+                r.optimizer_bytes += opt.info.slot_elements(shape) * wb
+        rows.append(r)
+    state = sum(r.state_bytes for r in rows)
+    parts = {"weights": sum(r.param_bytes for r in rows), "gradients": sum(r.grad_bytes for r in rows),
+             "optimizer state": sum(r.optimizer_bytes for r in rows)}
+
+    def peak_fn(batch: int, train: bool) -> Dict[str, Any]:
+        return {"peak": state if train else parts["weights"], "phase": "update"}
+    note = (f"the layer graph of {getattr(model, 'name', type(model).__name__)} could not be read ({reason}); "
+            f"its table has weights, gradients and optimizer state per layer, no activations")
+    est = Estimate(framework="keras", model=name or getattr(model, "name", "model"), batch_size=int(batch_size),
+                   precision=prec.name, optimizer=opt.info.to_dict(), layers=rows, method="analytic",
+                   device="cpu" if str(device).lower() == "cpu" else "gpu", warnings=[note],
+                   _peak_fn=peak_fn, _parts_fn=lambda batch: dict(parts))
+    est.model_ran = False  # type: ignore[attr-defined]
+    est.why_not_modelled = note  # type: ignore[attr-defined]
+    return est

@@ -1,6 +1,6 @@
 """The Keras model as a :class:`~distmem.estimate.liveness.Graph`: one node per layer application,
 with what its rule keeps, one table row per layer (a shared layer is one row), nested models
-inlined."""
+inlined once per application (a tower applied to two inputs holds two sets of activations)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -12,6 +12,7 @@ from ..table import LayerEstimate
 from .access import (dtype_name, graph_nodes, is_graph_model, tensor_key, layer_of, model_io, node_inputs,
                      node_outputs, numel, tensor_shape, trainable_weights)
 from .rules import LayerNode, rule_for
+from .unroll import MAX_DEPTH, call_arguments, keras_package, unrolled
 
 __all__ = ["Builder", "policy_precision"]
 
@@ -22,7 +23,15 @@ class Builder:
         self.device = device
         self.prec = prec
         self.override = override_dtype
-        self.ids: Dict[Tuple[str, int, int], int] = {}
+        self.ids: Dict[Tuple[Any, Tuple[str, int, int]], int] = {}
+        #: which application of a nested model the tensors being added belong to (one per call)
+        self.scope: Tuple[int, ...] = ()
+        self._applications = 0
+        self._depth = 0
+        #: layers without a rule that were read as what their call applies
+        self.unrolled: List[str] = []
+        #: layers without a rule whose kept tensors were read from their traced gradient
+        self.traced: List[str] = []
         self.rows: List[LayerEstimate] = []
         self.row_of_layer: Dict[int, int] = {}
         self.layer_objs: List[Any] = []
@@ -59,8 +68,13 @@ class Builder:
             b = self.prec.compute_bytes
         return numel(dims) * b, shape
 
+    def key(self, t) -> Tuple[Any, Tuple[str, int, int]]:
+        """A tensor's id key in the application being added (a nested model's inner tensors are the
+        same objects in every application, their buffers are not)."""
+        return (self.scope, tensor_key(t))
+
     def tid(self, t) -> int:
-        k = tensor_key(t)
+        k = self.key(t)
         if k not in self.ids:
             size, _ = self.tensor_bytes(t)
             self.ids[k] = self.g.add(size)
@@ -75,7 +89,7 @@ class Builder:
         self.layer_objs.append(layer)
         return row
 
-    def add_model(self, model, prefix: str = "", mapping: Optional[Dict[Tuple, int]] = None) -> None:
+    def add_model(self, model, prefix: str = "", mapping: Optional[Dict[Any, int]] = None) -> None:
         nodes = graph_nodes(model)
         if nodes is None:
             raise ConfigError(f"model {getattr(model, 'name', type(model).__name__)} has no layer graph "
@@ -86,7 +100,7 @@ class Builder:
             ins, outs = node_inputs(node), node_outputs(node)
             if getattr(node, "is_input", False) or type(layer).__name__ == "InputLayer":
                 for t in outs:
-                    k = tensor_key(t)
+                    k = self.key(t)
                     if mapping is not None and k in mapping:
                         self.ids[k] = mapping[k]
                     else:
@@ -96,25 +110,92 @@ class Builder:
                 continue
             if is_graph_model(layer):
                 inner_ins, inner_outs = model_io(layer)
-                inner_map = {tensor_key(it): self.tid(ot) for it, ot in zip(inner_ins, ins)}
+                outer = self.scope
+                self._applications += 1
+                inner = outer + (self._applications,)
+                inner_map = {(inner, tensor_key(it)): self.tid(ot) for it, ot in zip(inner_ins, ins)}
+                self.scope = inner
                 self.add_model(layer, prefix + layer.name + "/", inner_map)
-                for it, ot in zip(inner_outs, outs):
-                    self.ids[tensor_key(ot)] = self.g.add(0, alias=self.ids[tensor_key(it)])
+                inner_ids = [self.ids[self.key(it)] for it in inner_outs]
+                self.scope = outer
+                for iid, ot in zip(inner_ids, outs):
+                    self.ids[self.key(ot)] = self.g.add(0, alias=iid)
                 continue
-            self.add_node(layer, prefix + layer.name, ins, outs)
+            if self._unroll(layer, node, prefix, ins, outs):
+                continue
+            self.add_node(layer, prefix + layer.name, ins, outs, node)
 
-    def add_node(self, layer, name: str, ins, outs) -> None:
+    def _unroll(self, layer, node, prefix: str, ins, outs) -> bool:
+        """A layer without a rule of its own (a custom layer, a Lambda) inlined as the layers and ops
+        its call applies (``unroll``); False where it cannot be read so (the fallback rule then)."""
+        if self._depth >= MAX_DEPTH or not self._without_rule(layer, ins, outs):
+            return False
+        got = unrolled(layer, node, keras_package(layer))
+        if got is None:
+            return False
+        sub, sub_ins = got
+        outer = self.scope
+        self._applications += 1
+        inner = outer + (self._applications,)
+        mapping = {(inner, tensor_key(it)): self.tid(ot) for it, ot in zip(sub_ins, ins)}
+        self.scope = inner
+        self._depth += 1
+        try:
+            self.add_model(sub, prefix + layer.name + "/", mapping)
+            _, sub_outs = model_io(sub)
+            inner_ids = [self.ids[self.key(t)] for t in sub_outs]
+        finally:
+            self._depth -= 1
+            self.scope = outer
+        for iid, ot in zip(inner_ids, outs):
+            self.ids[self.key(ot)] = self.g.add(0, alias=iid)
+        self.row_for(layer, prefix + layer.name)  # its own weights (those no inner layer holds)
+        self.unrolled.append(prefix + layer.name)
+        return True
+
+    def _without_rule(self, layer, ins, outs) -> bool:
+        try:
+            in_info = [self.tensor_bytes(t) for t in ins]
+            out_info = [self.tensor_bytes(t) for t in outs]
+        except ConfigError:
+            return False
+        node = LayerNode(layer.name, layer, list(range(len(ins))), list(range(len(outs))), [s for s, _ in in_info],
+                         [s for s, _ in out_info], [s for _, s in in_info], [s for _, s in out_info])
+        rule = rule_for(layer, node, self.prec, self.device)
+        return rule.note.startswith("no sizing rule") and not rule.trace
+
+    def _traced_rule(self, layer, node, ins, rule) -> None:
+        """The fallback replaced by what TensorFlow's traced gradient of the call reads (``traced``)."""
+        from .traced import traced_keeps
+        args, kwargs = call_arguments(node) if node is not None else (None, None)
+        if args is None:
+            return
+        import tensorflow as tf
+        got = traced_keeps(layer, args, kwargs, ins, tf)
+        if got is None:
+            return
+        rule.keep_in, rule.keep_out = set(got["keep_in"]), set(got["keep_out"])
+        rule.kept_extra = list(got["kept_extra"])
+        rule.temps = [got["temp"]] if got["temp"] else []
+        rule.backward_temps = [got["backward_temp"]] if got["backward_temp"] else []
+        rule.note = ""
+        self.traced.append(layer.name)
+
+    def add_node(self, layer, name: str, ins, outs, node=None) -> None:
         in_ids = [self.tid(t) for t in ins]
         in_sizes, in_shapes = zip(*[self.tensor_bytes(t) for t in ins]) if ins else ((), ())
         out_info = [self.tensor_bytes(t) for t in outs]
         out_sizes = [s for s, _ in out_info]
         out_shapes = [s for _, s in out_info]
+        keras_node = node
         node = LayerNode(name, layer, in_ids, list(range(len(outs))), list(in_sizes), out_sizes, list(in_shapes),
-                     out_shapes)
+                         out_shapes)
         rule = rule_for(layer, node, self.prec, self.device)
+        if rule.note.startswith("no sizing rule"):
+            self._traced_rule(layer, keras_node, ins, rule)
         out_ids = []
         for j, t in enumerate(outs):
-            k = tensor_key(t)
+            k = self.key(t)
             if rule.alias and in_ids and j == 0:
                 self.ids[k] = self.g.add(0, alias=in_ids[0])
             elif k not in self.ids:

@@ -84,6 +84,8 @@ class Rule:
         self.note = ""
         self.extra_grad_per_sample = 0
         self.backward_fixed: List[int] = []
+        #: size it from TensorFlow's traced gradient of its call (``traced``), not by reading it as layers
+        self.trace = False
 
 
 def _activation(rule: Rule, fn, out_size: int, internal_pre: bool) -> None:
@@ -287,6 +289,12 @@ def _bidirectional_rule(r: Rule, layer, node: LayerNode, cb: int) -> None:
     r.backward_fixed[:] = r.backward_fixed * 2  # each direction's loop sums its own partials
 
 
+def _keras3(layer) -> bool:
+    from .unroll import keras_package
+    major = str(getattr(keras_package(layer), "__version__", "2")).split(".")[0]
+    return major.isdigit() and int(major) >= 3
+
+
 def rule_for(layer, node: LayerNode, prec: Precision, device: str = "gpu") -> Rule:
     r = Rule()
     kind = type(layer).__name__
@@ -327,6 +335,15 @@ def rule_for(layer, node: LayerNode, prec: Precision, device: str = "gpu") -> Ru
         _bidirectional_rule(r, layer, node, cb)
     elif kind == "TimeDistributed":
         inner = getattr(layer, "layer", None)
+        if _keras3(layer) and len(node.in_shapes[0]) > 1 and node.in_shapes[0][1] is not None:
+            # Keras 3 runs it as a Python loop over the time steps: each step's slice of the input has
+            # a gradient the input's size, all summed at the end (the allocator trace of a BiLSTM tagger,
+            # TF 2.21: 58 of 60 alive at the peak); read from its traced gradient
+            r.trace = True
+            r.keep_in.add(0)
+            r.keep_out.add(0)
+            r.note = "no sizing rule for a Keras 3 TimeDistributed (a loop over time steps); traced"
+            return r
         return rule_for(inner, node, prec, device) if inner is not None else r
     elif kind == "MultiHeadAttention":
         _mha_rule(r, layer, node, cb)

@@ -20,36 +20,39 @@ def _cuda() -> Any:
     return torch
 
 
-def measure_spec(model: str, framework: str, batches: Sequence[int], optimizer: Any, options: Dict[str, Any],
+def measure_spec(model: str, framework: str, plan: Dict[str, Any], optimizer: Any, options: Dict[str, Any],
                  input_shape: Optional[Sequence[int]]) -> Dict[str, Any]:
-    """Build ``model`` (a spec) here and return its measured peaks (``keras_steps`` /
-    ``torch_steps``). Keras on CPU counts every buffer, as distmem's TensorFlow adapter sets it up
-    (``TF_CPU_ALLOCATOR_USE_BFC``); torch is built on the GPU with random weights."""
+    """Build ``model`` (a spec) here and return its measured peaks as ``plan`` says (``keras_steps`` /
+    ``torch_steps``). ``optimizer`` and ``options`` come as ``measured.portable`` made them (an
+    optimizer object as its class and configuration) and are rebuilt here. Keras on CPU counts every
+    buffer, as distmem's TensorFlow adapter sets it up (``TF_CPU_ALLOCATOR_USE_BFC``); torch is built
+    on the GPU with random weights."""
+    if framework != "torch":  # before anything imports TensorFlow: it reads them when it loads
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from ..loader import load_model
-    from .measured import MEASURE_STEPS
+    from .measured import MEASURE_STEPS, measure_keras
+    from .portable import rebuild
+    optimizer = rebuild(optimizer)
+    options = rebuild(options)
     if framework == "torch":
         torch = _cuda()
         from ..torch.inputs import real_inputs
         from .torch_steps import as_param_dtype, dtype_or_none, torch_step_peaks
         built = as_param_dtype(load_model(model, input_shape, device="cuda"), options.get("param_dtype"))
         cast = dtype_or_none(options.get("param_dtype"))
-        return torch_step_peaks(built, batches, inputs=lambda b: real_inputs(built, None, input_shape, b,
-                                                                              options.get("input_dtype"), "cuda",
-                                                                              cast=cast),
+        return torch_step_peaks(built, plan["batches"], inputs=lambda b: real_inputs(built, None, input_shape, b,
+                                                                                      options.get("input_dtype"),
+                                                                                      "cuda", cast=cast),
                                 optimizer=optimizer, precision=options.get("precision"),
                                 loss=options.get("loss", "auto"), steps=MEASURE_STEPS)
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from .keras_steps import keras_step_peaks
     precision = options.get("precision")
     if precision:
         import tensorflow as tf
         from ..precision import resolve_precision
         tf.keras.mixed_precision.set_global_policy(resolve_precision(precision).name)
     built = load_model(model, input_shape)
-    got = keras_step_peaks(built, batches, optimizer, steps=MEASURE_STEPS, precision=options.get("precision"),
-                           foreign=False)
-    return got
+    return measure_keras(built, plan, optimizer, options, input_shape)
 
 
 def _main_as_mp_main(path: Optional[str]) -> Optional[Any]:

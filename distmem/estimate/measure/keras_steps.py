@@ -1,25 +1,29 @@
-"""Real training steps of a Keras model at small batches, measured by TensorFlow's allocator.
+"""Real training steps of a Keras model, measured by TensorFlow's allocator.
 
-The step is the model's own: its forward with ``training=True``, its compiled loss where it has one
-(labels made from each output's shape and the loss's kind: class indices for a sparse loss, values
-in [0, 1) otherwise), else a generic loss that fits any output structure (the mean square of every
-floating output, summed: several outputs, sequences, segmentation maps), the gradient of every
-trainable weight, and the update by a private copy of the optimizer (same class, same
+The step is the model's own: its forward with ``training=True``; a compiled model's own
+``train_step`` (its compiled loss, metrics and ``add_loss`` terms, a custom ``train_step`` too) fed
+labels made from each output's shape and its loss's kind (class indices for a sparse loss, values in
+[0, 1) otherwise); where the compiled loss cannot take such labels, or the model is not compiled, a
+generic loss that fits any output structure (the mean square of every floating output, summed, plus
+the model's own ``losses``): several outputs, sequences, segmentation maps. Then the gradient of
+every trainable weight and the update by a private copy of the optimizer (same class, same
 configuration; loss scaling under ``mixed_float16``, as Keras's ``compile`` adds). It runs on the
-model object itself, in this process, without re-serialising it (a ``Lambda``, a custom layer,
-``tf.recompute_grad`` inside a layer all run as they do in training); the weights are put back
-afterwards, the user's optimizer and compiled state are not touched.
+model object itself, in this process, without re-serialising it (a ``Lambda``, a custom layer, a
+subclassed model, ``tf.recompute_grad`` inside a layer all run as they do in training); the weights
+are put back afterwards, the user's optimizer and compiled state are not touched. The step is traced
+once for any batch (the batch dimension left open, as ``model.fit`` traces it).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
+from .extrapolate import Ladder
 
-__all__ = ["keras_step_peaks", "keras_device"]
+__all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor", "TARGET_STEPS", "OTHER_STEPS"]
 
 
 def keras_device() -> str:
@@ -28,15 +32,33 @@ def keras_device() -> str:
     return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
-def _losses_of(model, K) -> List[Any]:
-    """One loss per output: the compiled one (a name, object, function, list or dict), or None."""
-    names = list(getattr(model, "output_names", None) or [])
-    n = len(model.outputs)
-    loss = getattr(model, "loss", None)
+def keras_allocator_floor(device: str) -> int:
+    """Bytes below which this process's allocator statistics for ``device`` skip a buffer: on a CPU
+    whose allocator is oneDNN's pool rather than TensorFlow's BFC allocator
+    (``TF_CPU_ALLOCATOR_USE_BFC`` unset when TensorFlow started), :data:`TF_CPU_UNCOUNTED_BELOW`;
+    else 0. Found by allocating a 4 KiB tensor and reading whether the statistics saw it (the
+    environment may have changed since TensorFlow read it); the model of the measured device must
+    leave out what the measurement could not see."""
+    if not str(device).upper().startswith("CPU"):
+        return 0
+    import tensorflow as tf
+    from ..keras.kernels import TF_CPU_UNCOUNTED_BELOW
+    info = tf.config.experimental.get_memory_info
+    with tf.device(device):
+        before = int(info(device)["current"])
+        probe = tf.fill([1024], tf.constant(1.0))
+        seen = int(info(device)["current"]) > before
+        del probe
+    return 0 if seen else TF_CPU_UNCOUNTED_BELOW
+
+
+def _losses_of(loss, names: Sequence[str], n: int) -> List[Any]:
+    """One loss per output (``names``: each output's name, in the order the labels go): the compiled
+    one (a name, object, function, list or dict), or None."""
     if loss is None:
         return [None] * n
     if isinstance(loss, dict):
-        return [loss.get(nm) for nm in names] if names else list(loss.values())[:n]
+        return [loss.get(nm) for nm in names]
     if isinstance(loss, (list, tuple)):
         return list(loss) + [None] * (n - len(loss))
     return [loss] * n
@@ -52,28 +74,54 @@ def _loss_name(fn) -> str:
     return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__).lower()
 
 
-def _labels(model, batch: int, fns: Sequence[Any], np) -> List[Any]:
-    rng = np.random.default_rng(1)
-    ys = []
-    for out, fn in zip(model.outputs, fns):
-        shape = [int(d or 1) for d in tuple(out.shape)[1:]]
-        if fn is not None and "sparse" in _loss_name(fn) and shape:
-            ys.append(rng.integers(0, max(1, shape[-1]), [batch] + shape[:-1]).astype("int32"))
+def _label_specs(outputs: Sequence[Any], fns: Sequence[Any], sparse: Optional[bool]) -> List[Any]:
+    """``(shape without the batch, dtype, classes)`` of each output's labels: class indices for a
+    sparse loss (``sparse=None``: as the loss's name says; True/False: forced), values otherwise."""
+    out = []
+    for o, fn in zip(outputs, fns):
+        shape = [int(d or 1) for d in tuple(o.shape)[1:]]
+        use_sparse = ("sparse" in _loss_name(fn)) if sparse is None and fn is not None else bool(sparse)
+        if use_sparse and shape:
+            out.append((shape[:-1], "int32", max(1, shape[-1])))
         else:
-            ys.append(rng.random([batch] + shape, dtype=np.float32))
-    return ys
+            out.append((shape, "float32", 0))
+    return out
 
 
-def _inputs(model, batch: int, np) -> List[Any]:
+def _labels(specs, batch: int, np) -> List[Any]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, classes, [batch] + shape).astype(dtype) if classes else
+            rng.random([batch] + shape, dtype=np.float32) for shape, dtype, classes in specs]
+
+
+def _input_specs(model, input_shape: Optional[Sequence[int]]) -> List[Any]:
+    """``(shape without the batch, dtype)`` of each model input: its ``inputs``, else (a subclassed
+    model) the shape it was built with or ``input_shape``."""
+    ins = list(getattr(model, "inputs", None) or [])
+    if ins:
+        return [([int(d or 1) for d in tuple(t.shape)[1:]], getattr(t.dtype, "name", None) or str(t.dtype))
+                for t in ins]
+    built = getattr(model, "_build_input_shape", None) or getattr(model, "_build_shapes_dict", None)
+    if isinstance(built, dict) and len(built) == 1:
+        built = next(iter(built.values()))
+    if built is not None and not isinstance(built, dict):
+        dims = tuple(getattr(d, "value", d) for d in tuple(built))
+        if dims and all(isinstance(d, int) for d in dims[1:]):
+            return [([int(d) for d in dims[1:]], "float32")]
+    if input_shape:
+        return [([int(d) for d in input_shape], "float32")]
+    raise ConfigError(f"Keras model {getattr(model, 'name', '?')} has no known input shape (a subclassed model "
+                      f"that was not built); call model.build((None, ...)) or pass input_shape=")
+
+
+def _inputs(specs, batch: int, np) -> List[Any]:
     rng = np.random.default_rng(0)
     xs = []
-    for t in model.inputs:
-        shape = [batch] + [int(d or 1) for d in tuple(t.shape)[1:]]
-        dtype = getattr(t.dtype, "name", None) or str(t.dtype)
+    for shape, dtype in specs:
         if "int" in dtype:
-            xs.append(rng.integers(0, 2, shape).astype(dtype))
+            xs.append(rng.integers(0, 2, [batch] + shape).astype(dtype))
         else:
-            xs.append(rng.random(shape, dtype=np.float32).astype(dtype))
+            xs.append(rng.random([batch] + shape, dtype=np.float32).astype(dtype))
     return xs
 
 
@@ -86,27 +134,23 @@ def _optimizer(optimizer: Any, K, scaled: bool):
     return fresh
 
 
-def _step_fn(model, opt, fns, tf):
-    """The training step as a ``tf.function``: forward, loss, gradients, update (scaled where the
-    optimizer scales)."""
+def _signature(specs, tf):
+    """One ``TensorSpec`` per tensor, the batch dimension open: one trace serves every batch."""
+    return [tf.TensorSpec([None] + list(spec[0]), tf.as_dtype(spec[1])) for spec in specs]
+
+
+def _generic_step(model, opt, in_specs, tf):
+    """The training step with a loss that fits any outputs: the mean square of every floating
+    output, summed, plus the model's own ``losses`` (regularisers, ``add_loss``); no labels."""
     variables = model.trainable_variables
 
-    def total_loss(ys, preds):
-        preds = preds if isinstance(preds, (list, tuple)) else [preds]
-        parts = []
-        for y, p, fn in zip(ys, preds, fns):
-            p = tf.cast(p, tf.float32)
-            if fn is None:
-                parts.append(tf.reduce_mean(tf.square(p - y)))
-            else:
-                parts.append(tf.reduce_mean(fn(y, p)))
-        return tf.add_n(parts)
-
-    @tf.function(reduce_retracing=True)
-    def step(xs, ys):
+    def step(xs):
         with tf.GradientTape() as tape:
             preds = model(xs if len(xs) > 1 else xs[0], training=True)
-            loss = total_loss(ys, preds)
+            parts = [tf.reduce_mean(tf.square(tf.cast(p, tf.float32))) for p in tf.nest.flatten(preds)
+                     if getattr(p, "dtype", None) is not None and p.dtype.is_floating]
+            parts += [tf.cast(x, tf.float32) for x in model.losses]
+            loss = tf.add_n(parts)
             if hasattr(opt, "scale_loss"):  # Keras 3 (identity unless it scales)
                 loss = opt.scale_loss(loss)
             elif hasattr(opt, "get_scaled_loss"):  # tf.keras 2's LossScaleOptimizer
@@ -114,25 +158,37 @@ def _step_fn(model, opt, fns, tf):
         grads = tape.gradient(loss, variables)
         if hasattr(opt, "get_unscaled_gradients") and not hasattr(opt, "scale_loss"):
             grads = opt.get_unscaled_gradients(grads)
-        opt.apply_gradients(zip(grads, variables))
+        opt.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
         return loss
-    return step
+    fn = tf.function(step, input_signature=[_signature(in_specs, tf)])
+    return lambda xs, ys: fn(xs)
 
 
-def _own_step(model, opt, tf):
-    """A compiled model's own ``train_step`` (its compiled loss and metrics), with ``opt`` standing in
-    for its optimizer while it runs; None where the model is not compiled."""
+def _compiled(model) -> bool:
     compiled = getattr(model, "_is_compiled", None)  # tf.keras 2
     if compiled is None:
         compiled = getattr(model, "compiled", False)  # Keras 3
-    if not compiled or getattr(model, "loss", None) is None:
-        return None
-    own = model.train_step
+    return bool(compiled)
 
-    @tf.function(reduce_retracing=True)
+
+def _own_step(model, in_specs, label_specs, structure, tf):
+    """A compiled model's own ``train_step`` (its compiled loss, metrics, ``add_loss`` terms, or a
+    ``train_step`` of its own), labels as ``label_specs`` describe them, nested as the model's
+    outputs are (``structure``: a dict of outputs gets a dict of labels)."""
+    own = model.train_step
+    one_in = len(in_specs) == 1
+
     def step(xs, ys):
-        return own((xs if len(xs) > 1 else xs[0], ys if len(ys) > 1 else ys[0]))
-    return step
+        x = xs[0] if one_in else list(xs)
+        if getattr(model, "loss", None) is None:
+            return own((x,))  # the model's own losses only (add_loss)
+        return own((x, tf.nest.pack_sequence_as(structure, list(ys))))
+    # compiled as the model's own train function is: Keras 3 compiles it with XLA where it can
+    # (jit_compile="auto" on a GPU), whose buffers are not the graph executor's
+    jit = bool(getattr(model, "jit_compile", None) or getattr(model, "_jit_compile", None))
+    fn = tf.function(step, input_signature=[_signature(in_specs, tf), _signature(label_specs, tf)],
+                     jit_compile=jit or None)
+    return fn
 
 
 @contextlib.contextmanager
@@ -153,37 +209,72 @@ def _standing_in(model, opt):
             pass
 
 
-def keras_step_peaks(model: Any, batches: Sequence[int], optimizer: Any = "adam", *, steps: int = 2,
-                     precision: Any = None, foreign: bool = True) -> Dict[str, Any]:
-    """Allocator peaks of ``steps`` real training steps of ``model`` at each of ``batches`` (the
-    largest per batch, the first step included, as a memory limit must allow), on the device
-    TensorFlow uses here. ``foreign``: subtract what this process held before beyond the model's
-    own weights (another model, earlier tensors), so a model measured inside a busy process reads
-    as in a fresh one. Returns ``{"device", "peaks": {batch: bytes}, "steps": {batch: [...]},
-    "loss", "seconds"}``."""
+def _outputs(model, in_specs, np, tf) -> Tuple[Any, List[Any], List[str]]:
+    """``(structure, flat outputs, their names)``: the model's outputs as its call nests them (a
+    dict of named outputs, a list, one tensor) — read from its graph, else (a subclassed model) from
+    a forward pass at batch 1 — flattened in the order ``tf.nest`` packs them back."""
+    struct = getattr(model, "_nested_outputs", None)  # tf.keras 2 functional
+    if struct is None:
+        struct = getattr(model, "_outputs_struct", None)  # Keras 3 functional
+    if struct is None and getattr(model, "outputs", None):
+        outs = list(model.outputs)
+        struct = outs if len(outs) > 1 else outs[0]
+    if struct is None:
+        xs = [tf.constant(a) for a in _inputs(in_specs, 1, np)]
+        struct = model(xs if len(xs) > 1 else xs[0], training=False)
+    flat = list(tf.nest.flatten(struct))
+    if isinstance(struct, dict):
+        names = sorted(struct)
+    else:
+        names = list(getattr(model, "output_names", None) or [])
+        names = names if len(names) == len(flat) else [str(i) for i in range(len(flat))]
+    return struct, flat, names
+
+
+#: Steps measured at the target batch (the worst kept: TensorFlow's executor order moves one step's
+#: peak by 10-20% from step to step — InceptionBlocks at 64 px, batch 16: 49.5 to 62.9 MB over twelve
+#: steps in four processes — and the worst of four missed the reference's worst of three by up to
+#: 12.5% on the fit half of bench/estimate/keras_heldout.py, where more steps reach further into that
+#: tail) and at each other batch of a ladder.
+TARGET_STEPS = 6
+OTHER_STEPS = 2
+
+
+def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps: int = OTHER_STEPS,
+                     target_steps: int = TARGET_STEPS, precision: Any = None, foreign: bool = True,
+                     input_shape: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """Allocator peaks of real training steps of ``model`` on the device TensorFlow uses here, the
+    largest per batch (the first step included, as a memory limit must allow). ``batches``: a
+    :class:`~distmem.estimate.measure.extrapolate.Ladder` (its target batch runs ``target_steps``
+    steps, the others ``steps``; a batch that runs out of memory ends its climb) or a list of
+    batches (``steps`` each). ``foreign``: subtract what this process held before beyond the
+    model's own weights (another model, earlier tensors), so a model measured inside a busy process
+    reads as in a fresh one. Returns ``{"device", "peaks": {batch: bytes}, "steps": {batch: [...]},
+    "loss", "seconds", "floor", "ladder"}``."""
     import numpy as np
     import tensorflow as tf
     K = tf.keras
     t0 = time.time()
     dev = keras_device()
+    ladder = batches if isinstance(batches, Ladder) else None
     info = tf.config.experimental.get_memory_info
     weights = model.get_weights()
     policy = str(getattr(getattr(model, "dtype_policy", None), "name", "") or "")
     scaled = "mixed_float16" in (str(precision or "") or policy) or policy == "mixed_float16"
-    fns = [_loss_fn(l, K) for l in _losses_of(model, K)]
-    # before the optimizer's slots exist: they are the step's, not foreign; garbage collected first,
+    # before the optimizer's slots exist: they are the steps', not foreign; garbage collected first,
     # so what is foreign does not shrink under the steps (a peak below it would read as nothing)
     gc.collect()
     other = max(0, int(info(dev)["current"]) - sum(int(w.nbytes) for w in weights)) if foreign else 0
+    peaks: Dict[int, int] = {}
+    per_step: Dict[int, List[int]] = {}
     try:
+        in_specs = _input_specs(model, input_shape)
+        # not built here: the first step creates the optimizer's slots, as the job's first step does
+        # (their initial values are in flight then: that step is often the worst)
         opt = _optimizer(optimizer, K, scaled)
-        if hasattr(opt, "build"):
-            opt.build(model.trainable_variables)
-        step = _own_step(model, opt, tf) or _step_fn(model, opt, fns, tf)
-        peaks: Dict[int, int] = {}
-        per_step: Dict[int, List[int]] = {}
         with _standing_in(model, opt):
-            _run(model, batches, step, fns, steps, dev, other, peaks, per_step, np, tf)
+            loss = _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks,
+                            per_step, np, K, tf)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model whose step cannot run here: said, not hidden
@@ -192,21 +283,84 @@ def keras_step_peaks(model: Any, batches: Sequence[int], optimizer: Any = "adam"
                           f"estimate alone") from None
     finally:
         model.set_weights(weights)
-    loss = "compiled" if any(f is not None for f in fns) else "generic (mean square of every output)"
-    return {"device": dev, "peaks": peaks, "steps": per_step, "loss": loss,
-            "seconds": round(time.time() - t0, 3)}
+    if not peaks:
+        why = "; ".join(f"batch {b}: {w}" for b, w in (ladder.refused.items() if ladder else []))
+        raise ConfigError(f"no training step of Keras model {getattr(model, 'name', '?')} fitted the memory at hand "
+                          f"({why or 'nothing ran'}); give memory_at_hand= or use method='model'")
+    return {"device": dev, "peaks": peaks, "steps": per_step, "loss": loss, "floor": keras_allocator_floor(dev),
+            "ladder": ladder.summary() if ladder else None, "seconds": round(time.time() - t0, 3)}
 
 
-def _run(model, batches, step, fns, steps, dev, other, peaks, per_step, np, tf) -> None:
+def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
+             np, K, tf) -> str:
+    """Run the ladder (or batches) with the first step that runs: the model's compiled step with
+    labels as its loss names them, then with class indices, then with values, then the generic loss.
+    Returns which one ran."""
+    tried: List[str] = []
+    candidates = []
+    if _compiled(model) and (getattr(model, "loss", None) is not None or getattr(model, "losses", None)):
+        struct, outs, names = _outputs(model, in_specs, np, tf)
+        fns = [_loss_fn(x, K) for x in _losses_of(getattr(model, "loss", None), names, len(outs))]
+        for sparse, what in ((None, "compiled"), (True, "compiled, class-index labels"),
+                             (False, "compiled, value labels")):
+            specs = _label_specs(outs, fns, sparse)
+            if any(specs == c[1] for c in candidates):
+                continue
+            candidates.append((what, specs, struct))
+    candidates.append(("generic (mean square of every output)", None, None))
+    for what, specs, struct in candidates:
+        step = _own_step(model, in_specs, specs, struct, tf) if specs is not None else \
+            _generic_step(model, opt, in_specs, tf)
+        try:
+            _run(step, in_specs, specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step, np, tf)
+            return what if not tried else f"{what}; not {', '.join(tried)}"
+        except tf.errors.ResourceExhaustedError:
+            raise
+        except (tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
+            if peaks:  # it ran before: this is not about the labels
+                raise
+            tried.append(f"{what} ({type(exc).__name__}: {_first_line(exc)})")
+    raise ConfigError("no training step ran: " + "; ".join(tried))
+
+
+def _first_line(exc: Exception) -> str:
+    """The line of a TensorFlow error that says what went wrong (not "in user code:")."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("in user code", "File ", "return ", "raise "))]
+    return (useful[-1] if useful else (lines[0] if lines else type(exc).__name__))[:160]
+
+
+def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
+         np, tf) -> None:
     info = tf.config.experimental.get_memory_info
-    for b in batches:
-        xs = [tf.constant(a) for a in _inputs(model, int(b), np)]
-        ys = [tf.constant(a) for a in _labels(model, int(b), fns, np)]
-        seen = []
-        for _ in range(max(1, steps)):
-            tf.config.experimental.reset_memory_stats(dev)
-            step(xs, ys)
-            seen.append(max(0, int(info(dev)["peak"]) - other))
+    todo = list(batches) if ladder is None else None
+    while True:
+        b = ladder.next() if ladder is not None else (todo.pop(0) if todo else None)
+        if b is None:
+            return
+        xs = [tf.constant(a) for a in _inputs(in_specs, int(b), np)]
+        ys = [tf.constant(a) for a in _labels(label_specs, int(b), np)] if label_specs is not None else []
+        # the batch comes from an iterator, as model.fit and train_on_batch feed it: the element the
+        # iterator hands the step is the step's
+        batches_of = iter(tf.data.Dataset.from_tensors((tuple(xs), tuple(ys))).repeat())
+        n = target_steps if ladder is not None and int(b) == ladder.target else steps
+        seen: List[int] = []
+        try:
+            for _ in range(max(1, n)):
+                tf.config.experimental.reset_memory_stats(dev)
+                x_, y_ = next(batches_of)
+                step(list(x_), list(y_))
+                del x_, y_
+                seen.append(max(0, int(info(dev)["peak"]) - other))
+        except tf.errors.ResourceExhaustedError as exc:
+            if ladder is None:
+                raise
+            ladder.failed(int(b), f"out of memory ({str(exc).splitlines()[0][:160]})")
+            del xs, ys, batches_of
+            gc.collect()
+            continue
         per_step[int(b)] = seen
         peaks[int(b)] = max(seen)
-        del xs, ys
+        if ladder is not None:
+            ladder.record(int(b), peaks[int(b)])
+        del xs, ys, batches_of

@@ -68,8 +68,10 @@ def costs_from_model(model: Any, precisions: Sequence[str], *, optimizer: Any = 
             opts["device"] = device
         if param_dtype is not None:
             opts["param_dtype"] = param_dtype
-        est = est_mod.estimate(model if isinstance(model, str) else loaded, batch_size=batch_size,
-                               optimizer=optimizer, input_shape=input_shape, precision=prec, method=method, **opts)
+        # a spec is measured by a child that rebuilds it under each precision; a live model as it is
+        est = est_mod.estimate(model if isinstance(model, str) and method != "model" else loaded,
+                               batch_size=batch_size, optimizer=optimizer, input_shape=input_shape,
+                               precision=prec, method=method, **opts)
         out[prec] = EstimateCosts(est, units=found)
     return out
 

@@ -34,6 +34,10 @@ def _as_master(parts: Optional[Dict[str, int]], ratio: float) -> Optional[Dict[s
 #: of the largest layer, for one micro-batch (bytes = 2 x largest output).
 TRANSIENT_OUTPUTS = 2
 
+#: The name of the part a step's peak is raised by to its estimate's high figure
+#: (``estimate uncertainty (<source>)``).
+UNCERTAINTY = "estimate uncertainty"
+
 
 def _block_of(name: str) -> Optional[str]:
     """Top-level block of an estimator row (``layer1.0.conv1 (own ops)`` -> ``layer1``); None for
@@ -131,6 +135,11 @@ class Costs:
         from ..wrappers import rank_peak
 
         parts, phase, kept = self.peak_parts(mb, accumulate)
+        # the estimate's uncertainty is a share of what a rank holds, not bytes of the whole
+        # model's step: taken out before the wrapper shards the step, put back as that share of
+        # the rank's own peak
+        uncertain = {k: parts.pop(k) for k in list(parts) if k.startswith(UNCERTAINTY)}
+        share = sum(uncertain.values()) / max(1, sum(parts.values()))
         backward = self.backward_parts(mb)
         forward = self.forward_parts(mb)
         if backward is not None and accumulate:
@@ -141,6 +150,10 @@ class Costs:
             parts, backward, forward = (_as_master(x, ratio) for x in (parts, backward, forward))
         peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept,
                                  backward=backward, forward=forward, kept_at_end=self.kept_at_end(mb))
+        if uncertain:
+            extra = int(math.ceil(peak * share))
+            out[next(iter(uncertain))] = extra
+            peak += extra
         return peak, out
 
     def kept_at_end(self, mb: int) -> Optional[int]:
@@ -236,6 +249,15 @@ class EstimateCosts(Costs):
             peak = int(detail["peak"])
             phase = str(detail.get("phase", "backward"))
             parts = {k: int(v) for k, v in self.est.breakdown(int(mb)).items()}
+            # priced at the estimate's high figure (DESIGN: no figure without a bound), never below
+            # what the model holds whatever the batch
+            bound = self.est.bound(int(mb)) if hasattr(self.est, "bound") else None
+            high = max(int(bound.high_bytes) if bound is not None else peak, int(self.est.state_floor)
+                       if hasattr(self.est, "state_floor") else 0)
+            if high > peak:
+                source = bound.source if bound is not None else "modelled"
+                parts[f"{UNCERTAINTY} ({source})"] = high - peak
+                peak = high
             if accumulate:
                 grad_bytes = int(self.est.grad_bytes)
                 transient = self.largest_gradient

@@ -108,24 +108,41 @@ def test_slots_read_from_the_optimizer_object(make, slots):
     assert info.slots_per_weight == slots
 
 
-def test_unknown_layer_gets_a_fallback_and_a_warning():
+def test_unknown_layer_is_read_from_its_call_else_gets_a_fallback_and_a_warning():
     class Doubler(K.layers.Layer):
         def call(self, x):
             return x * 2.0
 
+    class Eager(K.layers.Layer):
+        """A call that needs real values: it cannot be read symbolically nor traced."""
+
+        def call(self, x):
+            return x * float(x.numpy().max() > 0)
+
+        def compute_output_shape(self, shape):
+            return shape
+
+        def compute_output_spec(self, x):  # Keras 3 builds the graph from it
+            return K.KerasTensor(x.shape, x.dtype)
+
+    keras2 = int(str(getattr(K, "__version__", "2")).split(".")[0]) < 3
     inp = K.Input((8,))
     h = K.layers.Dense(8, name="d0")(inp)
     h = Doubler(name="twice")(h)
+    h = K.layers.Dense(8, name="d1")(h)
+    h = Eager(name="eager", **({"dynamic": True} if keras2 else {}))(h)
     out = K.layers.Dense(2)(h)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         est = estimate_keras(K.Model(inp, out), batch_size=2)
     r = rows(est)
-    assert "fallback" in r["twice"].note
-    assert any("'twice' (Doubler)" in str(w.message) for w in caught)
-    assert any("twice" in w_ for w_ in est.warnings)
-    # assumed to keep its input (d0's output) and its output (which the head reads too: counted once)
-    assert r["twice"].activation_bytes_per_sample == 8 * 4 + 8 * 4
+    # x * 2.0 is read as the op it applies: its gradient reads nothing of the layer's
+    assert not any("'twice'" in w_ for w_ in est.warnings)
+    assert "fallback" in r["eager"].note
+    assert any("'eager' (Eager)" in str(w.message) for w in caught)
+    assert any("eager" in w_ for w_ in est.warnings)
+    # assumed to keep its input (d1's output) and its output (which the head reads too: counted once)
+    assert r["eager"].activation_bytes_per_sample == 8 * 4 + 8 * 4
 
 
 def test_peak_grows_with_batch_and_cpu_mode_skips_small_buffers(monkeypatch):

@@ -62,7 +62,10 @@ def test_keras_measured_path_runs_the_model_itself_and_plans_the_same_bytes_twic
     est = estimate(model, 8, "adam", method="measure", device="cpu")
     assert est.method == "measured"
     m = est.measurement
-    assert [b for b, _ in m["points"]] == [2, 4] and all(y > 0 for _, y in m["points"])
+    # the target batch itself (it fits the host), with a quarter and a half of it
+    assert [b for b, _ in m["points"]] == [2, 4, 8] and all(y > 0 for _, y in m["points"])
+    assert m["at_target"] and est.bound().source == "measured" and est.peak_bytes == dict(m["points"])[8]
+    assert len(m["steps"]["8"]) >= 3  # the worst of several steps at the target
     assert m["seconds"] > 0 and m["loss"] == "compiled" and not m["reused"]
     assert sum(est.breakdown().values()) == est.peak_bytes
     assert est.peak_detail()["modelled_peak"] == estimate(model, 8, "adam", method="model", device="cpu").peak_bytes

@@ -1,0 +1,78 @@
+"""The Keras margins follow the measurement: each path's margin (``table.KERAS_MARGINS``) is the
+worst case of its path on the benchmark's **fit** half, rounded up to 5 points
+(``bench/results/estimate_keras_heldout_tf2*.json``, written by ``bench/estimate/keras_heldout.py
+--score``), and the held-out half is only reported against it: the summary's count of held-out
+references inside the bound must be the count under the margins in the table now (a margin changed
+without re-scoring would leave the README quoting another margin's coverage). A margin no fit half
+measured says it is provisional."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+
+from distmem.estimate.table import KERAS_MARGINS, Bound
+
+RESULTS = pathlib.Path(__file__).resolve().parents[3] / "bench" / "results"
+#: the benchmark's parts, by the path that made their figures
+PARTS = {"default": "measured", "carried": "carried", "model": "modelled"}
+SUMMARIES = sorted(RESULTS.glob("estimate_keras_heldout_tf2??.json"))
+
+
+def _up(x: float) -> float:
+    return math.ceil(max(x, 0.0) * 20 - 1e-9) / 20
+
+
+def _pairs(data, half, source):
+    refs = {r["id"]: r["reference"] for r in data["rows"] if r["part"] == "reference" and "reference" in r}
+    return [(r, refs[r["id"]]) for r in data["rows"] if r["part"] in PARTS and r.get("half") == half
+            and r.get("source") == source and "figure" in r and r["id"] in refs]
+
+
+def _fit(source):
+    return [(f.name, r, ref) for f in SUMMARIES for r, ref in _pairs(json.loads(f.read_text()), "fit", source)]
+
+
+@pytest.mark.parametrize("source", sorted(set(PARTS.values())))
+def test_each_paths_margin_is_its_fit_halfs_worst_case_rounded_up(source):
+    margin = KERAS_MARGINS[source]
+    cases = _fit(source)
+    if not cases:
+        assert "provisional" in margin.basis, (source, margin.basis)
+        pytest.skip(f"no fit-half {source} figures under bench/results: the margin says it is provisional")
+    need_under = max(ref / r["figure"] - 1 for _, r, ref in cases)
+    need_over = max(r["figure"] / ref - 1 for _, r, ref in cases)
+    assert (margin.under, margin.over) == (_up(need_under), _up(need_over)), (
+        f"{source}: the fit half needs under {need_under:+.2%}, over {need_over:+.2%} "
+        f"(rounded up: {_up(need_under):.2f}, {_up(need_over):.2f}); the table has {margin.under}, {margin.over}")
+    for name, row, ref in cases:
+        bound = Bound.around(row["figure"], margin, source)
+        assert bound.low_bytes <= ref <= bound.high_bytes, (name, row["id"], ref, bound)
+    assert "estimate_keras_heldout" in margin.basis and "fit half" in margin.basis, margin.basis
+    assert "provisional" not in margin.basis, margin.basis
+
+
+@pytest.mark.parametrize("source", sorted(set(PARTS.values())))
+def test_the_summary_reports_the_held_out_half_under_the_margins_in_the_table(source):
+    got = False
+    for f in SUMMARIES:
+        data = json.loads(f.read_text())
+        held = _pairs(data, "held", source)
+        if not held or source not in data.get("margins", {}):
+            continue
+        got = True
+        margin = KERAS_MARGINS[source]
+        recorded = data["margins"][source]
+        assert (recorded["under"], recorded["over"]) == (margin.under, margin.over), (
+            f"{f.name}: scored with {source} margins {recorded['under']} / {recorded['over']}, the table has "
+            f"{margin.under} / {margin.over}: re-score (keras_heldout.py --score --summary) and update the quoted figures")
+        inside = 0
+        for r, ref in held:
+            bound = Bound.around(r["figure"], margin, source)
+            inside += bound.low_bytes <= ref <= bound.high_bytes
+        assert (recorded["held_inside_n"], recorded["held_cases"]) == (inside, len(held)), (
+            f"{f.name}: {recorded['held_inside']} recorded, {inside}/{len(held)} under the table's {source} margin")
+    if not got:
+        pytest.skip(f"no scored held-out {source} figures under bench/results")
