@@ -115,16 +115,6 @@ def tf_measure(name: str, batch: int, steps: int) -> Dict[str, Any]:
     return keras_train_peaks(model, tf.constant(x), tf.constant(y), steps)
 
 
-def _elem_bytes(dtype: object) -> int:
-    """Bytes per element of a Keras tensor's dtype, as TensorFlow sizes it (4 where it has none):
-    the naive baseline's own sizing, not the estimator's."""
-    import tensorflow as tf
-    try:
-        return int(tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size) or 4
-    except (TypeError, ValueError):
-        return 4
-
-
 def tf_estimate(name: str, batch: int) -> Dict[str, Any]:
     import tensorflow as tf
     from distmem.estimate import estimate_keras
@@ -133,16 +123,8 @@ def tf_estimate(name: str, batch: int) -> Dict[str, Any]:
     est = estimate_keras(model, batch, tf.keras.optimizers.Adam(), device="cpu", name=name)
     peak = est.peak_bytes
     seconds = time.time() - t
-    slots = est.optimizer.get("slots_per_weight") or 0
-    outputs = 0
-    for layer in model.layers:
-        for node_out in (layer.output if isinstance(layer.output, list) else [layer.output]):
-            dims = [d for d in node_out.shape[1:]]
-            n = 1
-            for d in dims:
-                n *= int(d)
-            outputs += n * _elem_bytes(node_out.dtype)
-    baseline = model.count_params() * 4 * (2 + slots) + outputs * batch
+    from bench.estimate.estimate_zoo_keras import naive_baseline
+    baseline = naive_baseline(model, batch, est.optimizer.get("slots_per_weight") or 0)
     return {"ours": peak, "baseline": baseline, "phase": est.peak_detail()["phase"], "layers": len(est.layers),
             "estimate_seconds": round(seconds, 3), "warnings": len(est.warnings)}
 
