@@ -91,14 +91,22 @@ def measured_live(log: str):
 
 
 def estimated_live(case):
-    import warnings
     from bench.estimate import estimate_zoo_keras as zk
+    from distmem.estimate.keras import estimate as from_keras
+    zk.keras_ns()
+    model, _ = zk.keras_build(case)
+    return live_at_estimate_peak(model, case["batch"], zk.keras_optimizer(case["optimizer"]),
+                                 floor=from_keras.tf_cpu_uncounted_below())
+
+
+def live_at_estimate_peak(model, batch, opt, floor=0):
+    """The Keras estimate's own replay at its peak, buffer by buffer: (the estimate's peak, the replay's
+    in-use bytes at that moment, the requested sizes alive then, their labels by size, every graph
+    tensor by size). ``floor``: requests below it are not counted (TensorFlow's CPU allocator)."""
+    import warnings
     from distmem.estimate.allocators import BFCAllocator
     from distmem.estimate.keras import estimate as from_keras
     from distmem.estimate.liveness import replay
-    _, K = zk.keras_ns()
-    model, _ = zk.keras_build(case)
-    opt = zk.keras_optimizer(case["optimizer"])
     captured = {}
     real_replay = from_keras.replay
 
@@ -107,12 +115,14 @@ def estimated_live(case):
         captured.setdefault("held", kw.get("grads_held"))
         return real_replay(g, *a, **kw)
     from_keras.replay = spy
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        est = from_keras.estimate_keras(model, case["batch"], opt, device="cpu")
-        peak = est.peak_bytes
-    from_keras.replay = real_replay
-    g, b = captured["g"], case["batch"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = from_keras.estimate_keras(model, batch, opt, device="cpu")
+            peak = est.peak_bytes
+    finally:
+        from_keras.replay = real_replay
+    g, b = captured["g"], batch
     names = {}
     for k, n in enumerate(g.nodes):
         row = est.layers[n.row].name if n.row < len(est.layers) else "loss"
@@ -120,7 +130,7 @@ def estimated_live(case):
             names.setdefault(g.root(t), f"{row}:out")
         for t in n.temps:
             names.setdefault(g.root(t), f"{row}:{'kept' if t in n.saved else 'temp'}")
-        for j, t in enumerate(n.backward_temps):
+        for j, _ in enumerate(n.backward_temps):
             names[("bt", k, j)] = f"{row}:bwd-temp"
         for j, _ in enumerate(n.grads):
             names[("wg", k, j)] = f"{row}:wgrad"
@@ -146,7 +156,7 @@ def estimated_live(case):
         def free(self, key):
             getattr(self, "req", {}).pop(key, None)
             super().free(key)
-    replay(g, b, grads_held=captured["held"], allocator=Spy(from_keras.tf_cpu_uncounted_below()), steps=2)
+    replay(g, b, grads_held=captured["held"], allocator=Spy(floor), steps=2)
     live = collections.Counter()
     labels = collections.defaultdict(list)
     for key, size in Spy.best[1].items():

@@ -16,7 +16,6 @@ estimate did not (with the estimate's tensors of that size, to name it), and the
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import subprocess
@@ -50,74 +49,10 @@ def _child(c, steps):
 
 def estimated_live(c):
     """The estimate's replay at its peak: (peak, live requested sizes, labels by size, tensors by size)."""
-    import warnings
     import tensorflow as tf
-    from distmem.estimate.allocators import BFCAllocator
-    from distmem.estimate.keras import estimate as from_keras
-    from distmem.estimate.liveness import replay
+    from estimate_keras_trace import live_at_estimate_peak
     model, _ = M.build(c)
-    opt = M._optimizer(c["optimizer"], tf.keras)
-    captured = {}
-    real = from_keras.replay
-
-    def spy(g, *a, **kw):
-        captured.setdefault("g", g)
-        captured.setdefault("held", kw.get("grads_held"))
-        return real(g, *a, **kw)
-    from_keras.replay = spy
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        est = from_keras.estimate_keras(model, c["batch"], opt, device="cpu")
-        peak = est.peak_bytes
-    from_keras.replay = real
-    g, b = captured["g"], c["batch"]
-    names = {}
-    for k, n in enumerate(g.nodes):
-        row = est.layers[n.row].name if n.row < len(est.layers) else "loss"
-        for t in n.outputs:
-            names.setdefault(g.root(t), f"{row}:out")
-        for t in n.temps:
-            names.setdefault(g.root(t), f"{row}:{'kept' if t in n.saved else 'temp'}")
-        for j, _ in enumerate(n.backward_temps):
-            names[("bt", k, j)] = f"{row}:bwd-temp"
-        for j, _ in enumerate(n.grads):
-            names[("wg", k, j)] = f"{row}:wgrad"
-        for j, _ in enumerate(n.update_temps):
-            names[("ut", k, j)] = f"{row}:update-temp"
-    for t in g.inputs:
-        names[t] = "input"
-
-    class Spy(BFCAllocator):
-        best = (0, {})
-
-        def _count(self, key, size, chunk, part):
-            super()._count(key, size, chunk, part)
-            if self.in_use >= Spy.best[0]:
-                Spy.best = (self.in_use, dict(self.req))
-
-        def alloc(self, key, size, part="temporaries"):
-            self.req = getattr(self, "req", {})
-            if size > 0 and size >= self.min_alloc:
-                self.req[key] = size
-            super().alloc(key, size, part)
-
-        def free(self, key):
-            getattr(self, "req", {}).pop(key, None)
-            super().free(key)
-    replay(g, b, grads_held=captured["held"], allocator=Spy(0), steps=2)
-    live = collections.Counter()
-    labels = collections.defaultdict(list)
-    for key, size in Spy.best[1].items():
-        live[size] += 1
-        if isinstance(key, tuple) and key[0] in ("g", "g+"):
-            lab = "grad of " + names.get(key[1], "?")
-        else:
-            lab = names.get(key, str(key))
-        labels[size].append(lab)
-    by_size = collections.defaultdict(list)
-    for t, name in names.items():
-        if isinstance(t, int):
-            by_size[g.tensors[t].at(b)].append(name)
+    peak, _, live, labels, by_size = live_at_estimate_peak(model, c["batch"], M._optimizer(c["optimizer"], tf.keras))
     return peak, live, labels, by_size
 
 
