@@ -175,6 +175,18 @@ def live_at_estimate_peak(model, batch, opt, floor=0):
     return peak, Spy.best[0], live, labels, by_size
 
 
+def print_difference(mlive, elive, labels, by_size, top):
+    """The requested sizes alive at TensorFlow's peak and not at the estimate's (named by the graph's
+    tensors of that size), and the reverse (named by the estimate's labels), largest totals first."""
+    more, less = mlive - elive, elive - mlive
+    print(f"alive in TensorFlow's peak, not in the estimate's: {sum(k * v for k, v in more.items()) / 2**20:.1f} MiB")
+    for size, n in sorted(more.items(), key=lambda kv: -kv[0] * kv[1])[:top]:
+        print(f"  {n:3d} x {size:>11,}  {sorted(set(by_size.get(size, [])))[:4]}")
+    print(f"alive in the estimate's peak, not in TensorFlow's: {sum(k * v for k, v in less.items()) / 2**20:.1f} MiB")
+    for size, n in sorted(less.items(), key=lambda kv: -kv[0] * kv[1])[:top]:
+        print(f"  {n:3d} x {size:>11,}  {sorted(set(labels.get(size, [])))[:4]}")
+
+
 def main(argv=None):
     from bench.estimate import estimate_zoo as z
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -197,14 +209,7 @@ def main(argv=None):
     epeak, ebfc, elive, labels, by_size = estimated_live(case)
     print(json.dumps({"case": case, "measured_peak": mpeak, "measured_requested_at_peak": mreq, "worst_step": step,
                       "estimate_peak": epeak, "estimate_requested_at_peak": sum(k * v for k, v in elive.items())}))
-    more = mlive - elive
-    less = elive - mlive
-    print(f"alive in TensorFlow's peak, not in the estimate's: {sum(k * v for k, v in more.items()) / 2**20:.1f} MiB")
-    for size, n in sorted(more.items(), key=lambda kv: -kv[0] * kv[1])[:a.top]:
-        print(f"  {n:3d} x {size:>11,}  {sorted(set(by_size.get(size, [])))[:4]}")
-    print(f"alive in the estimate's peak, not in TensorFlow's: {sum(k * v for k, v in less.items()) / 2**20:.1f} MiB")
-    for size, n in sorted(less.items(), key=lambda kv: -kv[0] * kv[1])[:a.top]:
-        print(f"  {n:3d} x {size:>11,}  {sorted(set(labels.get(size, [])))[:4]}")
+    print_difference(mlive, elive, labels, by_size, a.top)
     return 0
 
 

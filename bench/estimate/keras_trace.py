@@ -57,7 +57,7 @@ def estimated_live(c):
 
 
 def main(argv=None):
-    from estimate_keras_trace import measured_live
+    from estimate_keras_trace import measured_live, print_difference
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model")
     p.add_argument("--steps", type=int, default=3)
@@ -80,13 +80,7 @@ def main(argv=None):
     print(json.dumps({"case": M.case_id(c), "measured_peak": mpeak, "measured_requested_at_peak": mreq,
                       "worst_step": step, "estimate_peak": epeak,
                       "estimate_requested_at_peak": sum(k * v for k, v in elive.items())}))
-    more, less = mlive - elive, elive - mlive
-    print(f"alive in TensorFlow's peak, not in the estimate's: {sum(k * v for k, v in more.items()) / 2**20:.1f} MiB")
-    for size, n in sorted(more.items(), key=lambda kv: -kv[0] * kv[1])[:a.top]:
-        print(f"  {n:3d} x {size:>11,}  {sorted(set(by_size.get(size, [])))[:4]}")
-    print(f"alive in the estimate's peak, not in TensorFlow's: {sum(k * v for k, v in less.items()) / 2**20:.1f} MiB")
-    for size, n in sorted(less.items(), key=lambda kv: -kv[0] * kv[1])[:a.top]:
-        print(f"  {n:3d} x {size:>11,}  {sorted(set(labels.get(size, [])))[:4]}")
+    print_difference(mlive, elive, labels, by_size, a.top)
     return 0
 
 
