@@ -273,6 +273,8 @@ def _models() -> Dict[str, Model]:
                                   tags=("conv", "pipeline"), params_m=138.4)
     out["hand:resnet50-seq"] = Model("hand:resnet50-seq", "hand-written", "image", 224, sequential=True,
                                      tags=("conv", "pipeline"), params_m=25.6)
+    out["hand:resnet18-seq"] = Model("hand:resnet18-seq", "hand-written", "image", 224, sequential=True,
+                                     tags=("conv", "pipeline"), params_m=11.7)
     out["hand:mlp"] = Model("hand:mlp", "hand-written", "vector", 4096, sequential=True, tags=("mlp", "pipeline"),
                             params_m=570)
     return out
@@ -304,8 +306,8 @@ def build(key: str):
         return _gpt(d, layers, heads, m.size, m.vocab)
     if name == "vgg16-seq":
         return _vgg16_seq()
-    if name == "resnet50-seq":
-        return _resnet_seq(50)
+    if name.startswith("resnet") and name.endswith("-seq"):
+        return _resnet_seq(int(name[len("resnet"):-len("-seq")]))
     return _mlp(8192, 6, m.size, m.classes)
 
 
@@ -423,8 +425,27 @@ _QUESTIONS: Dict[str, List[Tuple[int, ...]]] = {
 }
 
 
-def all_cases() -> List[Case]:
-    """Every case of the bench (in a fixed order; :func:`order_cases` decides the running order)."""
+#: ``--set pairs``: the (model, fleet) pairs of ``bench/plan/fit.py`` (bench/results/fit_h200.json),
+#: asked and run as every case here is - sharded layouts sharded (rank 0 of N), the allocator settings
+#: init() gives the job, NVML beside the allocator. fit.py's own worker ran every layout unsharded with
+#: the default allocator (bench/results/fit_h200_pairs_worker_gap.json measured what that costs).
+PAIR_CASES = [
+    Case("hand:resnet50-seq", 512, 4, 12, 1, "float32"), Case("hand:resnet50-seq", 256, 8, 6, 1, "auto"),
+    Case("hand:resnet18-seq", 1024, 4, 16, 1, "auto"), Case("hand:vgg16-seq", 256, 4, 16, 1, "float32"),
+    Case("hand:gpt-350m", 64, 4, 16, 1, "float32"), Case("hand:gpt-350m", 128, 8, 24, 1, "auto"),
+    Case("hand:gpt-1b", 32, 4, 16, 1, "float32"), Case("hand:gpt-1b", 64, 8, 24, 1, "auto"),
+    Case("hand:gpt-1b", 32, 8, 12, 1, "mixed_bfloat16"), Case("hand:gpt-1b", 16, 8, 8, 1, "float32"),
+    Case("hand:resnet50-seq", 128, 2, 6, 1, "float32"),
+]
+
+SETS = ("scale", "pairs")
+
+
+def all_cases(which: str = "scale") -> List[Case]:
+    """Every case of the bench (in a fixed order; :func:`order_cases` decides the running order);
+    ``which="pairs"``: :data:`PAIR_CASES`."""
+    if which == "pairs":
+        return list(PAIR_CASES)
     out: List[Case] = []
     for key, questions in _QUESTIONS.items():
         m = MODELS[key]
@@ -1496,7 +1517,7 @@ def selected(args: argparse.Namespace) -> List[Case]:
     """The cases in running order, those matching ``--only``, the first ``--max-cases``; with
     ``--redo FILE``: FILE's cases that count against the targets (:func:`to_redo`), then the first
     ``--new`` cases FILE does not hold."""
-    cases = [c for c in order_cases(all_cases()) if not args.only or re.search(args.only, c.id)]
+    cases = [c for c in order_cases(all_cases(args.set)) if not args.only or re.search(args.only, c.id)]
     if getattr(args, "redo", None):
         earlier = read_records(args.redo)
         again, held = to_redo(earlier), {r["case"] for r in earlier}
@@ -1565,7 +1586,7 @@ def dry(args: argparse.Namespace) -> List[Dict[str, Any]]:
     from concurrent.futures import ProcessPoolExecutor
 
     cases = selected(args)
-    log(f"{len(cases)} cases of {len(all_cases())}")
+    log(f"{len(cases)} cases of {len(all_cases(args.set))}")
     answers = []
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torchvision", "distmem"])
@@ -1626,6 +1647,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--merge-to", default=None, metavar="FILE", help="summarize: write every case's latest record "
                     "over the files given (later files win) to FILE")
     ap.add_argument("--summary-out", default=None, metavar="FILE", help="summarize: write the summary to FILE")
+    ap.add_argument("--set", default="scale", choices=SETS, help="the cases: scale (default, 200+) or pairs (the "
+                    "(model, fleet) pairs of bench/plan/fit.py, results fit_h200.json)")
     ap.add_argument("--max-cases", type=int, default=0, help="only the first N cases in running order")
     ap.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose id matches")
     ap.add_argument("--workers", type=int, default=9, help="runs at once on the GPU (default 9)")
@@ -1645,7 +1668,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             _child(json.load(f), a.files[1])
         return 0
     if a.mode == "cases":
-        for c in order_cases(all_cases()):
+        for c in order_cases(all_cases(a.set)):
             print(c.id)
         return 0
     if a.mode == "summarize":
@@ -1655,7 +1678,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             side = _summary_of(p)
             env.update({k: side[k] for k in ("device", "driver", "torch", "cuda") if k in side})
         s = summarize(recs, env=env)
-        ids = {c.id for c in all_cases()}
+        ids = {c.id for c in all_cases(a.set)}
         s.update(seconds=None, budget_s=None, runs=runs, cases_left=len(ids - {r["case"] for r in recs}))
         if a.merge_to:
             with open(a.merge_to + ".tmp", "w") as f:

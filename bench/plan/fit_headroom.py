@@ -1,0 +1,299 @@
+"""The headroom a hard limit needs over a rank's true peak under expandable segments, measured on the GPU.
+
+    PYTHONPATH=. python3 bench/plan/fit_headroom.py run --from bench/results/fit_scale_h200.jsonl \\
+        --budget-s 300 --out $OUT                                                    # on the GPU machine
+    PYTHONPATH=. python3 bench/plan/fit_headroom.py run --cpu --from bench/results/fit_scale_h200.jsonl \\
+        --max-specs 3 --budget-s 300 --out /tmp/fh                                     # CPU: the plumbing
+    PYTHONPATH=. python3 bench/plan/fit_headroom.py summarize $OUT/fit_headroom_h200.jsonl \\
+        --summary-out bench/results/fit_headroom_h200_summary.json
+
+``distmem.fit`` plans a torch rank's hard limit as its estimated allocator peak plus a headroom
+(:data:`distmem.defaults.LIMIT_HEADROOM`), which must cover two things: the estimate's error and what
+the allocator holds above the bytes allocated (rounding, a segment's pages) when the cap is reached.
+The headroom was measured with the default allocator (bench/results/fit_h200.json), whose split
+blocks strand memory; every torch limit ``fit`` plans now assumes expandable segments (init() sets
+them before CUDA starts). This bench measures what the allocator needs then: each rank the fit at
+scale ran (bench/results/fit_scale_h200.jsonl: the chosen layouts, and the rejected ones that trained
+under their share), again in a fresh process with expandable segments, under limits of its own true
+peak (that run's ``peak_allocated``) times 1.00, 1.01, 1.02 and 1.04. The runs are fit_scale's own
+(``fit_scale.gpu_run``: rank 0 of N through the fake process group, sharded layouts sharded,
+pipeline stages alone), packed on the one GPU as fit_scale packs them.
+
+Per rank: the smallest ratio it trained under (``min_ratio``), and what headroom over fit's estimate
+that rank needed (``need = true / estimate x min_ratio - 1``). The rule is read from the ``fit`` half
+(fit_scale.half_of: by model, CRC-32) and checked on the ``held_out`` half. One JSON line at the end:
+the headroom the fit half needs, the held-out ranks it does not cover, beside the headroom in force.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import fit_scale as fs  # noqa: E402 - the bench beside this one: its models, runs and packing
+
+NAME = "fit_headroom_h200"
+RATIOS = (1.00, 1.01, 1.02, 1.04)
+ROLES = ("chosen", "best_rejected", "mb_up")
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[fit-headroom {time.time() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _key(spec: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What makes two runs the same rank: the model and everything of the layout that shapes a step."""
+    return tuple(spec.get(k) for k in ("model", "micro_batch", "accumulation", "precision", "shard", "world",
+                                       "pipeline", "schedule", "recompute", "first_block", "stop_block",
+                                       "in_flight"))
+
+
+def ranks(records: List[Dict[str, Any]], per_model: int = 3) -> List[Dict[str, Any]]:
+    """The ranks to measure: every trained run of :data:`ROLES` with its true peak, one per distinct
+    rank, at most ``per_model`` per model (the tightest first: the largest true peak over its
+    estimate), both halves taking turns so that a budget cut leaves both."""
+    seen, by_model = set(), {}
+    for rec in records:
+        for run in rec.get("runs", []):
+            spec, res, v = run["spec"], run.get("result") or {}, run.get("verdict") or {}
+            if spec["role"] not in ROLES or not v.get("trained") or not res.get("peak_allocated"):
+                continue
+            k = _key(spec)
+            if k in seen:
+                continue
+            seen.add(k)
+            row = {"case": rec["case"], "role": spec["role"], "half": fs.half_of(spec["model"]),
+                   "true_peak": int(res["peak_allocated"]), "estimated_peak": int(spec["estimated_peak"]),
+                   "spec": spec}
+            by_model.setdefault(spec["model"], []).append(row)
+    for rows in by_model.values():
+        rows.sort(key=lambda r: -r["true_peak"] / max(1, r["estimated_peak"]))
+    picked = {m: rows[:per_model] for m, rows in sorted(by_model.items())}
+    halves = {"fit": [], "held_out": []}
+    for m, rows in picked.items():
+        halves[fs.half_of(m)].extend(rows)
+    out: List[Dict[str, Any]] = []
+    for i in range(max(len(h) for h in halves.values())):
+        for h in ("fit", "held_out"):
+            if i < len(halves[h]):
+                out.append(halves[h][i])
+    return out
+
+
+def jobs_of(rows: List[Dict[str, Any]], ratios=RATIOS) -> List[Dict[str, Any]]:
+    """One run per (rank, ratio): 1.02 first, then 1.00 and 1.04 (so that a cut budget still brackets
+    most ranks), the others last."""
+    first = [r for r in (1.02, 1.00, 1.04) if r in ratios]
+    order = first + [r for r in ratios if r not in first]
+    jobs = []
+    for r in order:
+        for i, row in enumerate(rows):
+            spec = dict(row["spec"], role=f"headroom_{r:.2f}", expandable=True,
+                        limit_bytes=int(row["true_peak"] * r) // (2 * fs.MiB) * (2 * fs.MiB) + 2 * fs.MiB)
+            jobs.append({"rank": i, "ratio": r, "spec": spec})
+    return jobs
+
+
+def run(args: argparse.Namespace) -> str:
+    records = fs.read_records(args.from_)
+    rows = ranks(records, args.per_model)[: args.max_specs or None]
+    jobs = jobs_of(rows)
+    log(f"{len(rows)} ranks ({sum(1 for r in rows if r['half'] == 'fit')} fit half), {len(jobs)} runs, "
+        f"budget {args.budget_s:.0f} s")
+    if args.cpu:
+        os.environ[fs.SMOKE_SEQ_ENV] = "16"
+        capacity = 64 * fs.GiB
+        for j in jobs:
+            j["spec"].update(device="cpu", micro_batch=1, steps=1)
+    else:
+        free, _ = fs._gpu_free()
+        capacity = free - int(args.margin_gib * fs.GiB)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.name}.jsonl")
+    tmp = tempfile.mkdtemp(prefix="fit-headroom-")
+    pending = list(jobs)
+    running: Dict[int, Tuple[Dict[str, Any], Any, str, float, int]] = {}
+    used, seq, written = 0, 0, 0
+    deadline = T0 + args.budget_s
+    with open(path, "w") as out:
+        while pending or running:
+            now = time.time()
+            while pending and len(running) < args.workers and now < deadline - args.tail_s:
+                need = fs.job_need(pending[0]["spec"])
+                if used and used + need > capacity:
+                    break
+                job = pending.pop(0)
+                seq += 1
+                res_path = os.path.join(tmp, f"r{seq}.json")
+                proc = fs._Fresh(job["spec"], res_path)
+                running[seq] = (job, proc, res_path, now, need)
+                used += need
+            if not running and (not pending or now >= deadline - args.tail_s):
+                break
+            time.sleep(0.2)
+            for k in list(running):
+                job, proc, res_path, started, need = running[k]
+                late = time.time() - started > args.run_timeout_s
+                if proc.is_alive() and not late:
+                    continue
+                if late and proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+                    result = {"oom": None, "error": f"killed after {args.run_timeout_s:.0f} s"}
+                else:
+                    try:
+                        with open(res_path) as f:
+                            result = json.load(f)
+                    except (OSError, ValueError):
+                        result = {"oom": None, "error": f"the run exited {proc.exitcode} without a result"}
+                del running[k]
+                used -= need
+                row = rows[job["rank"]]
+                line = {"case": row["case"], "role": row["role"], "half": row["half"], "model": row["spec"]["model"],
+                        "rank": job["rank"], "key": list(_key(row["spec"])), "ratio": job["ratio"],
+                        "true_peak": row["true_peak"], "estimated_peak": row["estimated_peak"],
+                        "limit_bytes": job["spec"]["limit_bytes"],
+                        "result": {k2: result.get(k2) for k2 in ("oom", "error", "peak_allocated", "peak_reserved",
+                                                                 "alloc_retries", "expandable_effective", "cap_bytes",
+                                                                 "physical_oom", "seconds", "torch")}}
+                out.write(json.dumps(line) + "\n")
+                out.flush()
+                written += 1
+                r = line["result"]
+                log(f"{row['case'][:60]} {row['role']} x{job['ratio']:.2f}: "
+                    + ("OOM" if r["oom"] else ("error " + str(r["error"])[:120]) if r["oom"] is None else "trained")
+                    + f" ({written}/{len(jobs)})")
+    log(f"{written} runs of {len(jobs)} in {time.time() - T0:.0f} s -> {path}")
+    summary = summarize(read(path), seconds=time.time() - T0, budget_s=args.budget_s)
+    with open(os.path.join(args.out, f"{args.name}_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(line_of(summary)))
+    return path
+
+
+def read(path: str) -> List[Dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def _up(x: float, step: float = 0.005) -> float:
+    import math
+
+    return round(math.ceil(x / step - 1e-9) * step, 4)
+
+
+def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
+              budget_s: Optional[float] = None) -> Dict[str, Any]:
+    """Per rank the smallest ratio it trained under (a ratio counts only when every larger ratio
+    measured trained too) and the headroom over fit's estimate it needed; the rule from the fit
+    half, checked on the held-out half."""
+    from distmem import defaults
+
+    per: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    for ln in lines:
+        k = tuple(ln["key"])
+        p = per.setdefault(k, {"case": ln["case"], "role": ln["role"], "half": ln["half"], "model": ln["model"],
+                               "true_peak": ln["true_peak"], "estimated_peak": ln["estimated_peak"], "runs": {}})
+        r = ln["result"]
+        p["runs"][ln["ratio"]] = ("trained" if r.get("oom") is False else "oom" if r.get("oom") else "error")
+    rows = []
+    for p in per.values():
+        runs = p["runs"]
+        measured = sorted(x for x, v in runs.items() if v != "error")
+        if not measured:
+            continue
+        min_ratio = None
+        for x in reversed(measured):  # the smallest ratio with every larger one trained
+            if runs[x] != "trained":
+                break
+            min_ratio = x
+        truth_over_est = p["true_peak"] / max(1, p["estimated_peak"])
+        need = None if min_ratio is None else truth_over_est * min_ratio - 1
+        rows.append(dict(p, runs={f"{x:.2f}": v for x, v in sorted(runs.items())}, min_ratio=min_ratio,
+                         truth_over_estimate=round(truth_over_est, 4),
+                         need=None if need is None else round(need, 4),
+                         none_trained=min_ratio is None))
+
+    def half(h: str) -> Dict[str, Any]:
+        hr = [r for r in rows if r["half"] == h]
+        mins = [r["min_ratio"] for r in hr if r["min_ratio"] is not None]
+        needs = [r["need"] for r in hr if r["need"] is not None]
+        return {"ranks": len(hr), "trained_at_1.00": sum(1 for r in hr if r["runs"].get("1.00") == "trained"),
+                "none_trained": [r["case"] + " " + r["role"] for r in hr if r["none_trained"]],
+                "min_ratio_max": max(mins) if mins else None,
+                "allocator_slack_max": round(max(mins) - 1, 4) if mins else None,
+                "need_max": max(needs) if needs else None,
+                "truth_over_estimate_max": max((r["truth_over_estimate"] for r in hr), default=None)}
+
+    fit, held = half("fit"), half("held_out")
+    rule = None
+    if fit["need_max"] is not None:
+        rule = _up(max(fit["need_max"], 0.0) + 0.005)  # half a point over the worst need, to the half point
+    held_rows = [r for r in rows if r["half"] == "held_out" and r["need"] is not None]
+    uncovered = [f"{r['case']} {r['role']}: needs {r['need']:+.2%}" for r in held_rows if rule is not None
+                 and r["need"] > rule]
+    return {"bench": "fit_headroom", "ratios": list(RATIOS), "ranks": len(rows), "runs": len(lines),
+            "fit": fit, "held_out": held, "headroom_in_force": defaults.LIMIT_HEADROOM,
+            "headroom_from_fit_half": rule,
+            "held_out_covered": f"{len(held_rows) - len(uncovered)}/{len(held_rows)}",
+            "held_out_uncovered": uncovered, "seconds": None if seconds is None else round(seconds, 1),
+            "budget_s": budget_s, "rows": sorted(rows, key=lambda r: (r["half"], r["case"], r["role"]))}
+
+
+def line_of(s: Dict[str, Any]) -> Dict[str, Any]:
+    """The one JSON line: the headroom the fit half needs under expandable segments, the one in force
+    (the peer: measured with the default allocator), their ratio, the held-out coverage."""
+    fig = s["headroom_from_fit_half"]
+    peer = s["headroom_in_force"]
+    return {"bench": "fit_headroom", "figure": {"headroom_from_fit_half": fig,
+                                                "held_out_covered": s["held_out_covered"]},
+            "peer": {"headroom_in_force": peer}, "ratio": None if not fig or not peer else round(fig / peer, 3)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=["run", "summarize"])
+    ap.add_argument("files", nargs="*", help="summarize: the .jsonl files")
+    ap.add_argument("--from", dest="from_", default=os.path.join(ROOT, "bench", "results", "fit_scale_h200.jsonl"),
+                    help="the fit at scale's records whose ranks to measure (default the committed ones)")
+    ap.add_argument("--budget-s", type=float, default=None, help="run: device seconds for the whole run (required)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT)")
+    ap.add_argument("--name", default=NAME)
+    ap.add_argument("--per-model", type=int, default=3, help="ranks per model at most (default 3)")
+    ap.add_argument("--max-specs", type=int, default=0, help="only the first N ranks")
+    ap.add_argument("--workers", type=int, default=10)
+    ap.add_argument("--margin-gib", type=float, default=6.0)
+    ap.add_argument("--run-timeout-s", type=float, default=150.0)
+    ap.add_argument("--tail-s", type=float, default=30.0)
+    ap.add_argument("--summary-out", default=None)
+    ap.add_argument("--cpu", action="store_true", help="run: the plumbing on CPU (micro-batch 1, one step)")
+    a = ap.parse_args(argv)
+    if a.mode == "summarize":
+        lines = [x for p in a.files for x in read(p)]
+        s = summarize(lines)
+        if a.summary_out:
+            with open(a.summary_out, "w") as f:
+                json.dump(s, f, indent=1)
+        print(json.dumps({k: v for k, v in s.items() if k != "rows"}, indent=1))
+        print(json.dumps(line_of(s)))
+        return 0
+    if a.budget_s is None or not a.out:
+        ap.error("run needs --budget-s SECONDS and --out FOLDER (or $OUT)")
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
