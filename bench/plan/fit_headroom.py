@@ -76,7 +76,7 @@ def ranks(records: List[Dict[str, Any]], per_model: int = 3) -> List[Dict[str, A
             seen.add(k)
             row = {"case": rec["case"], "role": spec["role"], "half": fs.half_of(spec["model"]),
                    "true_peak": int(res["peak_allocated"]), "estimated_peak": int(spec["estimated_peak"]),
-                   "spec": spec}
+                   "planned_bytes": int(spec["planned_bytes"]), "spec": spec}
             by_model.setdefault(spec["model"], []).append(row)
     for rows in by_model.values():
         rows.sort(key=lambda r: -r["true_peak"] / max(1, r["estimated_peak"]))
@@ -106,10 +106,44 @@ def jobs_of(rows: List[Dict[str, Any]], ratios=RATIOS) -> List[Dict[str, Any]]:
     return jobs
 
 
+def after(jobs: List[Dict[str, Any]], rows: List[Dict[str, Any]], done: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The jobs an earlier run (its lines ``done``) left that can still move a rank's bracket (the
+    largest ratio it ran out under, the smallest it trained under): first the next ratio up for ranks
+    with no ratio trained, then the smallest ratio for ranks never run below a trained one, then the
+    ratios inside a bracket; a ratio outside its rank's bracket says nothing new and is dropped."""
+    lo: Dict[Tuple[Any, ...], float] = {}
+    hi: Dict[Tuple[Any, ...], float] = {}
+    for d in done:
+        oom = d["result"].get("oom")
+        if oom is None:
+            continue
+        k = tuple(d["key"])
+        if oom:
+            lo[k] = max(lo.get(k, 0.0), d["ratio"])
+        else:
+            hi[k] = min(hi.get(k, 9.0), d["ratio"])
+    ranked = []
+    for j in jobs:
+        k = _key(rows[j["rank"]]["spec"])
+        r, a, b = j["ratio"], lo.get(k), hi.get(k)
+        if (a is not None and r <= a) or (b is not None and r >= b):
+            continue
+        if b is None:
+            ranked.append(((0, r), j))
+        elif a is None:
+            ranked.append(((1, -r), j))  # down from the trained ratio, the nearest first
+        else:
+            ranked.append(((2, r), j))
+    return [j for _, j in sorted(ranked, key=lambda x: x[0])]
+
+
 def run(args: argparse.Namespace) -> str:
     records = fs.read_records(args.from_)
     rows = ranks(records, args.per_model)[: args.max_specs or None]
     jobs = jobs_of(rows)
+    done = read(args.skip_done) if args.skip_done else []
+    if done:
+        jobs = after(jobs, rows, done)
     log(f"{len(rows)} ranks ({sum(1 for r in rows if r['half'] == 'fit')} fit half), {len(jobs)} runs, "
         f"budget {args.budget_s:.0f} s")
     if args.cpu:
@@ -128,6 +162,8 @@ def run(args: argparse.Namespace) -> str:
     used, seq, written = 0, 0, 0
     deadline = T0 + args.budget_s
     with open(path, "w") as out:
+        for d in done:  # the earlier run's lines first, so this file is complete on its own
+            out.write(json.dumps(d) + "\n")
         while pending or running:
             now = time.time()
             while pending and len(running) < args.workers and now < deadline - args.tail_s:
@@ -164,7 +200,7 @@ def run(args: argparse.Namespace) -> str:
                 line = {"case": row["case"], "role": row["role"], "half": row["half"], "model": row["spec"]["model"],
                         "rank": job["rank"], "key": list(_key(row["spec"])), "ratio": job["ratio"],
                         "true_peak": row["true_peak"], "estimated_peak": row["estimated_peak"],
-                        "limit_bytes": job["spec"]["limit_bytes"],
+                        "planned_bytes": row["planned_bytes"], "limit_bytes": job["spec"]["limit_bytes"],
                         "result": {k2: result.get(k2) for k2 in ("oom", "error", "peak_allocated", "peak_reserved",
                                                                  "alloc_retries", "expandable_effective", "cap_bytes",
                                                                  "physical_oom", "seconds", "torch")}}
@@ -199,8 +235,6 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
     """Per rank the smallest ratio it trained under (a ratio counts only when every larger ratio
     measured trained too) and the headroom over fit's estimate it needed; the rule from the fit
     half, checked on the held-out half."""
-    from distmem import defaults
-
     per: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
     for ln in lines:
         k = tuple(ln["key"])
@@ -245,11 +279,21 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
     uncovered = [f"{r['case']} {r['role']}: needs {r['need']:+.2%}" for r in held_rows if rule is not None
                  and r["need"] > rule]
     return {"bench": "fit_headroom", "ratios": list(RATIOS), "ranks": len(rows), "runs": len(lines),
-            "fit": fit, "held_out": held, "headroom_in_force": defaults.LIMIT_HEADROOM,
+            "fit": fit, "held_out": held, "headroom_in_force": in_force(lines),
             "headroom_from_fit_half": rule,
             "held_out_covered": f"{len(held_rows) - len(uncovered)}/{len(held_rows)}",
             "held_out_uncovered": uncovered, "seconds": None if seconds is None else round(seconds, 1),
             "budget_s": budget_s, "rows": sorted(rows, key=lambda r: (r["half"], r["case"], r["role"]))}
+
+
+def in_force(lines: List[Dict[str, Any]]) -> Optional[float]:
+    """The headroom fit applied to these ranks (what the door planned over its estimate, the median:
+    each limit is rounded to whole MiB)."""
+    import statistics
+
+    r = [ln["planned_bytes"] / ln["estimated_peak"] - 1 for ln in lines
+         if ln.get("planned_bytes") and ln.get("estimated_peak") and ln["role"] == "chosen"]
+    return round(statistics.median(r), 3) if r else None
 
 
 def line_of(s: Dict[str, Any]) -> Dict[str, Any]:
@@ -271,6 +315,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="run: device seconds for the whole run (required)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT)")
     ap.add_argument("--name", default=NAME)
+    ap.add_argument("--skip-done", default=None, metavar="FILE", help="run: an earlier run's .jsonl: its runs are "
+                    "kept, the ranks it left unbracketed go first")
     ap.add_argument("--per-model", type=int, default=3, help="ranks per model at most (default 3)")
     ap.add_argument("--max-specs", type=int, default=0, help="only the first N ranks")
     ap.add_argument("--workers", type=int, default=10)
