@@ -459,7 +459,12 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         # the backward's own peak: with accumulation every gradient it has not made yet is alive
         made = int(backward.get("gradients", 0))
         moments.append(moment(backward, "backward", max(0, G - made) if accumulated else 0))
-    elif start_of_backward:
+    if start_of_backward:
+        # the backward's start (every activation kept, no gradient made yet) is a moment of its own
+        # even where the backward's split is priced: at a small batch the whole model's backward
+        # peaks at its end (every gradient made, the activations freed), which the sharded state no
+        # longer makes the rank's peak (hand-written GPT 1B, FSDP2 over 8 at micro-batch 1: 38% under
+        # on the H200 without it, bench/results/fit_h200_pairs.jsonl)
         steady = sum(int(v) for k, v in breakdown.items() if k in ("workspaces", "inputs"))
         # under reshard_after_forward=False the backward starts at the last unit, every unit gathered
         if d.forward_buffers is not None and state.unit_bytes:

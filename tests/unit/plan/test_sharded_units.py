@@ -81,7 +81,7 @@ def test_units_as_users_say_them():
         fsdp_units(model, "DecoderLayer")
 
 
-def _measured(kind, world, mp=False, units=None, root_only=False):
+def _measured(kind, world, mp=False, units=None, root_only=False, batch=BATCH):
     """Rank 0 of ``world``'s peak over three steps, exact (the CPU profiler's memory events)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -101,13 +101,13 @@ def _measured(kind, world, mp=False, units=None, root_only=False):
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+        ids = torch.randint(0, VOCAB, (batch, SEQ))
 
         def steps():
             for _ in range(3):
                 out = model(ids)
                 loss = torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB).float(),
-                                                         torch.zeros(BATCH * SEQ, dtype=torch.long))
+                                                         torch.zeros(batch * SEQ, dtype=torch.long))
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -119,13 +119,13 @@ def _measured(kind, world, mp=False, units=None, root_only=False):
         dist.destroy_process_group()
 
 
-def _planned(kind, world, mp=False, units=None):
+def _planned(kind, world, mp=False, units=None, batch=BATCH):
     with torch.device("meta"):
         model = LM()
-    c = costs_from_model(model, ["float32"], optimizer="adamw", batch_size=BATCH, device="cpu", method="model",
+    c = costs_from_model(model, ["float32"], optimizer="adamw", batch_size=batch, device="cpu", method="model",
                          param_dtype="bfloat16" if mp else None, units=units)["float32"]
     w = sharding_wrapper(kind, world, **(mixed_precision("bfloat16") if mp else {}))
-    peak, parts = c.rank_peak(BATCH, False, w)
+    peak, parts = c.rank_peak(batch, False, w)
     # the plan prices the estimate's high figure: the modelled path's margin of what this rank
     # holds, booked as its own part; the figure beneath it is what rank 0 allocates
     uncertain = sum(v for k, v in parts.items() if k.startswith("estimate uncertainty"))
@@ -141,6 +141,17 @@ def test_rank_zero_of_n_as_measured(kind, world, mp):
     # the decoder's gathered parameters; without the MixedPrecisionPolicy the bf16 step is 2x
     got, want = _planned(kind, world, mp), _measured("fsdp2" if kind == "fsdp2" else kind, world, mp)
     assert abs(got / want - 1) < 0.005, (kind, world, mp, got, want)
+
+
+def test_a_small_batch_peaks_where_the_backward_starts():
+    # at batch 1 this model's activations are less than its gradients, so the whole model's backward
+    # peaks at its end (every gradient made, the activations freed); sharded, the gradients are an
+    # eighth and the rank's peak is the backward's start, every activation kept. The door priced the
+    # end alone: a hand-written GPT 1B under FSDP2 over 8 at micro-batch 1 was planned 38% under what
+    # rank 0 allocated on the H200 (bench/results/fit_h200_pairs.jsonl); here it was 33% under. Still
+    # 3.2% under: the loss's backward temporaries at the backward's start are not priced at batch 1
+    got, want = _planned("fsdp2", 8, batch=1), _measured("fsdp2", 8, batch=1)
+    assert abs(got / want - 1) < 0.05, (got, want)
 
 
 def test_the_root_alone_reduces_at_the_backwards_end():
