@@ -412,7 +412,12 @@ class PlanRequest:
         headroom: Any = defaults.LIMIT_HEADROOM
         if strategy.derives_limits:
             given = getattr(opts, "headroom", None)
-            headroom = given if given is not None else defaults.headroom(framework, enforced=memory != "growth")
+            # a strategy that chooses torch layouts whose limits init() runs with expandable segments
+            # (strategy="auto" unless the user turned them off) plans them with the headroom they need
+            xs = (getattr(opts, "expandable_segments", False) is not False
+                  and settings.torch_expandable_segments(env) is not False)
+            headroom = given if given is not None else defaults.headroom(framework, enforced=memory != "growth",
+                                                                         expandable=xs)
         reserve = defaults.RESERVE if self.reserve is None else self.reserve
         # Checked before the GPUs are looked at, so a laptop refuses what a GPU node would.
         budget = resolve_budget(memory=memory, reserve=reserve, overhead=overhead, foreign=self.foreign,

@@ -283,8 +283,14 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         if s not in SCHEDULES:
             raise ConfigError(f"schedule {s!r} is not one of {', '.join(SCHEDULES)}")
     fw = "torch" if str(framework).lower() in ("torch", "pytorch") else "tensorflow"
-    # the one default every door uses: under memory growth the limit also holds the cache
-    h = defaults.headroom(fw, enforced=memory != "growth") if headroom is None else parse_headroom(headroom)
+    if expandable_segments not in (True, False, "auto", None):
+        raise ConfigError(f"expandable_segments={expandable_segments!r}: use True (the job may run with torch's "
+                          "expandable segments), False (it cannot: limits leave room for the largest block) or 'auto'")
+    expandable = expandable_segments is not False
+    # the one default every door uses: under memory growth the limit also holds the cache; torch's hard
+    # limits with expandable segments (init() sets them for the layout chosen) need less
+    h = (defaults.headroom(fw, enforced=memory != "growth", expandable=expandable) if headroom is None
+         else parse_headroom(headroom))
     budget = resolve_budget(reserve=reserve, foreign=foreign, headroom=h)
     if recompute in ("auto", None):
         rc_choices: List[bool] = [False, True]
@@ -317,10 +323,6 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
             f"every layout has a data-parallel degree in {ok}{detail} and none divides {global_batch_size} into "
             f"whole micro-batches; use a global batch that one of them divides (nearby: "
             f"{', '.join(map(str, near))}), or other --hosts / ranks per host")
-    if expandable_segments not in (True, False, "auto", None):
-        raise ConfigError(f"expandable_segments={expandable_segments!r}: use True (the job may run with torch's "
-                          "expandable segments), False (it cannot: limits leave room for the largest block) or 'auto'")
-    expandable = expandable_segments is not False
     ev = Evaluator(costs, gpus, budget=budget, overhead=overhead, framework=fw, nccl=nccl,
                    nccl_buffsize=nccl_buffsize, wrapper=wrapper, expandable=expandable)
 

@@ -222,3 +222,39 @@ def test_without_them_the_limit_leaves_room_for_the_losss_float32_logits():
     h = res.chosen.heaviest
     logits32 = batch * vocab * 4
     assert h.planned_bytes >= (h.allocator_bytes + logits32) * 1.10 - MiB
+
+
+def test_limits_with_expandable_segments_have_the_headroom_the_h200_measured(monkeypatch):
+    """With expandable segments a torch limit needs the estimate's error plus what the allocator
+    reserves above the bytes allocated when the cap is reached: measured on the H200 over 72 ranks of
+    the fit at scale, each run under 1.00-1.04 x its true peak (bench/results/fit_headroom_h200_summary.json).
+    The headroom is read from the fit half and must cover every held-out rank; without expandable
+    segments (and for any layout a door plans without them) the 10% measured with the default
+    allocator holds, with room for the largest block."""
+    import json
+
+    from distmem import defaults
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    with open(os.path.join(root, "bench", "results", "fit_headroom_h200_summary.json")) as f:
+        s = json.load(f)
+    h = defaults.TORCH_EXPANDABLE_HEADROOM
+    assert s["fit"]["ranks"] >= 20 and not s["fit"]["none_trained"], s["fit"]
+    assert h >= s["fit"]["need_max"], (h, s["fit"])
+    held = [r for r in s["rows"] if r["half"] == "held_out"]
+    assert len(held) >= 20 and all(r["need"] is not None and r["need"] <= h for r in held), \
+        [(r["case"], r["need"]) for r in held if r["need"] is None or r["need"] > h]
+    assert h < defaults.LIMIT_HEADROOM
+
+    model = wide_model()
+    res = distmem.fit(model, gpus="4x4GiB", **JOB)
+    assert res.expandable_segments and res.headroom == h
+    b = res.chosen.heaviest
+    assert abs(b.planned_bytes - b.allocator_bytes * (1 + h)) <= MiB, (b.planned_bytes, b.allocator_bytes)
+    plan = distmem.plan_from_env(strategy="auto", framework="torch", fleet="4x4GiB", model=model, **JOB)
+    assert plan.extras["fit"]["headroom"] == h
+    monkeypatch.setenv("DISTMEM_TORCH_EXPANDABLE_SEGMENTS", "0")
+    distmem.reset()
+    plan = distmem.plan_from_env(strategy="auto", framework="torch", fleet="4x4GiB", model=model, **JOB)
+    assert plan.extras["fit"]["headroom"] == defaults.LIMIT_HEADROOM
+    assert distmem.fit(model, gpus="4x4GiB", expandable_segments=False, **JOB).headroom == defaults.LIMIT_HEADROOM
