@@ -39,7 +39,7 @@ def render_fit(res: Any) -> str:
              f"{plural(res.hosts, 'host', bare=True)} x {res.fleet} = {plural(gpus, 'GPU')}; {res.searched} layouts "
              f"searched, {res.evaluated} priced "
              f"in {res.seconds:.2f} s",
-             f"ranked by {_proxy_line()}; limit = allocator peak x {1 + res.headroom:.2f} (whole MiB)", ""]
+             f"ranked by {_proxy_line()}; limit = allocator peak x {1 + res.headroom:.4g} (whole MiB)", ""]
     idle = getattr(res, "idle_gpus", 0)
     if res.fits:
         lines.append("fits (best first):" if not idle else
