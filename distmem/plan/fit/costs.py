@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ...costs import LayerCost
+from ...costs import EARLIER_BACKWARD, GRADIENT_BEING_MADE, LayerCost
 from ...errors import ConfigError
 from ..partition import backward_transient
 
@@ -26,7 +26,8 @@ def _as_master(parts: Optional[Dict[str, int]], ratio: float) -> Optional[Dict[s
     bytes per master byte)."""
     if parts is None:
         return None
-    state = ("weights", "gradients", "optimizer state", "accumulated gradients", "accumulation transient")
+    state = ("weights", "gradients", "optimizer state", "accumulated gradients", "accumulation transient",
+             GRADIENT_BEING_MADE)
     return {k: (int(round(v / ratio)) if k in state else int(v)) for k, v in parts.items()}
 
 #: A stage's backward holds, beyond what its layers keep, the gradient arriving for its output
@@ -148,8 +149,14 @@ class Costs:
         if ratio != 1.0:
             # this step ran in param_dtype (as FSDP2 computes it); the state it shards is the master dtype's
             parts, backward, forward = (_as_master(x, ratio) for x in (parts, backward, forward))
+        earlier = self.earlier_backward(mb)
+        if earlier and accumulate:
+            earlier = [dict(x, **{"accumulation transient": self.largest_gradient}) for x in earlier]
+        if ratio != 1.0:
+            earlier = [_as_master(x, ratio) for x in earlier]
         peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept,
-                                 backward=backward, forward=forward, kept_at_end=self.kept_at_end(mb))
+                                 backward=backward, forward=forward, kept_at_end=self.kept_at_end(mb),
+                                 earlier=earlier)
         if uncertain:
             extra = int(math.ceil(peak * share))
             out[next(iter(uncertain))] = extra
@@ -163,6 +170,11 @@ class Costs:
 
     def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return None
+
+    def earlier_backward(self, mb: int) -> List[Dict[str, int]]:
+        """Backward moments with fewer gradients made than at its peak, split (see
+        :func:`distmem.estimate.torch.trace.gradient_frontier`); none where unknown."""
+        return []
 
     def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return None
@@ -356,6 +368,10 @@ class EstimateCosts(Costs):
 
     def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return self._phase(mb, "backward")
+
+    def earlier_backward(self, mb: int) -> List[Dict[str, int]]:
+        phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
+        return [dict(v) for k, v in sorted(phases.items()) if k.startswith(EARLIER_BACKWARD)]
 
     def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return self._phase(mb, "forward")
