@@ -9,6 +9,9 @@ their data.
         --door "qwen2_152k,mistral=fsdp2,zero1,zero2"                     # a re-run of some cases, ~2 min
     python3 bench/plan/sharded_door.py --merge $OUT/w/sd2/sharded_door.jsonl \
         --into bench/results/sharded_door_h200.jsonl                      # its lines into the results
+    PYTHONPATH=. python3 bench/plan/sharded_door.py --out $OUT/sd3 --heldout-s 0 --no-data-dependent \
+        --workers 8 --door-workers 10 --budget-s 240                     # every case, each in its own process
+    PYTHONPATH=. python3 bench/plan/sharded_door.py --door-only --door-workers 2 --out /tmp/door  # any machine
 
 Models are built as users build them: Hugging Face decoders from config files (Llama, GPT-2, a
 Qwen2-style 152k vocabulary, Mistral; `config.save_pretrained(DIR)`, the door given `hf:DIR`,
@@ -46,8 +49,13 @@ the estimate left in reference cycles were collected (`gc.collect()`: the first 
 the masked model's reference held the MoE's 0.93 GiB of parameters beside its own step).
 
 `--cases` measures some cases only ("MODELS=MODES[@WORLDS]" groups); `--door` asks the door about
-more cases than those measured (the same groups, or `all`): the cases whose plan the code may now
-answer differently, so that a merge holds the door's current answer beside each measured peak. `--merge NEW
+more cases than those measured (the same groups, or `all`; `none`: measure only): the cases whose
+plan the code may now answer differently, so that a merge holds the door's current answer beside
+each measured peak. `--door-only` asks the door and measures nothing (no GPU needed: the door's
+answer is the dry run's; torch's own version still enters it where the estimator asks the torch
+installed, as for grouped K/V attention). The plan prices the estimate's high figure (its modelled
+bound, a share of the rank's peak, booked as `estimate uncertainty`): each row holds the demand
+(`door`, `error_pct`) and the point figure beneath it (`door_point`, `point_error_pct`). `--merge NEW
 --into RESULTS` puts NEW's lines over RESULTS' (a case's door answer, its measured peak when NEW
 measured it), recomputes the errors and the summary, and says per row which run each figure came
 from (`door_run`, `measured_run`).
@@ -507,9 +515,9 @@ def merge(new_path: str, into: str) -> int:
     dd_rows = list(dd.values())
     for r in dd_rows:
         r["error_pct"] = err(r.get("estimate"), r.get("measured"))
-    head = [dict(r, run=r.get("run", old_run)) for r in old if r.get("case") in ("device", "versions",
-                                                                                  "heldout_measured_path")]
-    head += [dict(r, run=new_run) for r in new if r.get("case") in ("device", "versions", "heldout_measured_path")]
+    kinds = ("device", "door_host", "versions", "heldout_measured_path")
+    head = [dict(r, run=r.get("run", old_run)) for r in old if r.get("case") in kinds]
+    head += [dict(r, run=new_run) for r in new if r.get("case") in kinds]
     dev = next((r.get("device") for r in reversed(head) if r.get("case") == "device"), "?")
     summary = summarize(rows, dd_rows, dev, False, sum(float(r.get("seconds") or 0) for r in (*old, *new)
                                                          if r.get("case") == "summary"))
