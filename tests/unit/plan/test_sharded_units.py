@@ -217,3 +217,41 @@ def test_the_layers_win_over_the_identical_projections_inside_one():
             super().__init__()
             self.layers = nn.ModuleList(Layer() for _ in range(2))
     assert fsdp_units(Two()).describe() == "2 x Layer; root: nothing of its own"
+
+
+def _measured_accumulated(micro):
+    """One replica's peak over three optimizer steps of ``micro`` micro-steps each (CPU profiler)."""
+    from distmem.estimate.measure.torch_steps import _cpu_peak
+
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+
+    def steps():
+        for _ in range(3):
+            for _ in range(micro):
+                out = model(ids)
+                loss = torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB).float(),
+                                                         torch.zeros(BATCH * SEQ, dtype=torch.long))
+                loss.backward()
+                del out, loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + ids.numel() * ids.element_size()
+    return held + _cpu_peak(steps)
+
+
+def test_a_later_micro_step_holds_the_gradient_being_made_not_the_largest_twice():
+    # the LM's peak is at its logits, before any weight gradient is made: a later micro-step holds
+    # every accumulated gradient beside it, and no gradient is being added in there (the largest,
+    # the head's, is made after)
+    with torch.device("meta"):
+        model = LM()
+    c = costs_from_model(model, ["float32"], optimizer="adamw", batch_size=BATCH, device="cpu",
+                         method="model")["float32"]
+    peak, parts = c.whole_peak(BATCH, True)
+    got = peak - sum(v for k, v in parts.items() if k.startswith("estimate uncertainty"))
+    want = _measured_accumulated(2)
+    assert abs(got / want - 1) < 0.005, (got, want, parts)
+    assert parts["accumulated gradients"] == c.est.grad_bytes
