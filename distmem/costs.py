@@ -4,7 +4,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Sequence
 
-__all__ = ["LayerCost", "total_state", "total_activations"]
+__all__ = ["LayerCost", "total_state", "total_activations", "EARLIER_BACKWARD", "GRADIENT_BEING_MADE"]
+
+#: How an estimate's ``phase_breakdown`` names the backward moments it records beside the
+#: backward's peak (numbered from 1, fewest gradients made first): moments with fewer gradients
+#: made, where a rank keeping only a share of each gradient (ZeRO-2, FSDP2) may peak instead.
+EARLIER_BACKWARD = "backward, fewer gradients made "
+#: In those moments' splits, the newest gradient (the one made last, its accumulation not yet
+#: done: a rank keeping a share of each gradient still holds it whole); ``gradients`` the rest.
+GRADIENT_BEING_MADE = "gradient being made"
 
 
 @dataclass(frozen=True)

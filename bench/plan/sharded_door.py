@@ -9,6 +9,9 @@ their data.
         --door "qwen2_152k,mistral=fsdp2,zero1,zero2"                     # a re-run of some cases, ~2 min
     python3 bench/plan/sharded_door.py --merge $OUT/w/sd2/sharded_door.jsonl \
         --into bench/results/sharded_door_h200.jsonl                      # its lines into the results
+    PYTHONPATH=. python3 bench/plan/sharded_door.py --out $OUT/sd3 --heldout-s 0 --no-data-dependent \
+        --workers 8 --door-workers 10 --budget-s 240                     # every case, each in its own process
+    PYTHONPATH=. python3 bench/plan/sharded_door.py --door-only --door-workers 2 --out /tmp/door  # any machine
 
 Models are built as users build them: Hugging Face decoders from config files (Llama, GPT-2, a
 Qwen2-style 152k vocabulary, Mistral; `config.save_pretrained(DIR)`, the door given `hf:DIR`,
@@ -46,8 +49,13 @@ the estimate left in reference cycles were collected (`gc.collect()`: the first 
 the masked model's reference held the MoE's 0.93 GiB of parameters beside its own step).
 
 `--cases` measures some cases only ("MODELS=MODES[@WORLDS]" groups); `--door` asks the door about
-more cases than those measured (the same groups, or `all`): the cases whose plan the code may now
-answer differently, so that a merge holds the door's current answer beside each measured peak. `--merge NEW
+more cases than those measured (the same groups, or `all`; `none`: measure only): the cases whose
+plan the code may now answer differently, so that a merge holds the door's current answer beside
+each measured peak. `--door-only` asks the door and measures nothing (no GPU needed: the door's
+answer is the dry run's; torch's own version still enters it where the estimator asks the torch
+installed, as for grouped K/V attention). The plan prices the estimate's high figure (its modelled
+bound, a share of the rank's peak, booked as `estimate uncertainty`): each row holds the demand
+(`door`, `error_pct`) and the point figure beneath it (`door_point`, `point_error_pct`). `--merge NEW
 --into RESULTS` puts NEW's lines over RESULTS' (a case's door answer, its measured peak when NEW
 measured it), recomputes the errors and the summary, and says per row which run each figure came
 from (`door_run`, `measured_run`).
@@ -203,7 +211,10 @@ def ask_door(case: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     plan = json.loads(done.stdout)
     a0 = next(a for a in plan["allocations"] if a["rank"] == 0)
     sh = plan.get("extras", {}).get("sharded", {})
-    return {"door": int(a0["demand_bytes"]), "door_parts": {k: v for k, v in a0["breakdown"].items()},
+    # the plan prices the estimate's high figure: its point figure is the demand less that part
+    margin = sum(int(v) for k, v in a0["breakdown"].items() if k.startswith("estimate_uncertainty"))
+    return {"door": int(a0["demand_bytes"]), "door_point": int(a0["demand_bytes"]) - margin,
+            "door_parts": {k: v for k, v in a0["breakdown"].items()},
             "door_units": sh.get("units"), "door_seconds": round(time.time() - t, 1)}
 
 
@@ -374,9 +385,20 @@ def err(pred: Optional[int], meas: Optional[int]) -> Optional[float]:
 
 
 #: a case's fields that come from the door, and from the measured side
-DOOR_FIELDS = ("door", "door_parts", "door_units", "door_seconds", "door_error", "command")
+DOOR_FIELDS = ("door", "door_point", "door_parts", "door_units", "door_seconds", "door_error", "command")
 MEASURED_FIELDS = ("measured", "measured_reserved", "wrapped", "measure_seconds", "measure_error", "batch",
                    "allocated_at_start")
+
+
+def point_of(r: Dict[str, Any]) -> Optional[int]:
+    """The door's point figure: its demand less the estimate's uncertainty it priced (rows of runs
+    before the plan priced it hold the point figure as their demand)."""
+    if r.get("door_point") is not None:
+        return int(r["door_point"])
+    if not r.get("door"):
+        return None
+    return int(r["door"]) - sum(int(v) for k, v in (r.get("door_parts") or {}).items()
+                                if k.startswith("estimate_uncertainty"))
 
 
 def parse_cases(text: Optional[str], models: List[str], worlds: List[int]) -> List[Tuple[str, str, int]]:
@@ -405,13 +427,21 @@ def parse_cases(text: Optional[str], models: List[str], worlds: List[int]) -> Li
 def summarize(rows: List[Dict[str, Any]], dd_rows: List[Dict[str, Any]], dev: str, dry: bool,
               seconds: float) -> Dict[str, Any]:
     errs = [r["error_pct"] for r in rows if r.get("error_pct") is not None]
+    points = [r["point_error_pct"] for r in rows if r.get("point_error_pct") is not None]
     dd_errs = [r["error_pct"] for r in dd_rows if r.get("error_pct") is not None]
     return {"case": "summary", "device": dev, "dry": dry, "seconds": round(seconds, 1),
             "sharded": {"cases": len(rows), "compared": len(errs),
                         "failures": sum(1 for r in rows if "door_error" in r or "measure_error" in r),
                         "max_abs_pct": max((abs(e) for e in errs), default=None),
                         "worst_under_pct": min(errs, default=None),
-                        "within_3pct_none_under_1pct": sum(1 for e in errs if -1.0 <= e <= 3.0)},
+                        "within_3pct_none_under_1pct": sum(1 for e in errs if -1.0 <= e <= 3.0),
+                        # the plan's demand prices the estimate's high figure (its bound); the point
+                        # figure is the demand less that part (``door_point``)
+                        "point_compared": len(points),
+                        "point_max_abs_pct": max((abs(e) for e in points), default=None),
+                        "point_worst_under_pct": min(points, default=None),
+                        "point_within_3pct_none_under_1pct": sum(1 for e in points if -1.0 <= e <= 3.0),
+                        "demand_under_measured": sum(1 for e in errs if e < 0)},
             "data_dependent": {"cases": len(dd_rows), "errors_pct": dd_errs,
                                "within_5pct": sum(1 for e in dd_errs if abs(e) <= 5.0)}}
 
@@ -428,11 +458,12 @@ def write_results(path: str, head: List[Dict[str, Any]], rows: List[Dict[str, An
 
 
 def print_table(rows: List[Dict[str, Any]], dd_rows: List[Dict[str, Any]], summary: Dict[str, Any]) -> None:
-    print("\nmodel        mode        N    door MiB  measured MiB   error  units (door) | wrapped")
+    print("\nmodel        mode        N    door MiB  measured MiB   error   point  units (door) | wrapped")
     for r in rows:
         d, m = r.get("door"), r.get("measured")
         print(f"{r['model']:<12} {r['mode']:<11} {r['world_size']:<3} {d / MiB if d else float('nan'):>9.1f} "
               f"{m / MiB if m else float('nan'):>12.1f} {r['error_pct'] if r['error_pct'] is not None else '-':>7}"
+              f" {r.get('point_error_pct') if r.get('point_error_pct') is not None else '-':>7}"
               f"  {(r.get('door_units') or r.get('door_error') or '')[:40]} | "
               f"{r.get('wrapped') or r.get('measure_error', '')[:40]}")
     for r in dd_rows:
@@ -478,14 +509,15 @@ def merge(new_path: str, into: str) -> int:
     rows = sorted(merged.values(), key=lambda r: order.get(key(r), len(order)))
     for r in rows:
         r["error_pct"] = err(r.get("door"), r.get("measured"))
+        r["point_error_pct"] = err(point_of(r), r.get("measured"))
     dd = {r["model"]: dict(r, run=r.get("run", old_run)) for r in old if r.get("case") == "data_dependent"}
     dd.update({r["model"]: dict(r, run=new_run) for r in new if r.get("case") == "data_dependent"})
     dd_rows = list(dd.values())
     for r in dd_rows:
         r["error_pct"] = err(r.get("estimate"), r.get("measured"))
-    head = [dict(r, run=r.get("run", old_run)) for r in old if r.get("case") in ("device", "versions",
-                                                                                  "heldout_measured_path")]
-    head += [dict(r, run=new_run) for r in new if r.get("case") in ("device", "versions", "heldout_measured_path")]
+    kinds = ("device", "door_host", "versions", "heldout_measured_path")
+    head = [dict(r, run=r.get("run", old_run)) for r in old if r.get("case") in kinds]
+    head += [dict(r, run=new_run) for r in new if r.get("case") in kinds]
     dev = next((r.get("device") for r in reversed(head) if r.get("case") == "device"), "?")
     summary = summarize(rows, dd_rows, dev, False, sum(float(r.get("seconds") or 0) for r in (*old, *new)
                                                          if r.get("case") == "summary"))
@@ -507,8 +539,8 @@ def main() -> int:
     ap.add_argument("--cases", default=None, help="measure only these: 'MODELS=MODES[@WORLDS] ...' (default: "
                                                   "--models x --modes x --worlds)")
     ap.add_argument("--door", default="cases", help="cases the door is asked about: 'cases' (those measured), "
-                                                    "'all' (--models x --modes x --worlds) or 'MODELS=MODES ...' "
-                                                    "beside the measured ones")
+                                                    "'all' (--models x --modes x --worlds), 'none' or "
+                                                    "'MODELS=MODES ...' beside the measured ones")
     ap.add_argument("--workers", type=int, default=4, help="measuring processes sharing the GPU (one case each)")
     ap.add_argument("--door-workers", type=int, default=max(1, (os.cpu_count() or 2) - 4))
     ap.add_argument("--budget-s", type=float, default=460.0, help="cases not started by then are skipped")
@@ -516,6 +548,9 @@ def main() -> int:
     ap.add_argument("--heldout-s", type=float, default=300.0,
                     help="seconds for the measured path on the held-out torch zoo beside the rest "
                          "(estimate_measured_path.py: distmem.estimate(method='measure') per case; 0: skip)")
+    ap.add_argument("--door-only", action="store_true",
+                    help="ask the door about the cases and measure nothing (any machine: the door's answer is the "
+                         "dry run's); its lines --merge into a results file as door answers")
     ap.add_argument("--merge", default=None, metavar="NEW.jsonl", help="put NEW's lines over --into's and stop")
     ap.add_argument("--into", default=os.path.join(ROOT, "bench", "results", "sharded_door_h200.jsonl"))
     args = ap.parse_args()
@@ -524,8 +559,13 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     out = open(os.path.join(args.out, "sharded_door.jsonl"), "w")
     import torch
-    dev = "cpu" if args.dry else torch.cuda.get_device_name(0)
-    emit({"case": "device", "device": dev, "torch": torch.__version__}, out)
+    if args.door_only:  # no device measured: no "device" line, which a merge would take as the measuring one
+        args.no_data_dependent, args.heldout_s = True, 0.0
+        dev = "none (door only)"
+        emit({"case": "door_host", "torch": torch.__version__, "cuda": torch.cuda.is_available()}, out)
+    else:
+        dev = "cpu" if args.dry else torch.cuda.get_device_name(0)
+        emit({"case": "device", "device": dev, "torch": torch.__version__}, out)
     names = [m for m in (args.models or ("llama,qwen2_152k" if args.dry else ",".join(MODELS))).split(",") if m]
     try:
         import transformers
@@ -537,8 +577,12 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m]
     grid = [(m, mode, n) for m in names for n in worlds for mode in modes]
     to_measure = [c for c in parse_cases(args.cases, names, worlds) if c[0] in names] if args.cases else grid
+    if args.door_only:
+        to_measure, args.door = [], (args.cases or "all")
     if args.door == "cases":
         to_ask = list(to_measure)
+    elif args.door == "none":  # measured only: a merge keeps the door's answers of the results file
+        to_ask = []
     elif args.door == "all":
         to_ask = list(grid)
     else:
@@ -612,6 +656,7 @@ def main() -> int:
             r["command"] = " ".join(x if not x.startswith(ROOT) else os.path.relpath(x, ROOT)
                                     for x in cases[c]["command"][1:])
         r["error_pct"] = err(r.get("door"), r.get("measured"))
+        r["point_error_pct"] = err(point_of(r), r.get("measured"))
         rows.append(r)
         emit(r, out)
     for r in dd_rows:

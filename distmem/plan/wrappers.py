@@ -33,7 +33,12 @@ wrapper shards replaced by the rank's shard, plus the buffers the wrapper holds 
 * ``zero1`` (``torch.distributed.optim.ZeroRedundancyOptimizer``): the optimizer state of the
   parameters this rank owns; torch's partition gives whole tensors, largest first, each to the
   rank with the fewest elements so far, so rank 0 holds the largest tensor's state whatever N is.
-  ``zero2``: the gradients too (DeepSpeed stage 2: each rank keeps its partition's gradients).
+  ``zero2``: the gradients too (DeepSpeed stage 2: each rank keeps its partition's gradients),
+  except the gradient being made, whole until its accumulation ends. A rank keeping a share of
+  each gradient can peak earlier in the backward than one replica does, where fewer gradients are
+  made and more activations still kept (ResNet's last stages make more gradient bytes than they
+  free): the estimator records those moments (the upper hull of gradients made against bytes in
+  use) and each is priced beside the backward's peak.
 * ``horovod``: one fusion buffer of ``HOROVOD_FUSION_THRESHOLD`` bytes (default 128 MiB, 0 disables
   it) per device and NCCL stream (``HOROVOD_NUM_NCCL_STREAMS`` on a GPU), allocated through the
   framework's allocator (TensorFlow's or torch's) the first time several tensors are fused into one
@@ -54,6 +59,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..costs import GRADIENT_BEING_MADE
 from ..errors import ConfigError
 from ..units import MiB, format_bytes
 
@@ -375,7 +381,7 @@ def keep_backward_buffers(state: ModelState, unit: int, pr: float = 1.0, rr: flo
 def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Optional[Wrapper], *,
               activation_bytes: Optional[int] = None, backward: Optional[Mapping[str, int]] = None,
               forward: Optional[Mapping[str, int]] = None, kept_at_end: Optional[int] = None,
-              rank: int = 0) -> Tuple[int, Dict[str, int], WrapperDemand]:
+              earlier: Sequence[Mapping[str, int]] = (), rank: int = 0) -> Tuple[int, Dict[str, int], WrapperDemand]:
     """One rank's peak (bytes) under ``w``, from the peak of the same step without it.
 
     ``breakdown``: that peak split into parts (``weights``, ``gradients``, ``optimizer state``,
@@ -394,7 +400,11 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
     root's reduce-scatter at the backward's end: those of the layers after every unit (made first)
     are whole in every backward moment, and ``kept_at_end`` (what the loop holds beside the state
     when the backward ends: its output and loss, the batch, workspaces) prices that reduce-scatter,
-    every root gradient whole and copied into its input. Under a ``MixedPrecisionPolicy`` the
+    every root gradient whole and copied into its input. ``earlier``: backward moments with fewer
+    gradients made than at the backward's peak (and more in use than the peak less those
+    gradients; ``distmem.costs.GRADIENT_BEING_MADE`` the newest of them, which ZeRO-2 holds whole):
+    a wrapper that keeps a share of each gradient (ZeRO-2, FSDP2) can peak at one of them instead,
+    each priced as a backward moment. Under a ``MixedPrecisionPolicy`` the
     state parts are the master dtype's, the gathered parameters and unsharded gradients
     ``param_dtype``'s. Returns (peak, its parts, the demand)."""
     w = w or Wrapper()
@@ -410,6 +420,8 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         parts = {k: int(v) for k, v in split.items()}
         weights = parts.pop("weights", 0)
         made = parts.pop("gradients", 0)  # this micro-step's gradients made by the moment
+        newest = parts.pop(GRADIENT_BEING_MADE, 0)  # of them, the one made last (where recorded)
+        made += newest
         parts.pop("accumulated gradients", None)
         # a new gradient added into its accumulated one (the largest layer's): on this rank, its shard
         # under FSDP2 (the reduce-scatter's output is accumulated), whole otherwise (ZeRO gives rank 0
@@ -425,6 +437,10 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         whole = 0  # FSDP2: the root head's gradients, made first, unsharded until the backward's end
         if fsdp and at != "update":
             whole = min(made, head_grads)
+        elif w.kind == "zero2" and at != "update":
+            # ZeRO-2: the gradient being made is whole until its accumulation ends (then the rank
+            # keeps its partition's share)
+            whole = newest
         out = {"weights": share(weights, P, d.params),
                "gradients": share(made - whole + accumulated, G, d.grads) + int(whole * w.param_ratio),
                "optimizer state": share(opt, O, d.optimizer)}
@@ -476,6 +492,10 @@ def rank_peak(breakdown: Mapping[str, int], phase: str, state: ModelState, w: Op
         moments.append({"weights": d.params, "gradients": share(accumulated, G, d.grads), "optimizer state": d.optimizer,
                         "activations, temporaries, inputs": int(activation_bytes) + steady,
                         "wrapper buffers": start})
+    if w.kind in ("zero2", "fsdp2"):  # they keep a share of each gradient (ZeRO-1, DDP: every one)
+        for split in earlier:
+            made = int(split.get("gradients", 0)) + int(split.get(GRADIENT_BEING_MADE, 0))
+            moments.append(moment(split, "backward", max(0, G - made) if accumulated else 0))
     if forward is not None and d.forward_buffers is not None:
         fwd_acc = G if accumulated else 0  # a later micro-step's forward: every earlier gradient alive
         moments.append(moment(forward, "forward", fwd_acc))

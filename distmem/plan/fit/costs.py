@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ...costs import LayerCost
+from ...costs import EARLIER_BACKWARD, GRADIENT_BEING_MADE, LayerCost
 from ...errors import ConfigError
 from ..partition import backward_transient
 
@@ -26,7 +26,8 @@ def _as_master(parts: Optional[Dict[str, int]], ratio: float) -> Optional[Dict[s
     bytes per master byte)."""
     if parts is None:
         return None
-    state = ("weights", "gradients", "optimizer state", "accumulated gradients", "accumulation transient")
+    state = ("weights", "gradients", "optimizer state", "accumulated gradients", "accumulation transient",
+             GRADIENT_BEING_MADE)
     return {k: (int(round(v / ratio)) if k in state else int(v)) for k, v in parts.items()}
 
 #: A stage's backward holds, beyond what its layers keep, the gradient arriving for its output
@@ -142,14 +143,23 @@ class Costs:
         share = sum(uncertain.values()) / max(1, sum(parts.values()))
         backward = self.backward_parts(mb)
         forward = self.forward_parts(mb)
-        if backward is not None and accumulate:
+        earlier = self.earlier_backward(mb)
+        _, later = self.accumulated_moments(mb) if accumulate else (None, [])
+        if later:
+            # a later micro-step's backward moments, the gradient being made beside the accumulated ones
+            earlier = later
+            backward = max(later, key=lambda m: sum(m.values()))
+        elif backward is not None and accumulate:
             backward = dict(backward, **{"accumulation transient": self.largest_gradient})
         ratio = float(getattr(wrapper, "param_ratio", 1.0) or 1.0) if getattr(wrapper, "kind", None) == "fsdp2" else 1.0
         if ratio != 1.0:
             # this step ran in param_dtype (as FSDP2 computes it); the state it shards is the master dtype's
             parts, backward, forward = (_as_master(x, ratio) for x in (parts, backward, forward))
+        if ratio != 1.0:
+            earlier = [_as_master(x, ratio) for x in earlier]
         peak, out, _ = rank_peak(parts, phase, self.model_state(), wrapper, activation_bytes=kept,
-                                 backward=backward, forward=forward, kept_at_end=self.kept_at_end(mb))
+                                 backward=backward, forward=forward, kept_at_end=self.kept_at_end(mb),
+                                 earlier=earlier)
         if uncertain:
             extra = int(math.ceil(peak * share))
             out[next(iter(uncertain))] = extra
@@ -163,6 +173,16 @@ class Costs:
 
     def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return None
+
+    def earlier_backward(self, mb: int) -> List[Dict[str, int]]:
+        """Backward moments with fewer gradients made than at its peak, split (see
+        :func:`distmem.estimate.torch.trace.gradient_frontier`); none where unknown."""
+        return []
+
+    def accumulated_moments(self, mb: int) -> Tuple[Optional[Dict[str, int]], List[Dict[str, int]]]:
+        """A later micro-step's forward and backward moments under gradient accumulation (see
+        :meth:`EstimateCosts.accumulated_moments`); (None, []) where unknown."""
+        return None, []
 
     def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return None
@@ -242,7 +262,11 @@ class EstimateCosts(Costs):
         """(peak, its split, its phase) of one micro-step at ``mb``; under gradient accumulation
         (``accumulate``) the micro-step after the first: the gradients of earlier micro-steps are
         alive through its forward and backward, and each parameter's new gradient is added into its
-        accumulated one, so the largest gradient tensor is alive twice for a moment."""
+        accumulated one, so the gradient being made is alive twice for a moment. Where the estimate
+        recorded the backward's moments (:meth:`accumulated_moments`) the largest of them is the
+        micro-step's peak; else the step's own peak with the gradients it had not made and the
+        largest gradient tensor beside it (an upper bound: at a language model's logits, its peak,
+        no gradient is being made, and its largest, the embedding's, is made after)."""
         key = (int(mb), bool(accumulate))
         if key not in self._peaks:
             detail = self.est.peak_detail(int(mb))
@@ -261,6 +285,8 @@ class EstimateCosts(Costs):
             if accumulate:
                 grad_bytes = int(self.est.grad_bytes)
                 transient = self.largest_gradient
+                fwd_acc, bwd_acc = self.accumulated_moments(mb)
+                later = [m for m in [fwd_acc] + bwd_acc if m is not None]
                 if phase == "update":
                     # the update's peak holds them all already: the same bytes, named for what they are
                     moved = min(grad_bytes, int(parts.get("gradients", 0)))
@@ -268,12 +294,23 @@ class EstimateCosts(Costs):
                     parts["accumulated gradients"] = moved
                     # a later micro-step's backward: its own peak, the gradients it has not made, the add
                     bwd = self.backward_parts(mb)
-                    if bwd is not None:
+                    if later:
+                        alt = max(later, key=lambda m: sum(m.values()))
+                        if sum(alt.values()) > peak:
+                            phase = "forward" if alt is fwd_acc else "backward"
+                            peak, parts = sum(alt.values()), alt
+                    elif bwd is not None:
                         alt = dict(bwd)
                         alt["accumulated gradients"] = max(0, grad_bytes - int(alt.get("gradients", 0)))
                         alt["accumulation transient"] = transient
                         if sum(alt.values()) > peak:
                             peak, parts, phase = sum(alt.values()), alt, "backward"
+                elif later:
+                    # the later micro-step's largest moment: the estimate's uncertainty kept beside it
+                    alt = max(later, key=lambda m: sum(m.values()))
+                    phase = "forward" if alt is fwd_acc else "backward"
+                    parts = dict(alt, **{k: v for k, v in parts.items() if k.startswith(UNCERTAINTY)})
+                    peak = sum(parts.values())
                 else:
                     at_peak = int(detail.get("grads_at_peak", parts.get("gradients", 0)))
                     parts["accumulated gradients"] = max(0, grad_bytes - at_peak)
@@ -281,6 +318,32 @@ class EstimateCosts(Costs):
                     peak += parts["accumulated gradients"] + transient
             self._peaks[key] = (peak, parts, phase)
         return self._peaks[key]
+
+    def accumulated_moments(self, mb: int) -> Tuple[Optional[Dict[str, int]], List[Dict[str, int]]]:
+        """A later micro-step's moments under gradient accumulation, each split (``accumulated
+        gradients``: what earlier micro-steps left; ``gradients``: this one's, added into theirs):
+        its forward's peak with every gradient alive, and each backward moment the estimate
+        recorded (:data:`distmem.costs.EARLIER_BACKWARD`) with every gradient alive and the one
+        being made beside them until it is added in (``accumulation transient``: that gradient,
+        not the model's largest: at a language model's logits no gradient is being made). (None,
+        []) where the estimate recorded no backward moments."""
+        earlier = self.earlier_backward(mb)
+        if not earlier:
+            return None, []
+        grads = int(self.est.grad_bytes)
+        fwd = self.forward_parts(mb)
+        if fwd is not None:
+            fwd = dict(fwd)
+            fwd["accumulated gradients"] = max(0, grads - int(fwd.get("gradients", 0)))
+        out = []
+        for split in earlier:
+            m = dict(split)
+            newest = int(m.pop(GRADIENT_BEING_MADE, 0))
+            made = int(m.get("gradients", 0))
+            m["accumulated gradients"] = max(0, grads - made)
+            m["accumulation transient"] = newest
+            out.append(m)
+        return fwd, out
 
     @property
     def largest_gradient(self) -> int:
@@ -356,6 +419,10 @@ class EstimateCosts(Costs):
 
     def backward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return self._phase(mb, "backward")
+
+    def earlier_backward(self, mb: int) -> List[Dict[str, int]]:
+        phases = self.est.phase_breakdown(int(mb)) if hasattr(self.est, "phase_breakdown") else {}
+        return [dict(v) for k, v in sorted(phases.items()) if k.startswith(EARLIER_BACKWARD)]
 
     def forward_parts(self, mb: int) -> Optional[Dict[str, int]]:
         return self._phase(mb, "forward")

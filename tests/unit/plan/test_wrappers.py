@@ -253,3 +253,34 @@ def test_fsdp2_keep_prices_the_forward_end_with_every_unit_and_the_gathers_in_fl
     acc = dict(late, **{"accumulated gradients": 250 * MiB})
     peak2, parts2, _ = rank_peak(acc, "backward", STATE, keep, forward=forward)
     assert parts2["gradients"] == 250 * MiB and peak2 == peak + 250 * MiB
+
+
+def test_zero2_prices_the_backward_moments_with_fewer_gradients_made():
+    """One replica's backward peaks at its end (every gradient made); a rank keeping a share of each
+    gradient (ZeRO-2) can peak earlier, where more activations are kept; ZeRO-1 keeps them all."""
+    from distmem.costs import GRADIENT_BEING_MADE
+    end = {"weights": 1000 * MiB, "gradients": 1000 * MiB, "optimizer state": 2000 * MiB,
+           "activations": 100 * MiB, "workspaces": 8 * MiB}
+    start = {"weights": 1000 * MiB, "gradients": 0, GRADIENT_BEING_MADE: 100 * MiB, "optimizer state": 2000 * MiB,
+             "activations": 900 * MiB, "workspaces": 8 * MiB}
+    for kind in ("zero1", "zero2"):
+        alone, _, d = rank_peak(end, "backward", STATE, Wrapper(kind, 4))
+        peak, parts, _ = rank_peak(end, "backward", STATE, Wrapper(kind, 4), earlier=[start])
+        if kind == "zero1":  # every gradient kept: the moments before the end are smaller
+            assert peak == alone == (1000 + 1000 + 800 + 108) * MiB
+        else:  # rank 0 owns 40% of the parameters; the gradient being made is whole
+            assert alone == (1000 + 400 + 800 + 108) * MiB
+            assert parts["gradients"] == 100 * MiB and parts["activations, temporaries, inputs"] == 908 * MiB
+            assert peak == (1000 + 100 + 800 + 908) * MiB
+
+
+def test_the_gradient_frontier_is_the_upper_hull_between_no_gradient_kept_and_every_one():
+    from distmem.estimate.torch.trace import gradient_frontier
+    # gradients made -> (bytes in use, split); the split is what a moment is priced by
+    pts = {0: 100, 10: 150, 20: 155, 30: 170, 40: 180, 50: 170}
+    levels = {g: (m, {"gradients": g, "rest": m - g}) for g, m in pts.items()}
+    got = [s["gradients"] for s in gradient_frontier(levels)]
+    # 20 lies under the hull and 30 on it, between 10 and 40 (never a rank's only peak); 50 is past
+    # the largest in use (40: every gradient kept); 0 before the largest in use less gradients
+    # (10: none kept)
+    assert got == [10, 40]
