@@ -37,6 +37,7 @@ from .errors import ConfigError
 
 __all__ = ["raw", "timeout", "fleet", "limit", "memory", "overhead", "report_path", "quiet", "plain", "comm",
            "layout_dir", "layout_timeout", "launch_timeout", "flag", "torch_expandable_segments",
+           "torch_expandable_allowed",
            "TORCH_ALLOC_CONF_VARS", "postmortem", "run_dir", "fail_fast", "heartbeat_secret", "positive_seconds",
            "validate", "MEMORY_MODES", "VARIABLES", "MAX_SECONDS"]
 
@@ -113,6 +114,17 @@ def torch_expandable_segments(env: Optional[Mapping[str, str]] = None) -> Option
             if key.strip() == "expandable_segments":
                 return value.strip().lower() in ("true", "1")
     return None
+
+
+def torch_expandable_allowed(value: object, env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the job may run with torch's expandable segments: ``value`` when given (True/False),
+    else (``"auto"``/None) unless the user turned them off (:func:`torch_expandable_segments`): every
+    door reads the same environment, so every door plans the same."""
+    if value in (True, False):
+        return bool(value)
+    if value not in ("auto", None):
+        raise ConfigError(f"expandable_segments={value!r}: use 'auto', True or False")
+    return torch_expandable_segments(env) is not False
 
 
 def timeout(env: Optional[Mapping[str, str]] = None) -> float:

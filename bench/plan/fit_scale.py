@@ -1517,7 +1517,8 @@ def selected(args: argparse.Namespace) -> List[Case]:
     """The cases in running order, those matching ``--only``, the first ``--max-cases``; with
     ``--redo FILE``: FILE's cases that count against the targets (:func:`to_redo`), then the first
     ``--new`` cases FILE does not hold."""
-    cases = [c for c in order_cases(all_cases(getattr(args, "set", "scale"))) if not args.only or re.search(args.only, c.id)]
+    cases = [c for c in order_cases(all_cases(getattr(args, "set", "scale")))
+             if not args.only or re.search(args.only, c.id)]
     if getattr(args, "redo", None):
         earlier = read_records(args.redo)
         again, held = to_redo(earlier), {r["case"] for r in earlier}

@@ -414,8 +414,8 @@ class PlanRequest:
             given = getattr(opts, "headroom", None)
             # a strategy that chooses torch layouts whose limits init() runs with expandable segments
             # (strategy="auto" unless the user turned them off) plans them with the headroom they need
-            xs = (getattr(opts, "expandable_segments", False) is not False
-                  and settings.torch_expandable_segments(env) is not False)
+            xs = (hasattr(opts, "expandable_segments")
+                  and settings.torch_expandable_allowed(opts.expandable_segments, env))
             headroom = given if given is not None else defaults.headroom(framework, enforced=memory != "growth",
                                                                          expandable=xs)
         reserve = defaults.RESERVE if self.reserve is None else self.reserve

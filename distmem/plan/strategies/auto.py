@@ -82,17 +82,6 @@ def _given(budget: Any, what: str) -> Any:
     return f"{fraction * 100:g}%" if fraction else getattr(budget, f"{what}_bytes")
 
 
-def expandable_allowed(value: Any, env: Any) -> bool:
-    """Whether the job may run with torch's expandable segments: ``value`` when given, else unless the
-    user turned them off (``DISTMEM_TORCH_EXPANDABLE_SEGMENTS=0``, ``expandable_segments:False`` in
-    ``PYTORCH_ALLOC_CONF``): every door reads the same environment, so every door plans the same."""
-    if value in (True, False):
-        return value
-    if value not in ("auto", None):
-        raise ConfigError(f"expandable_segments={value!r}: use 'auto', True or False")
-    return settings.torch_expandable_segments(env) is not False
-
-
 def _fit(ctx: "Context", opts: AutoOptions) -> Any:
     from ...estimate import isolated
     from ..fit import fit, fit_without_costs
@@ -114,7 +103,7 @@ def _fit(ctx: "Context", opts: AutoOptions) -> Any:
         rejected=opts.rejected, recompute=opts.recompute, nccl=opts.nccl, nccl_buffsize=opts.nccl_buffsize,
         overhead=ctx.given_overhead, estimate=ctx.estimate_method, shardings=opts.shardings,
         wrapper=plan_wrapper(opts.wrapper, world_size=ctx.topo.size, on_gpu=True, env=ctx.env),
-        expandable_segments=expandable_allowed(opts.expandable_segments, ctx.env))
+        expandable_segments=settings.torch_expandable_allowed(opts.expandable_segments, ctx.env))
     for name in ("schedules", "pipelines", "micro_batches"):
         if getattr(opts, name) is not None:
             args[name] = getattr(opts, name)
