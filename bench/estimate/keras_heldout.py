@@ -79,6 +79,14 @@ def _tensors(tf, v):
     return tf.constant(v)
 
 
+def _tuples(v):
+    if isinstance(v, (list, tuple)):
+        return tuple(_tuples(e) for e in v)
+    if isinstance(v, dict):
+        return {k: _tuples(e) for k, e in v.items()}
+    return v
+
+
 def part_reference(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
     import tensorflow as tf
     model, make = M.build(c)
@@ -94,7 +102,8 @@ def part_reference(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
         peaks.append(int(info("CPU:0")["peak"]))
     # the same batch through model.fit from a tf.data dataset batched as users batch one (no
     # drop_remainder): Keras traces its train function with the batch dimension open there
-    ds = tf.data.Dataset.from_tensors((x, y)).unbatch().batch(c["batch"]).repeat()
+    # (lists as tuples: tf.data stacks a list into one tensor)
+    ds = tf.data.Dataset.from_tensors(_tuples((x, y))).unbatch().batch(c["batch"]).repeat()
     fitted: List[int] = []
 
     class Peaks(tf.keras.callbacks.Callback):

@@ -175,6 +175,16 @@ def _compiled(model) -> bool:
     return bool(compiled)
 
 
+def _tuples(v):
+    """``v`` with its lists made tuples: ``tf.data`` stacks a list into one tensor, Keras reads a
+    tuple as the structure it is (several inputs, several outputs)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_tuples(e) for e in v)
+    if isinstance(v, dict):
+        return {k: _tuples(e) for k, e in v.items()}
+    return v
+
+
 class _OwnTraining:
     """A compiled model's own training, as Keras builds it (its ``make_train_function``: the compiled
     loss, metrics, ``add_loss`` terms, a ``train_step`` of its own, the ``jit_compile`` and
@@ -203,7 +213,7 @@ class _OwnTraining:
         x = xs[0] if len(xs) == 1 else tuple(xs)
         if getattr(self.model, "loss", None) is None:
             return (x,)  # the model's own losses only (add_loss)
-        return (x, self.tf.nest.pack_sequence_as(self.structure, list(ys)))
+        return (x, _tuples(self.tf.nest.pack_sequence_as(self.structure, list(ys))))
 
     def steps(self, xs, ys, n, dev, other) -> List[int]:
         tf, model = self.tf, self.model
