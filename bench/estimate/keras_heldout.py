@@ -5,9 +5,14 @@ Per case, each part in a fresh process (one JSON line per part, appended to ``--
 done, so a long run resumes where it stopped):
 
 * ``reference``: the model compiled as its task compiles it, ``model.train_on_batch`` at the
-  target batch for ``--steps`` steps (default 6) on TensorFlow's BFC CPU allocator (as distmem's
-  TensorFlow adapter sets it up), ``get_memory_info('CPU:0')['peak']`` of each; the worst is the
-  reference. Six, not three: a step's peak moves between modes with the executor's order (the fit
+  target batch for ``--steps`` steps (default 6), then ``model.fit`` on the same batch from a
+  ``tf.data`` dataset batched without ``drop_remainder`` for as many, on TensorFlow's BFC CPU
+  allocator (as distmem's TensorFlow adapter sets it up), ``get_memory_info('CPU:0')['peak']`` of
+  each step; the worst is the reference (``reference_static`` / ``reference_open``: each trace's).
+  Both, because Keras traces the train function with the batch dimension known in the first
+  (``train_on_batch``, ``fit`` on arrays the batch divides) and open in the second (a batched
+  dataset, arrays with a partial last batch), and TensorFlow plans the two differently (recurrent
+  layers: 30-45% more open); a limit must hold whichever the job's input makes. Six, not three: a step's peak moves between modes with the executor's order (the fit
   half's Conv2DTranspose autoencoder on TF 2.21: 30.7 and 38.8 MB steps in one process), and a
   reference that misses the high one under-states what a limit must hold.
 * ``default``: ``distmem.estimate(model, batch, optimizer, device="cpu")``, the default path
@@ -74,6 +79,14 @@ def _tensors(tf, v):
     return tf.constant(v)
 
 
+def _tuples(v):
+    if isinstance(v, (list, tuple)):
+        return tuple(_tuples(e) for e in v)
+    if isinstance(v, dict):
+        return {k: _tuples(e) for k, e in v.items()}
+    return v
+
+
 def part_reference(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
     import tensorflow as tf
     model, make = M.build(c)
@@ -87,7 +100,21 @@ def part_reference(c: Dict[str, Any], steps: int) -> Dict[str, Any]:
         model.train_on_batch(x, y)
         seconds.append(round(time.time() - t, 3))
         peaks.append(int(info("CPU:0")["peak"]))
-    return {"reference": max(peaks), "steps": peaks, "step_seconds": seconds,
+    # the same batch through model.fit from a tf.data dataset batched as users batch one (no
+    # drop_remainder): Keras traces its train function with the batch dimension open there
+    # (lists as tuples: tf.data stacks a list into one tensor)
+    ds = tf.data.Dataset.from_tensors(_tuples((x, y))).unbatch().batch(c["batch"]).repeat()
+    fitted: List[int] = []
+
+    class Peaks(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, b, logs=None):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+
+        def on_train_batch_end(self, b, logs=None):
+            fitted.append(int(info("CPU:0")["peak"]))
+    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Peaks()])
+    return {"reference": max(peaks + fitted), "steps": peaks + fitted, "static_steps": peaks, "open_steps": fitted,
+            "reference_static": max(peaks), "reference_open": max(fitted), "step_seconds": seconds,
             "params": int(model.count_params())}
 
 

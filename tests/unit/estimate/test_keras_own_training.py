@@ -1,0 +1,122 @@
+"""The measured Keras path runs what the user's compiled model runs: Keras's own train function, in
+both the traces a job's training makes of it — ``train_on_batch`` (the batch dimension known when
+traced) and ``fit`` on a ``tf.data`` dataset batched without ``drop_remainder`` (the batch dimension
+open) — not a step function of distmem's own traced with the batch open, which only the second
+runs. Each trace's worst step is checked against the same trace run by a user in a fresh process
+(TensorFlow's BFC CPU allocator, as distmem's TensorFlow adapter sets it up); a recurrent tagger
+plans the two 30-45% apart."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+TAGGER = textwrap.dedent("""
+    import tensorflow as tf
+    K, L = tf.keras, tf.keras.layers
+    def build():
+        inp = K.Input((80,), dtype="int32")
+        h = L.Embedding(8000, 96, mask_zero=True)(inp)
+        h = L.Bidirectional(L.GRU(96, return_sequences=True))(h)
+        h = L.Bidirectional(L.GRU(48, return_sequences=True))(h)
+        m = K.Model(inp, L.Dense(20)(h))
+        m.compile(K.optimizers.RMSprop(1e-3), K.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+""")
+
+#: a user's six train_on_batch steps, then six steps of fit on a batched dataset, in a fresh process;
+#: prints [worst static, worst open] (the estimate runs the same steps on labels of its own making)
+USER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, tensorflow as tf
+    sys.path.insert(0, sys.argv[1])
+    from tagger_own_training import build
+    m, b = build(), 16
+    info = tf.config.experimental.get_memory_info
+    x = tf.constant(np.random.default_rng(0).integers(1, 8000, (b, 80)).astype("int32"))
+    y = tf.constant(np.random.default_rng(1).integers(0, 20, (b, 80)))
+    static, opened = [], []
+    for _ in range(6):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        m.train_on_batch(x, y)
+        static.append(info("CPU:0")["peak"])
+    class Peaks(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, i, logs=None):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        def on_train_batch_end(self, i, logs=None):
+            opened.append(info("CPU:0")["peak"])
+    ds = tf.data.Dataset.from_tensors((x, y)).unbatch().batch(b).repeat()
+    m.fit(ds, epochs=1, steps_per_epoch=6, verbose=0, callbacks=[Peaks()])
+    print(json.dumps([max(static), max(opened)]))
+""")
+
+MEASURE = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from tagger_own_training import build
+    from distmem.estimate.measure.keras_steps import keras_step_peaks
+    m = build()
+    got = keras_step_peaks(m, [16], "rmsprop", steps=6)
+    steps = got["steps"][16]
+    print(json.dumps({"static": max(steps[:6]), "open": max(steps[6:] or [0]), "n": len(steps), "peak": got["peaks"][16],
+                      "loss": got["loss"], "train_function": m.train_function is None}))
+""")
+
+
+def _env(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true", DISTMEM_MEASURE_CACHE="off")
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def _fresh(tmp_path, name, code):
+    (tmp_path / "tagger_own_training.py").write_text(TAGGER)
+    (tmp_path / name).write_text(code)
+    done = subprocess.run([sys.executable, str(tmp_path / name), str(tmp_path)], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_each_trace_the_job_makes_is_measured_as_the_job_runs_it(tmp_path):
+    static, opened = _fresh(tmp_path, "user_steps.py", USER)
+    got = _fresh(tmp_path, "measure_steps.py", MEASURE)
+    # the two traces are planned apart (the bug measured only the open one, by a step of its own)
+    assert opened > 1.2 * static, (static, opened)
+    assert 0.85 <= got["static"] / static <= 1.15, (got["static"], static)
+    assert 0.85 <= got["open"] / opened <= 1.15, (got["open"], opened)
+    assert got["n"] == 12 and got["loss"] == "compiled" and got["peak"] == max(got["static"], got["open"])
+    assert got["train_function"], "the model's own train function (none built yet) was not put back"
+
+
+def test_a_step_that_needs_its_batch_known_is_measured_as_train_on_batch_runs_it(monkeypatch):
+    """A step that reshapes by the static batch size traces only with the batch dimension known: the
+    job trains it by train_on_batch (or a dataset batched with drop_remainder), and so is it
+    measured, saying that the open trace failed."""
+    from distmem.estimate.measure.keras_steps import keras_step_peaks
+    monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
+    K, L = tf.keras, tf.keras.layers
+
+    class Flat(L.Layer):
+        def call(self, x):
+            return tf.reshape(x, (x.shape[0], -1))
+    class Net(K.Model):
+        def __init__(self):
+            super().__init__()
+            self.c, self.f, self.d = L.Conv2D(8, 3, padding="same"), Flat(), L.Dense(4)
+
+        def call(self, x, training=False):
+            return self.d(self.f(self.c(x)))
+    model = Net()
+    model(tf.zeros((2, 8, 8, 3)))
+    model.compile("sgd", "mse")
+    model.train_on_batch(tf.zeros((4, 8, 8, 3)), tf.zeros((4, 4)))  # the job's own step runs
+    got = keras_step_peaks(model, [4], "sgd", steps=2, input_shape=(8, 8, 3))
+    assert got["peaks"][4] > 0 and got["loss"].startswith("compiled")
+    assert "batch dimension known only" in got["loss"], got["loss"]
