@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..observe.oom_record import OOM_FOLDER
 from ..plan.from_report import read_oom_records_noted, read_report_file
 from ..report.postmortem import postmortem, render_text
+from ..report.sinks.png import plot_format
 from ..units import GiB, MiB
 
 __all__ = ["add_arguments", "run", "plot"]
@@ -22,12 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the run folder (DISTMEM_RUN_DIR; default the report's folder, else runs/last): its oom/ "
                         "holds one record per rank that ran out")
     p.add_argument("--json", action="store_true", help="the page as JSON")
-    p.add_argument("--plot", metavar="PNG", help="draw each rank that ran out: held, free in its pool, asked for, "
-                                                  "others on its GPU, against its planned limit")
+    p.add_argument("--plot", metavar="PICTURE", help="draw each rank that ran out: held, free in its pool, asked for, "
+                                                      "others on its GPU, against its planned limit (the extension "
+                                                      "names the format: .png, .svg, .pdf, ...)")
 
 
 def plot(page: Dict[str, Any], path: str) -> str:
-    """A PNG of the page: one bar per rank that ran out (allocated, free in the pool, the request,
+    """A picture of the page, in the format ``path``'s extension names (:func:`plot_format`): one bar per rank that ran out (allocated, free in the pool, the request,
     other processes' bytes), beside it what its whole step needed, its planned limit and its peers'
     median, the causes written on it."""
     try:
@@ -39,6 +41,7 @@ def plot(page: Dict[str, Any], path: str) -> str:
         raise ConfigError(f"--plot needs matplotlib ({exc}); pip install matplotlib, or drop --plot") from None
     from ..report.sinks.files import atomic_file
 
+    fmt = plot_format(path, "--plot")
     entries = page["entries"]
     top = max([1] + [max((e.get("reserved_bytes") or 0), (e.get("needed_bytes") or 0), e.get("limit_bytes") or 0,
                          e.get("step_need_bytes") or 0)
@@ -79,8 +82,8 @@ def plot(page: Dict[str, Any], path: str) -> str:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.4 / max(len(entries), 1)), fontsize=7, ncol=4,
               frameon=False)
     fig.tight_layout()
-    with atomic_file(path, ".png") as f:
-        fig.savefig(f, format="png", dpi=110)
+    with atomic_file(path, "." + fmt) as f:
+        fig.savefig(f, format=fmt, dpi=110)
     plt.close(fig)
     return path
 
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         from .checks import output_file
 
         output_file(args.plot, "--plot")  # before the work it follows
+        plot_format(args.plot, "--plot")  # the extension names the format: refused before the work
     records, ignored = read_oom_records_noted(run_dir)
     for line in ignored[:8]:  # what was not taken as this user's records, and why
         print(f"distmem postmortem: left out {line}", file=sys.stderr)

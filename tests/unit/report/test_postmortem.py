@@ -337,6 +337,22 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert main(["postmortem", str(tmp_path / "nothing")]) == 1
 
 
+def test_cli_plot_writes_the_format_its_name_says(tmp_path, capsys):
+    """``--plot pm.svg`` is an SVG (it was PNG bytes under any name), and a name no picture format
+    has is refused before the work, naming the formats."""
+    pytest.importorskip("matplotlib")
+    from distmem.cli import main
+
+    oom_record.write_record(rec(rank=2, allocated_bytes=19 * GiB), str(tmp_path))
+    assert main(["postmortem", str(tmp_path), "--plot", str(tmp_path / "pm.svg")]) == 0
+    head = (tmp_path / "pm.svg").read_bytes()[:400]
+    assert b"<svg" in head and not head.startswith(b"\x89PNG"), head[:40]
+    capsys.readouterr()
+    assert main(["postmortem", str(tmp_path), "--plot", str(tmp_path / "pm.txt")]) != 0
+    err = capsys.readouterr().err
+    assert "pm.txt" in err and ".png" in err and not (tmp_path / "pm.txt").exists()
+
+
 def test_an_oom_inside_the_guard_writes_its_record(hooks):
     from distmem.guard.protocol import attempt
 
