@@ -153,10 +153,10 @@ def run(args: argparse.Namespace) -> int:
     say_back()  # sizes read in decimal units, before the result
     if args.json:
         print(json.dumps(est.to_dict(per_layer=args.per_layer), indent=2))
-    else:
+        for w_ in est.warnings:  # the JSON holds them too; a reader of the terminal sees them here
+            print(f"warning: {w_}", file=sys.stderr)
+    else:  # the table ends with its warnings: once
         print(render_table(est, per_layer=args.per_layer))
-    for w_ in est.warnings:
-        print(f"warning: {w_}", file=sys.stderr)
     return 0
 
 

@@ -122,3 +122,19 @@ def test_distmem_warnings_are_one_line_without_source_lines():
     lines = [ln for ln in got.stderr.splitlines() if "distmem.estimate" in ln]
     assert lines and all(ln.startswith("warning: distmem.estimate: not measured") for ln in lines), got.stderr
     assert "UserWarning" not in got.stderr and "warnings.warn(" not in got.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed")
+def test_estimate_says_each_warning_once():
+    """The table ends with the estimate's warnings; each was printed a second time on stderr. Once in
+    the table; with --json (warnings in the JSON), once on stderr for the terminal."""
+    args = ["-m", "distmem", "estimate", "--model", "torchvision:resnet18", "--batch-size", "2",
+            "--input-shape", "3,32,32"]
+    env = {"CUDA_VISIBLE_DEVICES": "", "DISTMEM_MEASURE_CACHE": "off"}
+    text = run(args, env=env)
+    assert text.returncode == 0, text.stderr
+    said = (text.stdout + text.stderr).count("not measured (")
+    assert said == 1, (text.stdout, text.stderr)
+    js = run(args + ["--json"], env=env)
+    assert js.returncode == 0, js.stderr
+    assert js.stderr.count("not measured (") == 1 and json.loads(js.stdout)["warnings"], js.stderr
