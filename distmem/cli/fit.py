@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", default=None, help="micro-batch sizes to allow, e.g. 8,16 (default: all)")
     p.add_argument("--ranks-per-gpu", default="1,2", help="ranks sharing one GPU to try (default 1,2)")
     p.add_argument("--shardings", default="auto", metavar="LIST",
-                   help="sharded data parallel to try beside replicated state: auto (zero1,zero2,fsdp2,"
-                        "fsdp2_keep), none, or a comma list of them (default auto)")
+                   help="sharded data parallel to try beside replicated state, torch models only: auto "
+                        "(zero1,zero2,fsdp2,fsdp2_keep; none for a Keras model), none, or a comma list of them "
+                        "(default auto)")
     p.add_argument("--units", default=None, metavar="CLASS,...|PATH,...",
                    help="FSDP2 units as fully_shard is applied: module class names (LlamaDecoderLayer) or module paths "
                         "(model.layers.0); 'root' for none (default: the model's repeated block)")
@@ -142,7 +143,10 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
         opts["units"] = args.units
     from ..plan.fit.solve import shard_choices
 
-    shard_choices(args.shardings)  # a bad name refused before any model is loaded
+    from ..estimate.loader import spec_framework
+
+    # a bad name refused before any model is loaded (a keras: spec's shardings too)
+    shard_choices(args.shardings, spec_framework(args.model or "") or "torch")
     _check_pipelines(args, opts["pipelines"], opts["ranks_per_gpu"] or [1, 2])
     if args.layers:
         from ..plan.strategies.text import layers_file

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 
 from .keras import estimate_keras
 from .torch import estimate_torch
-from .loader import framework_of, load_model, parse_shape
+from .loader import framework_of, load_model, parse_shape, spec_framework
 from .precision import Precision, resolve_precision
 from .table import Estimate, LayerEstimate
 
@@ -63,7 +63,7 @@ def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "ada
         if "model" not in built:
             built["model"] = load_model(model, shape)
         return built["model"]
-    framework = _spec_framework(spec) if spec is not None else framework_of(model)
+    framework = spec_framework(spec) if spec is not None else framework_of(model)
     if framework is None:  # a factory: what it returns decides
         framework = framework_of(loaded())
     if batch_size is None and framework == "torch" and options.get("example_input") is not None:
@@ -94,12 +94,3 @@ def estimate(model: Any, batch_size: Optional[int] = None, optimizer: Any = "ada
     # a spec is measured by a child that rebuilds it; a live model where it lives
     return measured_estimate(framework, model if spec is None else None, spec, int(batch_size), optimizer,
                              options, shape, method, measurement, prior)
-
-
-def _spec_framework(spec: str) -> Optional[str]:
-    kind = spec.partition(":")[0].lower()
-    if kind in ("torchvision", "tv", "hf", "huggingface", "transformers"):
-        return "torch"
-    if kind in ("keras", "tf", "tensorflow") or spec.lower().endswith((".keras", ".h5", ".hdf5")):
-        return "keras"
-    return None

@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 
-__all__ = ["load_model", "parse_shape", "framework_of", "DEFAULT_KERAS_INPUT_SHAPE", "DEFAULT_HF_SEQUENCE"]
+__all__ = ["load_model", "parse_shape", "framework_of", "spec_framework",
+           "DEFAULT_KERAS_INPUT_SHAPE", "DEFAULT_HF_SEQUENCE"]
 
 #: Keras applications' own default input (height, width, channels).
 DEFAULT_KERAS_INPUT_SHAPE = (224, 224, 3)
@@ -57,6 +58,17 @@ def parse_shape(text: Any) -> Optional[Tuple[int, ...]]:
     if not shape or any(d < 1 for d in shape):
         raise ConfigError(f"input shape {text!r}: every dimension must be a positive integer, e.g. 96,96,3")
     return shape
+
+
+def spec_framework(spec: str) -> Optional[str]:
+    """``"torch"`` or ``"keras"`` where a spec names its framework (``torchvision:``, ``hf:``,
+    ``keras:``, a ``.keras``/``.h5`` file); None for a ``module:factory`` spec, known once built."""
+    kind = spec.partition(":")[0].lower()
+    if kind in ("torchvision", "tv", "hf", "huggingface", "transformers"):
+        return "torch"
+    if kind in ("keras", "tf", "tensorflow") or spec.lower().endswith((".keras", ".h5", ".hdf5")):
+        return "keras"
+    return None
 
 
 def framework_of(model: Any) -> str:

@@ -124,17 +124,25 @@ def precision_choices(precision: Any) -> List[str]:
 SHARD_RANK = {"": 0, "zero1": 1, "zero2": 2, "fsdp2_keep": 3, "fsdp2": 4}
 
 
-def shard_choices(value: Any) -> List[str]:
+def shard_choices(value: Any, framework: str = "torch") -> List[str]:
+    """The shardings ``shardings=`` names, in :data:`SHARD_RANK` order. They are torch's
+    (``ZeroRedundancyOptimizer`` / DeepSpeed ZeRO-1/2, FSDP2's ``fully_shard``): for a TensorFlow
+    model ``"auto"`` is none, and naming one is an error with the remedy."""
     from ..wrappers import SHARDINGS
 
-    if value in ("auto", None):
-        return list(SHARDINGS)
     if value in ("none", "off", False):
         return []
+    torch = str(framework).lower() not in ("tensorflow", "keras", "tf")
+    if value in ("auto", None):
+        return list(SHARDINGS) if torch else []
     items = [x.strip() for x in value.split(",")] if isinstance(value, str) else list(value)
     for x in items:
         if x not in SHARDINGS:
             raise ConfigError(f"shardings={value!r}: {x!r} is not one of {', '.join(SHARDINGS)} (or auto, none)")
+    if items and not torch:
+        raise ConfigError(f"shardings={value!r}: ZeRO-1/2 and FSDP2 shard a torch model's state; a TensorFlow model "
+                          "replicates it on every data-parallel rank (Horovod, tf.distribute). Leave shardings out "
+                          "(or 'none') for this model")
     return [x for x in SHARDINGS if x in items]
 
 
@@ -301,7 +309,7 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
     k_choices = _int_choices(ranks_per_gpu, "ranks_per_gpu", (1, 2))
     p_choices = None if pipelines is None else _int_choices(pipelines, "pipelines", ())
     mb_choices = None if micro_batches is None else _int_choices(micro_batches, "micro_batches", ())
-    shard_names = shard_choices(shardings)
+    shard_names = shard_choices(shardings, framework)  # a model that is not TensorFlow's, layer lists too
     precisions = [p for p in costs]
     first = next(iter(costs.values()))
     nblocks = len(first.block_names)

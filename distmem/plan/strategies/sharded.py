@@ -106,9 +106,11 @@ def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[i
             costs: Any = LayerListCosts(layers_from_dicts(list(opts.layers)), batch, precision=prec,
                                         gradient_fraction=grad_fraction(opts.optimizer))
         else:
+            _torch_model(opts.model, "")
             costs = costs_from_model(opts.model, [prec], optimizer=opts.optimizer, input_shape=opts.input_shape,
                                      batch_size=batch, method=ctx.estimate_method, units=opts.units,
                                      param_dtype=opts.param_dtype)[prec]
+            _torch_model(opts.model, costs.framework)
         wrapper = sharding_wrapper(opts.sharding, degree, prefetch=opts.prefetch,
                                    **mixed_precision(opts.param_dtype, opts.reduce_dtype, _master_bytes(costs)))
         peak, parts = costs.rank_peak(batch, False, wrapper)
@@ -117,6 +119,26 @@ def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[i
         return int(peak), {k: int(v) for k, v in parts.items()}, wrapper_demand(wrapper, costs.model_state()).rules
 
     return ctx.agreed(compute)
+
+
+def _torch_model(model: Any, framework: str) -> None:
+    """ConfigError where the model is a Keras one (by its spec or object before it is estimated,
+    ``framework`` after): FSDP2 and ZeRO shard a torch model's state."""
+    if not framework:
+        from ...estimate.loader import framework_of, spec_framework
+
+        if isinstance(model, str):
+            framework = spec_framework(model) or ""
+        else:
+            try:
+                framework = framework_of(model)
+            except ConfigError:
+                framework = ""
+    if framework in ("keras", "tensorflow"):
+        raise ConfigError(f"strategy='sharded' shards a torch model's state (FSDP2's fully_shard, ZeRO-1/2), and "
+                          f"{model if isinstance(model, str) else type(model).__name__} is a Keras model: TensorFlow "
+                          "replicates the state on every rank; use strategy='data' (with wrapper='horovod' or "
+                          "'tf_distribute'), or 'pipeline'/'model' to split the model")
 
 
 def _master_bytes(costs: Any) -> float:
