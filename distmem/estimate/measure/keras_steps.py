@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ...errors import ConfigError
 from .extrapolate import Ladder
 
-__all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor", "TARGET_STEPS", "OTHER_STEPS"]
+__all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor", "own_state_held_most", "TARGET_STEPS",
+           "OTHER_STEPS"]
 
 
 def keras_device() -> str:
@@ -300,6 +301,31 @@ def _outputs(model, in_specs, np, tf) -> Tuple[Any, List[Any], List[str]]:
     return struct, flat, names
 
 
+def own_state_held_most(model: Any) -> int:
+    """The most TensorFlow's allocator can be holding for ``model``'s own state: its variables
+    (weights, and the seed and metric states it tracks), each request rounded up to
+    :data:`~distmem.estimate.allocators.BFC_MIN_ALLOCATION` and handed a chunk under twice that and
+    under :data:`~distmem.estimate.allocators.BFC_MAX_INTERNAL_FRAGMENTATION` more (a larger free
+    chunk is split). The allocator counts the whole chunk as in use: a 3,072,000-byte embedding
+    table built in a fresh process holds 4-5.3 MB, and the model's state so held is alive in every
+    step of the job; only what the process holds beyond this is another's."""
+    from ..allocators import BFC_MAX_INTERNAL_FRAGMENTATION, BFC_MIN_ALLOCATION
+    import tensorflow as tf
+    seen: Dict[int, Any] = {}
+    for v in list(getattr(model, "weights", None) or []) + list(getattr(model, "variables", None) or []):
+        seen.setdefault(id(v), v)
+    total = 0
+    for v in seen.values():
+        dtype = getattr(v, "dtype", None)
+        size = tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size
+        n = 1
+        for d in tuple(v.shape):
+            n *= int(d)
+        rounded = max(BFC_MIN_ALLOCATION, -(-n * size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
+        total += min(2 * rounded, rounded + BFC_MAX_INTERNAL_FRAGMENTATION) - BFC_MIN_ALLOCATION
+    return total
+
+
 #: Steps measured at the target batch (the worst kept: TensorFlow's executor order moves one step's
 #: peak by 10-20% from step to step — InceptionBlocks at 64 px, batch 16: 49.5 to 62.9 MB over twelve
 #: steps in four processes — and the worst of four missed the reference's worst of three by up to
@@ -317,9 +343,11 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     :class:`~distmem.estimate.measure.extrapolate.Ladder` (its target batch runs ``target_steps``
     steps, the others ``steps``; a batch that runs out of memory ends its climb) or a list of
     batches (``steps`` each). ``foreign``: subtract what this process held before beyond the
-    model's own weights (another model, earlier tensors), so a model measured inside a busy process
-    reads as in a fresh one. Returns ``{"device", "peaks": {batch: bytes}, "steps": {batch: [...]},
-    "loss", "seconds", "floor", "ladder"}``."""
+    most the model's own state can occupy in the allocator (:func:`own_state_held_most`: another
+    model, earlier tensors), so a model measured inside a busy process reads as in a fresh one, and
+    one measured where it was just built (nothing else alive) reads as the allocator's own peak.
+    Returns ``{"device", "peaks": {batch: bytes}, "steps": {batch: [...]}, "loss", "seconds",
+    "floor", "ladder", "foreign"}`` (``foreign``: the bytes subtracted from every step)."""
     import numpy as np
     import tensorflow as tf
     K = tf.keras
@@ -333,7 +361,7 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     # before the optimizer's slots exist: they are the steps', not foreign; garbage collected first,
     # so what is foreign does not shrink under the steps (a peak below it would read as nothing)
     gc.collect()
-    other = max(0, int(info(dev)["current"]) - sum(int(w.nbytes) for w in weights)) if foreign else 0
+    other = max(0, int(info(dev)["current"]) - own_state_held_most(model)) if foreign else 0
     peaks: Dict[int, int] = {}
     per_step: Dict[int, List[int]] = {}
     try:
@@ -357,7 +385,7 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
         raise ConfigError(f"no training step of Keras model {getattr(model, 'name', '?')} fitted the memory at hand "
                           f"({why or 'nothing ran'}); give memory_at_hand= or use method='model'")
     return {"device": dev, "peaks": peaks, "steps": per_step, "loss": loss, "floor": keras_allocator_floor(dev),
-            "ladder": ladder.summary() if ladder else None, "seconds": round(time.time() - t0, 3)}
+            "ladder": ladder.summary() if ladder else None, "foreign": other, "seconds": round(time.time() - t0, 3)}
 
 
 def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
