@@ -87,8 +87,13 @@ def _fresh(tmp_path, name, code):
 def test_each_trace_the_job_makes_is_measured_as_the_job_runs_it(tmp_path):
     static, opened = _fresh(tmp_path, "user_steps.py", USER)
     got = _fresh(tmp_path, "measure_steps.py", MEASURE)
-    # the two traces are planned apart (the bug measured only the open one, by a step of its own)
-    assert opened > 1.2 * static, (static, opened)
+    # the two traces are planned apart (the bug measured only the open one, by a step of its own); where this
+    # TensorFlow plans them within 20% of each other, the 15% tolerance below cannot tell one from the other
+    if opened <= 1.2 * static:
+        import tensorflow as tf
+
+        pytest.skip(f"TensorFlow {tf.__version__} plans the two traces of this model within 20% of each other "
+                    f"({static:,} and {opened:,} B): the test cannot tell which one was measured")
     assert 0.85 <= got["static"] / static <= 1.15, (got["static"], static)
     assert 0.85 <= got["open"] / opened <= 1.15, (got["open"], opened)
     assert got["n"] == 12 and got["loss"] == "compiled" and got["peak"] == max(got["static"], got["open"])
