@@ -141,9 +141,8 @@ def _options(args: argparse.Namespace) -> Dict[str, Any]:
         if args.layers:
             raise ConfigError("--units names the modules of --model; with --layers each layer is one FSDP2 unit")
         opts["units"] = args.units
-    from ..plan.fit.solve import shard_choices
-
     from ..estimate.loader import spec_framework
+    from ..plan.fit.solve import shard_choices
 
     # a bad name refused before any model is loaded (a keras: spec's shardings too)
     shard_choices(args.shardings, spec_framework(args.model or "") or "torch")

@@ -106,7 +106,6 @@ def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[i
             costs: Any = LayerListCosts(layers_from_dicts(list(opts.layers)), batch, precision=prec,
                                         gradient_fraction=grad_fraction(opts.optimizer))
         else:
-            _torch_model(opts.model, "")
             costs = costs_from_model(opts.model, [prec], optimizer=opts.optimizer, input_shape=opts.input_shape,
                                      batch_size=batch, method=ctx.estimate_method, units=opts.units,
                                      param_dtype=opts.param_dtype)[prec]
@@ -118,6 +117,8 @@ def sharded_demand(ctx: "Context", opts: ShardedOptions, degree: int) -> Tuple[i
 
         return int(peak), {k: int(v) for k, v in parts.items()}, wrapper_demand(wrapper, costs.model_state()).rules
 
+    if opts.model is not None:
+        _torch_model(opts.model, "")  # a Keras spec or model, on every rank before anything is estimated
     return ctx.agreed(compute)
 
 
