@@ -39,10 +39,9 @@ def launch(folder: str, timeout: float, env_extra: Dict[str, str]) -> List[Dict[
     cmd, cp, rep = launch_example("model_parallel.py", folder, timeout, env_extra=env_extra)
     if rep is None:
         raise SystemExit(f"bench/plan/model_parallel_example.py: {' '.join(cmd)} exited {cp.returncode}: {cp.stderr[-1500:]}")
-    rows = []
+    rows, temps = [], update_temporaries_bytes()
     for r in rep["ranks"]:
         row = rank_row(r)
-        temps = update_temporaries_bytes()
         row.update(update_temporaries_mib=round(temps / MiB, 2),
                    peak_over_demand_without_updates_pct=round(
                        100.0 * (r["peak_bytes"] / (r["allocation"]["demand_bytes"] - temps) - 1), 1),

@@ -29,9 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plot(page: Dict[str, Any], path: str) -> str:
-    """A picture of the page, in the format ``path``'s extension names (:func:`plot_format`): one bar per rank that ran out (allocated, free in the pool, the request,
-    other processes' bytes), beside it what its whole step needed, its planned limit and its peers'
-    median, the causes written on it."""
+    """A picture of the page, in the format ``path``'s extension names (:func:`plot_format`): one
+    bar per rank that ran out (allocated, free in the pool, the request, other processes' bytes),
+    beside it what its whole step needed, its planned limit and its peers' median, the causes
+    written on it."""
     try:
         import matplotlib
 
