@@ -1,6 +1,7 @@
 """Launch multi-rank jobs from tests: hard timeout, whole process group killed, output kept."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -74,6 +75,23 @@ def horovodrun(np: int, args: List[str], mode: str = "gloo", timeout: float = 40
     exe = os.path.join(env_bin(), "horovodrun")
     assert os.path.exists(exe), f"horovodrun not found in {env_bin()}: use the main environment (make env)"
     return run([exe, "-np", str(np), "-H", f"localhost:{np}", f"--{mode}", python()] + args, timeout, env)
+
+
+def result_rows(out: str, tag: str = "RESULT ") -> List[dict]:
+    """Every JSON object printed after ``tag``. The launcher forwards several ranks' output through one
+    pipe, so two ranks' objects may share a line ("RESULT {..}RESULT {..}" or "{..}{..}"): each object is
+    decoded where it starts and ends, never by a regular expression to the end of the line."""
+    dec = json.JSONDecoder()
+    rows, i = [], out.find(tag)
+    while i >= 0:
+        j = i + len(tag)
+        try:
+            obj, j = dec.raw_decode(out, j)
+            rows.append(obj)
+        except ValueError:
+            pass
+        i = out.find(tag, j)
+    return rows
 
 
 def pytest_args(folder: str, *extra: str) -> List[str]:

@@ -31,7 +31,11 @@ the ``held`` half is what is reported.
 
     python bench/estimate/keras_heldout.py --half all --out bench/results/estimate_keras_heldout_tf215.jsonl
     python bench/estimate/keras_heldout.py --score --out bench/results/estimate_keras_heldout_tf215.jsonl \\
-        --summary bench/results/estimate_keras_heldout_tf215.json
+        --summary bench/results/estimate_keras_heldout_tf215.json \\
+        --fit-also bench/results/estimate_keras_heldout_tf221.jsonl
+
+The margins are fitted on the fit half of every TensorFlow version run (``--fit-also``: the other
+versions' lines), so each version's summary scores its held-out half under the same margins.
 """
 from __future__ import annotations
 
@@ -303,17 +307,26 @@ def _inside(figure: int, ref: int, under: float, over: float) -> bool:
     return math.floor(figure / (1.0 + over)) <= ref <= math.ceil(figure * (1.0 + under))
 
 
-def margins(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _pairs(rows: List[Dict[str, Any]], half: str, source: str) -> List[Any]:
+    """``(row, its reference)`` of one run's figures of ``half`` made by the path ``source``."""
+    refs = {r["id"]: r["reference"] for r in rows if r["part"] == "reference" and "reference" in r}
+    return [(r, refs[r["id"]]) for r in rows if r.get("half") == half and r.get("source") == source
+            and "figure" in r and r["id"] in refs]
+
+
+def margins(rows: List[Dict[str, Any]], fit_also: Optional[List[List[Dict[str, Any]]]] = None) -> Dict[str, Any]:
     """Per path (the ``source`` of each figure), from the **fit** half only: the margin its cases
     need (``under``: the largest fraction a reference was above the figure, ``over``: the largest
     the figure was above the reference, each rounded up to 5 points), then on the **held** half how
-    many references lie inside the bound that margin gives, and which do not. The margins estimates
-    use (``KERAS_MARGINS``) are to be these; ``tests/unit/estimate/test_keras_margins.py`` holds it."""
-    refs = {r["id"]: r["reference"] for r in rows if r["part"] == "reference" and "reference" in r}
+    many references lie inside the bound that margin gives, and which do not. ``fit_also``: other
+    runs' rows (another TensorFlow version's), whose fit half the margins are fitted on as well,
+    each against its own run's references; the held half scored is this run's. The margins
+    estimates use (``KERAS_MARGINS``) are to be these, from every version's fit half;
+    ``tests/unit/estimate/test_keras_margins.py`` holds it."""
     out: Dict[str, Any] = {}
     for source in sorted(set(PATHS.values())):
-        got = {h: [(r, refs[r["id"]]) for r in rows if r.get("half") == h and r.get("source") == source
-                   and "figure" in r and r["id"] in refs] for h in ("fit", "held")}
+        got = {"fit": _pairs(rows, "fit", source) + [p for other in (fit_also or []) for p in _pairs(other, "fit", source)],
+               "held": _pairs(rows, "held", source)}
         if not got["fit"]:
             continue
         need_under = max(ref / r["figure"] - 1 for r, ref in got["fit"])
@@ -344,6 +357,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default=None, help="the jsonl the parts are appended to")
     p.add_argument("--score", action="store_true", help="score --out instead of running")
     p.add_argument("--summary", default=None, help="with --score: write the summary JSON here")
+    p.add_argument("--fit-also", default="", help="with --score: other runs' jsonl (another TensorFlow version's), "
+                   "comma-separated, whose fit half the margins are fitted on too")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reference", type=int, default=None, help=argparse.SUPPRESS)
@@ -354,6 +369,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--out is required")
     if args.score:
         rows = list(_done(args.out).values())
+        others = [p for p in args.fit_also.split(",") if p]
+        fit_also = [list(_done(p).values()) for p in others]
         summary = score(rows)
         held = summary.get("default/held", {})
         base = summary.get("model/held", {})
@@ -366,7 +383,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(line))
         if args.summary:
             with open(args.summary, "w", encoding="utf-8") as f:
-                json.dump({**line, "summary": summary, "margins": margins(rows), "source": os.path.basename(args.out),
+                json.dump({**line, "summary": summary, "margins": margins(rows, fit_also), "source": os.path.basename(args.out),
+                           "margins_fit_also": [os.path.basename(p) for p in others],
                            "rows": sorted(rows, key=lambda r: (r["half"], r["id"], r["part"]))}, f, indent=1)
                 f.write("\n")
         return 0

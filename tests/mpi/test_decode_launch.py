@@ -5,14 +5,12 @@ keeps rows 0 and 2 and reports rank 1 as missing, every rank returns well within
 the fix, rank 0's gather raised under MPI and ranks 1 and 2 waited 20 s for their ack; under Horovod,
 torch.distributed and tf.distribute every row was lost), and an all-gather raises on the ranks that
 cannot decode, naming rank 1, while rank 1 - which can decode the others - gets every row."""
-import json
 import os
-import re
 import socket
 
 import pytest
 
-from helpers import ROOT, env_bin, horovodrun, mpirun, python, run
+from helpers import ROOT, env_bin, horovodrun, mpirun, python, result_rows, run
 
 PROG = os.path.join(os.path.dirname(__file__), "progs", "undecodable_row.py")
 TIMEOUT = 20.0
@@ -46,8 +44,7 @@ def launch(transport: str):
 def test_an_undecodable_row_is_a_missing_rank_and_nobody_waits(transport):
     res = launch(transport).check()
     rows = {}
-    for m in re.finditer(r"RESULT (\{.*\})", res.out):
-        got = json.loads(m.group(1))
+    for got in result_rows(res.out):
         rows[got["rank"]] = got
     assert sorted(rows) == [0, 1, 2], res.out[-4000:]
     assert rows[0]["rows"] == [0, None, 2] and rows[0]["missing"] == [1], rows[0]

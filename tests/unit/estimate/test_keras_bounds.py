@@ -231,11 +231,18 @@ def test_a_target_that_does_not_fit_is_carried_from_three_batches_that_do(monkey
     at_target = estimate(model, 32, "adam", method="measure", device="cpu")
     peak32 = at_target.peak_bytes
     assert at_target.bound().source == "measured" and at_target.measurement["at_target"]
-    carried = estimate(model, 32, "adam", method="measure", device="cpu", memory_at_hand=int(peak32 * 0.7))
+    # the memory at hand is 70% of what batch 32 takes, read from the half batch the target's
+    # measurement also ran where batch 32's worst step read far above twice it (on a loaded CI core,
+    # one step's executor order): 70% of such a figure can exceed what the smaller batches predict for
+    # batch 32, and the target would fit the memory at hand and run
+    half = dict(at_target.measurement["points"]).get(16)
+    memory = int(0.7 * min(peak32, 2 * half if half else peak32))
+    carried = estimate(model, 32, "adam", method="measure", device="cpu", memory_at_hand=memory)
     m = carried.measurement
-    assert not m["at_target"] and carried.bound().source == "carried" and len(m["points"]) >= 3
+    assert not m["at_target"] and carried.bound().source == "carried" and len(m["points"]) >= 3, \
+        (memory, peak32, at_target.measurement["points"], m["points"], m["ladder"])
     assert "32" in m["ladder"]["not_run"] and max(b for b, _ in m["points"]) < 32
-    assert all(y <= peak32 * 0.7 * 1.25 for _, y in m["points"])  # nothing ran beyond the memory at hand
+    assert all(y <= memory * 1.25 for _, y in m["points"])  # nothing ran beyond the memory at hand
     # the carry is never an absurd figure (within 0.5x-2x of the figure measured at the target), and its
     # bound is the carried path's, around the carried figure, saying what it rests on. How often the
     # bound covers the target is the benchmark's figure, not this test's: the carry's spread from a few
