@@ -362,6 +362,13 @@ class PlanRequest:
         return get(self.strategy)
 
     def resolved_framework(self) -> str:
+        """The framework given, else the one the model names (its spec's kind, or the object), else the
+        one imported or installed here: ``distmem plan --model torchvision:resnet50`` on a node with
+        TensorFlow installed plans a torch model's stages, not TensorFlow's."""
+        if self.framework is None:
+            named = _model_framework(self.options.get("model"))
+            if named:
+                return named
         return runtime.detect_framework(self.framework)
 
     def resolved_fleet(self) -> Tuple[Optional[str], str]:
@@ -564,4 +571,22 @@ def _modelled_overhead(framework: str, how: str) -> int:
     return outside_allocator_bytes(framework if framework in ("torch", "tensorflow") else "torch",
                                    nccl_communicators=runtime.nccl_communicators(),
                                    nccl_buffsize=nccl_env(os.environ)["buffsize"])
+
+
+def _model_framework(model: Any) -> Optional[str]:
+    """``"torch"`` / ``"tensorflow"`` where ``model`` says which it is without being built (a
+    ``torchvision:`` / ``hf:`` / ``keras:`` spec, a saved Keras file, a built model); None where
+    only building it would tell (``module:factory``) or there is no model."""
+    if model is None:
+        return None
+    from ..estimate.loader import framework_of, spec_framework
+
+    if isinstance(model, str):
+        kind = spec_framework(model)
+    else:
+        try:
+            kind = framework_of(model)
+        except ConfigError:
+            return None
+    return {"keras": "tensorflow", "torch": "torch"}.get(kind or "")
 
