@@ -79,8 +79,8 @@ def horovodrun(np: int, args: List[str], mode: str = "gloo", timeout: float = 40
 
 def result_rows(out: str, tag: str = "RESULT ") -> List[dict]:
     """Every JSON object printed after ``tag``. The launcher forwards several ranks' output through one
-    pipe, so two ranks' objects may share a line ("RESULT {..}RESULT {..}" or "{..}{..}"): each object is
-    decoded where it starts and ends, never by a regular expression to the end of the line."""
+    pipe, so two ranks' results may share a line ("RESULT {..}RESULT {..}"): each object is decoded
+    where it starts and ends, never by a regular expression to the end of the line."""
     dec = json.JSONDecoder()
     rows, i = [], out.find(tag)
     while i >= 0:

@@ -12,7 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 __all__ = ["ExactAllocator", "BFCAllocator", "CudaCachingAllocator", "PARTS", "BFC_MIN_ALLOCATION",
            "BFC_FIRST_REGION", "BFC_MAX_INTERNAL_FRAGMENTATION", "CUDA_MIN_BLOCK", "CUDA_SMALL_SIZE",
-           "CUDA_SMALL_SEGMENT", "CUDA_MIN_LARGE_ALLOC", "CUDA_LARGE_SEGMENT", "CUDA_ROUND_LARGE"]
+           "CUDA_SMALL_SEGMENT", "CUDA_MIN_LARGE_ALLOC", "CUDA_LARGE_SEGMENT", "CUDA_ROUND_LARGE", "bfc_round",
+           "bfc_held_most"]
 
 #: TensorFlow's BFC allocator rounds every request up to a multiple of 256 bytes.
 BFC_MIN_ALLOCATION = 256
@@ -96,6 +97,19 @@ class ExactAllocator:
             self._uncount(key, chunk)
 
 
+def bfc_round(size: int) -> int:
+    """The bytes TensorFlow's BFC allocator rounds a request of ``size`` up to."""
+    return max(BFC_MIN_ALLOCATION, -(-size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
+
+
+def bfc_held_most(size: int) -> int:
+    """The largest chunk BFC may count as in use for a request of ``size``: a free chunk is split only
+    when it is at least twice the rounded request or leaves :data:`BFC_MAX_INTERNAL_FRAGMENTATION`
+    over (:meth:`BFCAllocator._split`), so an unsplit one is under both."""
+    rounded = bfc_round(size)
+    return min(2 * rounded, rounded + BFC_MAX_INTERNAL_FRAGMENTATION) - BFC_MIN_ALLOCATION
+
+
 class BFCAllocator(ExactAllocator):
     """TensorFlow's best-fit-with-coalescing allocator, as far as its byte count goes.
 
@@ -130,7 +144,7 @@ class BFCAllocator(ExactAllocator):
         self.free_ending_at[addr + size] = addr
 
     def _round(self, size: int) -> int:
-        return max(BFC_MIN_ALLOCATION, -(-size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
+        return bfc_round(size)
 
     def _split(self, chunk: int, rounded: int) -> bool:
         return chunk >= 2 * rounded or chunk - rounded >= BFC_MAX_INTERNAL_FRAGMENTATION

@@ -588,5 +588,5 @@ def _model_framework(model: Any) -> Optional[str]:
             kind = framework_of(model)
         except ConfigError:
             return None
-    return {"keras": "tensorflow", "torch": "torch"}.get(kind or "")
+    return runtime.detect_framework(kind) if kind else None
 

@@ -309,7 +309,8 @@ def own_state_held_most(model: Any) -> int:
     chunk is split). The allocator counts the whole chunk as in use: a 3,072,000-byte embedding
     table built in a fresh process holds 4-5.3 MB, and the model's state so held is alive in every
     step of the job; only what the process holds beyond this is another's."""
-    from ..allocators import BFC_MAX_INTERNAL_FRAGMENTATION, BFC_MIN_ALLOCATION
+    from ..allocators import bfc_held_most
+    from ..keras.access import numel
     import tensorflow as tf
     seen: Dict[int, Any] = {}
     for v in list(getattr(model, "weights", None) or []) + list(getattr(model, "variables", None) or []):
@@ -318,11 +319,7 @@ def own_state_held_most(model: Any) -> int:
     for v in seen.values():
         dtype = getattr(v, "dtype", None)
         size = tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size
-        n = 1
-        for d in tuple(v.shape):
-            n *= int(d)
-        rounded = max(BFC_MIN_ALLOCATION, -(-n * size // BFC_MIN_ALLOCATION) * BFC_MIN_ALLOCATION)
-        total += min(2 * rounded, rounded + BFC_MAX_INTERNAL_FRAGMENTATION) - BFC_MIN_ALLOCATION
+        total += bfc_held_most(numel(tuple(v.shape)) * size)
     return total
 
 
