@@ -19,10 +19,16 @@ peak (that run's ``peak_allocated``) times 1.00, 1.01, 1.02 and 1.04. The runs a
 (``fit_scale.gpu_run``: rank 0 of N through the fake process group, sharded layouts sharded,
 pipeline stages alone), packed on the one GPU as fit_scale packs them.
 
-Per rank: the smallest ratio it trained under (``min_ratio``), and what headroom over fit's estimate
-that rank needed (``need = true / estimate x min_ratio - 1``). The rule is read from the ``fit`` half
-(fit_scale.half_of: by model, CRC-32) and checked on the ``held_out`` half. One JSON line at the end:
-the headroom the fit half needs, the held-out ranks it does not cover, beside the headroom in force.
+Per rank: the smallest ratio it trained under (``min_ratio``), and what headroom over the figure fit
+plans from that rank needed (``need = true / figure x min_ratio - 1``). That figure is the estimate's
+bounded (high) one: fit prices ``Estimate.bound.high_bytes`` (the point figure x (1 + its path's
+``under`` margin): +3% on the modelled path, distmem.estimate.table.TORCH_MARGINS) and adds the
+headroom over it. fit_scale records the bounded figure (``figure: "bounded"``); runs made before the
+bound existed recorded fit's point figure, and their need is taken over that figure x (1 + the
+modelled path's margin), the figure fit plans from now (``need_over_point`` keeps the old reading).
+The rule is read from the ``fit`` half (fit_scale.half_of: by model, CRC-32) and checked on the
+``held_out`` half. One JSON line at the end: the headroom the fit half needs, the held-out ranks it
+does not cover, beside the headroom in force.
 """
 from __future__ import annotations
 
@@ -60,6 +66,18 @@ def _key(spec: Dict[str, Any]) -> Tuple[Any, ...]:
                                        "in_flight"))
 
 
+#: fit_scale's runs that recorded fit's bounded figure before their specs said so (``figure``):
+#: bench/results/fit_scale_h200_r5.jsonl. Earlier runs (fit_scale_h200.jsonl) recorded the point figure.
+BOUNDED_BEFORE_THE_FIELD = ("h200-5", "h200-6")
+
+
+def figure_of(rec: Dict[str, Any], spec: Dict[str, Any]) -> str:
+    """Which of fit's figures a fit_scale run's ``estimated_peak`` is: ``bounded`` or ``point``."""
+    if spec.get("figure"):
+        return str(spec["figure"])
+    return "bounded" if rec.get("tag") in BOUNDED_BEFORE_THE_FIELD else "point"
+
+
 def ranks(records: List[Dict[str, Any]], per_model: int = 3) -> List[Dict[str, Any]]:
     """The ranks to measure: every trained run of :data:`ROLES` with its true peak, one per distinct
     rank, at most ``per_model`` per model (the tightest first: the largest true peak over its
@@ -76,7 +94,7 @@ def ranks(records: List[Dict[str, Any]], per_model: int = 3) -> List[Dict[str, A
             seen.add(k)
             row = {"case": rec["case"], "role": spec["role"], "half": fs.half_of(spec["model"]),
                    "true_peak": int(res["peak_allocated"]), "estimated_peak": int(spec["estimated_peak"]),
-                   "planned_bytes": int(spec["planned_bytes"]), "spec": spec}
+                   "figure": figure_of(rec, spec), "planned_bytes": int(spec["planned_bytes"]), "spec": spec}
             by_model.setdefault(spec["model"], []).append(row)
     for rows in by_model.values():
         rows.sort(key=lambda r: -r["true_peak"] / max(1, r["estimated_peak"]))
@@ -200,7 +218,7 @@ def run(args: argparse.Namespace) -> str:
                 line = {"case": row["case"], "role": row["role"], "half": row["half"], "model": row["spec"]["model"],
                         "rank": job["rank"], "key": list(_key(row["spec"])), "ratio": job["ratio"],
                         "true_peak": row["true_peak"], "estimated_peak": row["estimated_peak"],
-                        "planned_bytes": row["planned_bytes"], "limit_bytes": job["spec"]["limit_bytes"],
+                        "figure": row["figure"], "planned_bytes": row["planned_bytes"], "limit_bytes": job["spec"]["limit_bytes"],
                         "result": {k2: result.get(k2) for k2 in ("oom", "error", "peak_allocated", "peak_reserved",
                                                                  "alloc_retries", "expandable_effective", "cap_bytes",
                                                                  "physical_oom", "seconds", "torch")}}
@@ -230,16 +248,45 @@ def _up(x: float, step: float = 0.005) -> float:
     return round(math.ceil(x / step - 1e-9) * step, 4)
 
 
+def modelled_bound_ratio() -> float:
+    """The high figure over the point figure on torch's modelled path, as ``distmem.estimate``
+    gives it (``Estimate.bound()`` of a small model estimated on the meta device)."""
+    import torch
+
+    from distmem.estimate import estimate
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    est = estimate(model, batch_size=64, input_shape=(1024,), method="model")
+    bd = est.bound()
+    assert bd.source == "modelled", bd
+    return bd.high_bytes / est.train_bytes(64)
+
+
+def bounded_figure(ln: Dict[str, Any], ratio: Optional[float] = None) -> int:
+    """The figure fit plans the rank's limit from: the estimate's bounded (high) figure. A line
+    recorded before the bound existed (no ``figure``, or ``"point"``) holds fit's point figure, whose
+    bounded figure is the point x the modelled path's bound (``ratio``, :func:`modelled_bound_ratio`):
+    fit_scale asks fit on the meta device (``estimate="model"``)."""
+    import math
+
+    if ln.get("figure", "point") == "bounded":
+        return int(ln["estimated_peak"])
+    return int(math.ceil(ln["estimated_peak"] * (ratio or modelled_bound_ratio())))
+
+
 def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
               budget_s: Optional[float] = None) -> Dict[str, Any]:
     """Per rank the smallest ratio it trained under (a ratio counts only when every larger ratio
-    measured trained too) and the headroom over fit's estimate it needed; the rule from the fit
-    half, checked on the held-out half."""
+    measured trained too) and the headroom over the bounded figure fit plans from that it needed;
+    the rule from the fit half, checked on the held-out half."""
     per: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    ratio = modelled_bound_ratio() if any(ln.get("figure", "point") != "bounded" for ln in lines) else None
     for ln in lines:
         k = tuple(ln["key"])
         p = per.setdefault(k, {"case": ln["case"], "role": ln["role"], "half": ln["half"], "model": ln["model"],
-                               "true_peak": ln["true_peak"], "estimated_peak": ln["estimated_peak"], "runs": {}})
+                               "true_peak": ln["true_peak"], "estimated_peak": ln["estimated_peak"],
+                               "figure": ln.get("figure", "point"), "bounded_peak": bounded_figure(ln, ratio), "runs": {}})
         r = ln["result"]
         p["runs"][ln["ratio"]] = ("trained" if r.get("oom") is False else "oom" if r.get("oom") else "error")
     rows = []
@@ -254,10 +301,14 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
                 break
             min_ratio = x
         truth_over_est = p["true_peak"] / max(1, p["estimated_peak"])
-        need = None if min_ratio is None else truth_over_est * min_ratio - 1
+        truth_over_bounded = p["true_peak"] / max(1, p["bounded_peak"])
+        need = None if min_ratio is None else truth_over_bounded * min_ratio - 1
+        need_point = None if min_ratio is None else truth_over_est * min_ratio - 1
         rows.append(dict(p, runs={f"{x:.2f}": v for x, v in sorted(runs.items())}, min_ratio=min_ratio,
                          truth_over_estimate=round(truth_over_est, 4),
+                         truth_over_bounded=round(truth_over_bounded, 4),
                          need=None if need is None else round(need, 4),
+                         need_over_point=None if need_point is None else round(need_point, 4),
                          none_trained=min_ratio is None))
 
     def half(h: str) -> Dict[str, Any]:
@@ -269,6 +320,9 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
                 "min_ratio_max": max(mins) if mins else None,
                 "allocator_slack_max": round(max(mins) - 1, 4) if mins else None,
                 "need_max": max(needs) if needs else None,
+                "need_over_point_max": max((r["need_over_point"] for r in hr if r["need_over_point"] is not None),
+                                           default=None),
+                "truth_over_bounded_max": max((r["truth_over_bounded"] for r in hr), default=None),
                 "truth_over_estimate_max": max((r["truth_over_estimate"] for r in hr), default=None)}
 
     fit, held = half("fit"), half("held_out")
@@ -281,6 +335,7 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
     return {"bench": "fit_headroom", "ratios": list(RATIOS), "ranks": len(rows), "runs": len(lines),
             "fit": fit, "held_out": held, "headroom_in_force": in_force(lines),
             "headroom_from_fit_half": rule,
+            "over": "the bounded (high) figure fit plans from: the point figure x (1 + its path's under margin)",
             "held_out_covered": f"{len(held_rows) - len(uncovered)}/{len(held_rows)}",
             "held_out_uncovered": uncovered, "seconds": None if seconds is None else round(seconds, 1),
             "budget_s": budget_s, "rows": sorted(rows, key=lambda r: (r["half"], r["case"], r["role"]))}

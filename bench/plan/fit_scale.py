@@ -643,7 +643,7 @@ def run_specs(answer: Dict[str, Any], probes: bool = True) -> List[Dict[str, Any
                 "recompute": bool(lay["recompute"]), "first_block": st["first_block"], "stop_block": st["stop_block"],
                 "blocks": answer.get("blocks", 0), "in_flight": st["in_flight"] if lay["pipeline"] > 1 else 1,
                 "limit_bytes": limit, "planned_bytes": int(st["planned_bytes"]), "share_bytes": int(st["share_bytes"]),
-                "estimated_peak": int(st["allocator_bytes"]),
+                "estimated_peak": int(st["allocator_bytes"]), "figure": "bounded",
                 "slice_bytes": int(st["share_bytes"]) + cand["outside_total"],
                 "outside_modelled": cand["outside_total"], "outside_modelled_process": process_outside,
                 "outside_nccl": cand["outside_nccl"], "gpu_total_bytes": int(st["gpu_total_bytes"]),

@@ -12,7 +12,7 @@ Two numbers, kept apart on purpose:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import defaults
@@ -265,12 +265,39 @@ class Estimate:
                 + entering + workspace)
 
     def layer_costs(self, batch_size: Optional[int] = None) -> List[LayerCost]:
-        """The table as the partitioners' ``LayerCost`` rows at ``batch_size``."""
+        """The table as the partitioners' ``LayerCost`` rows at ``batch_size``. The last row's
+        ``backward_bytes`` also holds what the loss makes at the backward's start
+        (:meth:`loss_bytes`): the stage or device that ends the model computes the loss."""
         b = self.batch_size if batch_size is None else int(batch_size)
-        return [LayerCost(name=r.name, state_bytes=r.state_bytes, activation_bytes=r.activation_bytes(b),
-                          output_bytes=r.output_bytes_per_sample * b, params=r.params, kind=r.kind,
-                          backward_bytes=r.workspace_bytes_per_sample * b)
-                for r in self.layers]
+        out = [LayerCost(name=r.name, state_bytes=r.state_bytes, activation_bytes=r.activation_bytes(b),
+                         output_bytes=r.output_bytes_per_sample * b, params=r.params, kind=r.kind,
+                         backward_bytes=r.workspace_bytes_per_sample * b)
+               for r in self.layers]
+        if out:
+            loss = self.loss_bytes(b)
+            if loss:
+                out[-1] = replace(out[-1], backward_bytes=out[-1].backward_bytes + loss)
+        return out
+
+    def loss_bytes(self, batch_size: Optional[int] = None) -> int:
+        """What the loss holds when the backward starts beyond the layers' kept activations (bytes):
+        the tensors it saves (cross-entropy's float32 log-probabilities) and its backward's
+        temporaries (the logits' gradients, float32 under mixed precision), read from the simulated
+        step's backward peak: its activations less the rows' own, plus its temporaries. Where the
+        loss is small the backward peaks elsewhere (a large layer's gradients), and this reads that
+        moment: its temporaries less the activations already freed, never below 0. 0 where the
+        estimate keeps no per-phase record (:meth:`phase_breakdown`). A pipeline's last
+        stage holds it beside its layers' (the fit at scale found it missing:
+        bench/results/last_stage_peak_h200.json)."""
+        b = self.batch_size if batch_size is None else int(batch_size)
+        try:
+            backward = self.phase_breakdown(b).get("backward")
+        except ConfigError:  # no per-part record of the step (an estimate loaded from JSON)
+            return 0
+        if not backward:
+            return 0
+        kept = int(backward.get("activations", 0)) - self.activation_bytes(b)
+        return max(0, kept + int(backward.get("temporaries", 0)))
 
     @property
     def state_floor(self) -> int:

@@ -433,7 +433,8 @@ def backward_transient(layers: Sequence[LayerCost], start: int, stop: int) -> in
     its backward is done (none on the last stage, whose loss makes its own), plus, at the layer the
     backward has reached, that layer's output gradient, the gradient it makes for its input (the
     previous layer's output; none for the model's first layer: nobody differentiates the data)
-    and what its kernels allocate besides (``backward_bytes``), the largest such layer. Any
+    and what its kernels allocate besides (``backward_bytes``; on an estimate's last row also what
+    the loss makes, ``Estimate.loss_bytes``), the largest such layer. Any
     framework's backward makes the gradients; a layer's weight gradient is the state's. From
     ``output_bytes`` (0 where a layer list leaves it out, which leaves the transient out)."""
     if not 0 <= start < stop <= len(layers):

@@ -251,9 +251,15 @@ class EstimateCosts(Costs):
         return self._in_ps * mb
 
     def transient_bytes(self, mb: int, start: int, stop: int) -> int:
+        """Two outputs of the stage's largest layer and its workspace; on the stage that ends the
+        model, at least what the loss makes when the backward starts (``Estimate.loss_bytes``: its
+        saved log-probabilities and the logits' gradients, beside the layers' kept activations)."""
         out = max(self._max_out_ps[start:stop], default=0)
         work = max(self._work_ps[start:stop], default=0)
-        return int((TRANSIENT_OUTPUTS * out + work) * mb)
+        base = int((TRANSIENT_OUTPUTS * out + work) * mb)
+        if stop < len(self._rows):
+            return base
+        return max(base, int(self.est.loss_bytes(int(mb))))
 
     def whole_peak(self, mb: int, accumulate: bool) -> Tuple[int, Dict[str, int]]:
         return self._whole(mb, accumulate)[:2]
