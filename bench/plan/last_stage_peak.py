@@ -4,9 +4,8 @@
         --case 'hand:gpt-1b B=16 1x8x8GiB' --role chosen --case 'hand:gpt-125m B=64 1x4x24GiB' \\
         --role best_rejected --out $OUT
 
-distmem-bench: internal - it replays fit_scale's recorded runs uncapped to read what the allocator held at the peak
-
-Each selected run of the fit at scale (a stage's spec as fit_scale ran it: ``fit_scale.gpu_run``,
+The figure it checks is ``distmem.fit``'s answer as ``fit_scale.py`` recorded it (the stage's bounded
+figure, asked of the public door); each selected run of the fit at scale (a stage's spec as fit_scale ran it: ``fit_scale.gpu_run``,
 rank 0 alone, expandable segments) runs again in this process with no cap (60 GiB) and torch's
 allocation history on. Per run: the true peak (``peak_allocated``), the figure fit planned from
 (``estimated_peak``, the bounded one), their ratio, and the live allocations at the peak grouped by
