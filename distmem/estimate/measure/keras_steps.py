@@ -28,7 +28,7 @@ from ...errors import ConfigError
 from .extrapolate import Ladder
 
 __all__ = ["keras_step_peaks", "keras_device", "keras_allocator_floor", "own_state_held_most", "TARGET_STEPS",
-           "OTHER_STEPS"]
+           "OTHER_STEPS", "TARGET_SECONDS", "TARGET_TRACES", "TRACE_STEPS"]
 
 
 def keras_device() -> str:
@@ -216,7 +216,8 @@ class _OwnTraining:
             return (x,)  # the model's own losses only (add_loss)
         return (x, _tuples(self.tf.nest.pack_sequence_as(self.structure, list(ys))))
 
-    def steps(self, xs, ys, n, dev, other) -> List[int]:
+    def steps(self, xs, ys, n, dev, other, fresh=True) -> List[int]:
+        """``n`` steps of each trace, each trace a fresh train function (``fresh``: always)."""
         tf, model = self.tf, self.model
         info = tf.config.experimental.get_memory_info
         data = self._batch(xs, ys)
@@ -227,6 +228,8 @@ class _OwnTraining:
             tf.config.experimental.reset_memory_stats(dev)
             model.train_on_batch(*data)
             seen.append(max(0, int(info(dev)["peak"]) - other))
+        if self.open_refused:  # an earlier trace found the step cannot be traced open
+            return seen
         # open: a fresh train function, fed by fit from a dataset whose batch dimension is open
         model.train_function = None
         batch = int(tf.nest.flatten(data)[0].shape[0])
@@ -331,6 +334,18 @@ def own_state_held_most(model: Any) -> int:
 TARGET_STEPS = 6
 OTHER_STEPS = 2
 
+#: After its six steps, the target batch keeps running in fresh traces (a new train function each,
+#: ``TRACE_STEPS`` steps of each trace kind) while the target's steps have taken under
+#: ``TARGET_SECONDS`` and at most ``TARGET_TRACES`` traces ran: the executor's order is drawn again
+#: with each trace, and its high mode is what a limit must hold. Where a step is cheap its peak is
+#: mostly state and update temporaries that order decides (the three-layer MLP of issue 37: 1.24 to
+#: 1.72 MB over processes, six steps in one trace reaching 1.41 MB while another process's twelve
+#: read 1.67 MB; a hundred steps over ten traces read 1.56-1.73 MB in each of twelve processes), so
+#: those get the most draws; a step that takes seconds gets its six, as before.
+TARGET_SECONDS = 3.0
+TARGET_TRACES = 16
+TRACE_STEPS = 3
+
 
 def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps: int = OTHER_STEPS,
                      target_steps: int = TARGET_STEPS, precision: Any = None, foreign: bool = True,
@@ -338,7 +353,7 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     """Allocator peaks of real training steps of ``model`` on the device TensorFlow uses here, the
     largest per batch (the first step included, as a memory limit must allow). ``batches``: a
     :class:`~distmem.estimate.measure.extrapolate.Ladder` (its target batch runs ``target_steps``
-    steps, the others ``steps``; a batch that runs out of memory ends its climb) or a list of
+    steps, then more in fresh traces while :data:`TARGET_SECONDS` allow; the others ``steps``; a batch that runs out of memory ends its climb) or a list of
     batches (``steps`` each). ``foreign``: subtract what this process held before beyond the
     most the model's own state can occupy in the allocator (:func:`own_state_held_most`: another
     model, earlier tensors), so a model measured inside a busy process reads as in a fresh one, and
@@ -404,7 +419,7 @@ def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, ot
     candidates.append(("generic (mean square of every output)", None, None))
     for what, specs, struct in candidates:
         own = _OwnTraining(model, in_specs, specs, struct, tf) if specs is not None else None
-        step = own.steps if own is not None else _generic_steps(_generic_step(model, opt, in_specs, tf), tf)
+        step = own.steps if own is not None else _generic_steps(lambda: _generic_step(model, opt, in_specs, tf), tf)
         try:
             _run(step, in_specs, specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step, np, tf)
             if own is not None and own.open_refused:
@@ -422,12 +437,17 @@ def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, ot
     raise ConfigError("no training step ran: " + "; ".join(tried))
 
 
-def _generic_steps(step, tf):
-    """``steps(xs, ys, n, dev, other)`` of the generic step: ``n`` steps fed from an iterator, as
-    ``model.fit`` feeds a batch (the element the iterator hands the step is the step's)."""
+def _generic_steps(make, tf):
+    """``steps(xs, ys, n, dev, other, fresh=False)`` of the generic step: ``n`` steps fed from an
+    iterator, as ``model.fit`` feeds a batch (the element the iterator hands the step is the step's);
+    one trace serves every batch, ``fresh`` traces it again (``make()``: a new step)."""
     info = tf.config.experimental.get_memory_info
+    made = [make()]
 
-    def steps(xs, ys, n, dev, other):
+    def steps(xs, ys, n, dev, other, fresh=False):
+        if fresh:
+            made[0] = make()
+        step = made[0]
         batches_of = iter(tf.data.Dataset.from_tensors((tuple(xs), tuple(ys))).repeat())
         seen: List[int] = []
         for _ in range(max(1, n)):
@@ -456,9 +476,15 @@ def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev,
             return
         xs = [tf.constant(a) for a in _inputs(in_specs, int(b), np)]
         ys = [tf.constant(a) for a in _labels(label_specs, int(b), np)] if label_specs is not None else []
-        n = target_steps if ladder is not None and int(b) == ladder.target else steps
+        target = ladder is not None and int(b) == ladder.target
+        n = target_steps if target else steps
         try:
+            t0 = time.time()
             seen = step(xs, ys, n, dev, other)
+            traces = 1
+            while target and time.time() - t0 < TARGET_SECONDS and traces < TARGET_TRACES:
+                seen = seen + step(xs, ys, TRACE_STEPS, dev, other, fresh=True)
+                traces += 1
         except tf.errors.ResourceExhaustedError as exc:
             if ladder is None:
                 raise
