@@ -117,6 +117,36 @@ def test_the_ladder_climbs_to_what_fits_and_keeps_three_points():
     assert order == [2, 4, 8] and "out of memory" in lad.refused[16]
 
 
+def test_a_cheap_target_is_drawn_again_in_fresh_traces(monkeypatch):
+    """The target batch's steps go on in fresh traces while they are cheap (the executor's order is
+    drawn again with each trace; its high mode is what a limit must hold), its peak the worst of all;
+    the other batches of the ladder, and a target whose first steps took the budget, run once."""
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+    from distmem.estimate.measure import keras_steps as S
+    calls = []
+
+    def step(xs, ys, n, dev, other, fresh=False):
+        calls.append((int(xs[0].shape[0]), n, fresh))
+        return [1000 * len(calls)] * n
+
+    def run():
+        calls.clear()
+        peaks, per = {}, {}
+        S._run(step, [([4], "float32")], None, Ladder(16, memory_bytes=10 ** 12, predict_high=lambda b: 0), None,
+               S.OTHER_STEPS, S.TARGET_STEPS, "CPU:0", 0, peaks, per, np, tf)
+        return peaks, per
+    peaks, per = run()
+    at16 = [c for c in calls if c[0] == 16]
+    assert at16[0] == (16, S.TARGET_STEPS, False) and len(at16) == S.TARGET_TRACES
+    assert all(c == (16, S.TRACE_STEPS, True) for c in at16[1:])
+    assert [c for c in calls if c[0] != 16] == [(4, S.OTHER_STEPS, False), (8, S.OTHER_STEPS, False)]
+    assert peaks[16] == 1000 * S.TARGET_TRACES and len(per[16]) == S.TARGET_STEPS + S.TRACE_STEPS * (S.TARGET_TRACES - 1)
+    monkeypatch.setattr(S, "TARGET_SECONDS", 0.0)  # the first steps took the budget
+    peaks, per = run()
+    assert [c[0] for c in calls] == [16, 4, 8] and len(per[16]) == S.TARGET_STEPS
+
+
 def _table(peak_fn, framework="keras"):
     rows = [LayerEstimate("d", "Dense", params=100, param_bytes=400, grad_bytes=400, optimizer_bytes=800,
                           activation_bytes_per_sample=10, output_bytes_per_sample=4)]
