@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -243,8 +244,6 @@ def read(path: str) -> List[Dict[str, Any]]:
 
 
 def _up(x: float, step: float = 0.005) -> float:
-    import math
-
     return round(math.ceil(x / step - 1e-9) * step, 4)
 
 
@@ -268,8 +267,6 @@ def bounded_figure(ln: Dict[str, Any], ratio: Optional[float] = None) -> int:
     recorded before the bound existed (no ``figure``, or ``"point"``) holds fit's point figure, whose
     bounded figure is the point x the modelled path's bound (``ratio``, :func:`modelled_bound_ratio`):
     fit_scale asks fit on the meta device (``estimate="model"``)."""
-    import math
-
     if ln.get("figure", "point") == "bounded":
         return int(ln["estimated_peak"])
     return int(math.ceil(ln["estimated_peak"] * (ratio or modelled_bound_ratio())))

@@ -353,8 +353,8 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
     """Allocator peaks of real training steps of ``model`` on the device TensorFlow uses here, the
     largest per batch (the first step included, as a memory limit must allow). ``batches``: a
     :class:`~distmem.estimate.measure.extrapolate.Ladder` (its target batch runs ``target_steps``
-    steps, then more in fresh traces while :data:`TARGET_SECONDS` allow; the others ``steps``; a batch that runs out of memory ends its climb) or a list of
-    batches (``steps`` each). ``foreign``: subtract what this process held before beyond the
+    steps, then more in fresh traces while :data:`TARGET_SECONDS` allow; the others ``steps``; a
+    batch that runs out of memory ends its climb) or a list of batches (``steps`` each). ``foreign``: subtract what this process held before beyond the
     most the model's own state can occupy in the allocator (:func:`own_state_held_most`: another
     model, earlier tensors), so a model measured inside a busy process reads as in a fresh one, and
     one measured where it was just built (nothing else alive) reads as the allocator's own peak.
@@ -442,12 +442,12 @@ def _generic_steps(make, tf):
     iterator, as ``model.fit`` feeds a batch (the element the iterator hands the step is the step's);
     one trace serves every batch, ``fresh`` traces it again (``make()``: a new step)."""
     info = tf.config.experimental.get_memory_info
-    made = [make()]
+    step = make()
 
     def steps(xs, ys, n, dev, other, fresh=False):
+        nonlocal step
         if fresh:
-            made[0] = make()
-        step = made[0]
+            step = make()
         batches_of = iter(tf.data.Dataset.from_tensors((tuple(xs), tuple(ys))).repeat())
         seen: List[int] = []
         for _ in range(max(1, n)):
