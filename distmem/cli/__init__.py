@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..console import say_back, show_progress
 from ..errors import DistmemError
-from .checks import did_you_mean, stop_children
+from .checks import did_you_mean, forget_caught_interrupt, from_interrupt, stop_children
 
 __all__ = ["main", "SUBCOMMANDS", "stop_children"]
 
@@ -235,19 +235,33 @@ def main(argv: Optional[List[str]] = None) -> int:
             show_progress(None)
             say_back(name)  # sizes read in decimal units, said before the error line or after the result
     except DistmemError as exc:
+        if from_interrupt(exc):  # an error that a Ctrl-C caused (a model's import it stopped)
+            return _interrupted(name)
         _say(f"{name}: error: {exc}")  # the API's own words: every door says the same
         return 1
     except KeyboardInterrupt:
-        stopped = stop_children()
-        _say(f"{name}: interrupted" + (f"; stopped {len(stopped)} child process(es) it started" if stopped else ""))
-        return 130
+        return _interrupted(name)
     except BrokenPipeError:
         # `distmem report --json | head`: the reader left; say nothing more (and not again at exit).
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except OSError as exc:
+        if from_interrupt(exc):
+            return _interrupted(name)
         # A file the command was given and could not use, found only while working: one line, the path.
         what = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
         _say(f"{name}: error: {what}")
         return 1
+    except Exception as exc:
+        if from_interrupt(exc):  # Ctrl-C wrapped by what it stopped (Python 3.11: a class being made)
+            return _interrupted(name)
+        raise
+
+
+def _interrupted(name: str) -> int:
+    """Ctrl-C: every child process this one started stopped, one line, status 130."""
+    stopped = stop_children()
+    _say(f"{name}: interrupted" + (f"; stopped {len(stopped)} child process(es) it started" if stopped else ""))
+    forget_caught_interrupt()
+    return 130
