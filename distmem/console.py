@@ -12,7 +12,8 @@ from typing import IO, Any, List, Optional, Sequence
 from . import settings
 from .units import said_back
 
-__all__ = ["say", "say_back", "progress", "show_progress", "echo", "text_table", "format_warning"]
+__all__ = ["say", "say_back", "progress", "show_progress", "echo", "text_table", "format_warning", "from_interrupt",
+           "forget_caught_interrupt"]
 
 _progress: Optional[str] = None  # the command whose stages are said (None: a library call, silent)
 
@@ -105,6 +106,35 @@ def format_warning(message: Any, category: Any, filename: str, lineno: int, line
     if text.startswith("distmem"):
         return "warning: " + " ".join(text.split()) + "\n"
     return _python_format(message, category, filename, lineno, line)
+
+
+def from_interrupt(exc: BaseException) -> bool:
+    """True for a Ctrl-C however it reached here: a ``KeyboardInterrupt``, or an error raised because
+    of one (``__cause__`` / ``__context__``: Python 3.11 turns a KeyboardInterrupt raised while a class
+    is being made into ``RuntimeError: Error calling __set_name__``, and an import it stopped may end
+    in an ``ImportError``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def forget_caught_interrupt() -> None:
+    """Let a process that handled Ctrl-C end with the status it returns (130), not by SIGINT.
+
+    CPython marks a KeyboardInterrupt as unhandled whenever one leaves code run by ``PyRun_String``
+    (what a C extension's embedded Python does: pybind11's ``exec``, which ``import torch`` reaches),
+    even when Python code catches it later; ``python -m`` then ends the process by SIGINT after it
+    finalises (status -2, not 130). Every such run clears the mark first, so an empty one clears it.
+    Nothing happens where ``ctypes`` or the C API is not there."""
+    try:
+        import ctypes
+        ctypes.pythonapi.PyRun_SimpleString(b"")
+    except Exception:  # noqa: BLE001 - another interpreter: no such mark to clear
+        pass
 
 
 if getattr(warnings.formatwarning, "__module__", None) != __name__:

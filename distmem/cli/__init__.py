@@ -13,9 +13,9 @@ import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from ..console import say_back, show_progress
+from ..console import forget_caught_interrupt, from_interrupt, say_back, show_progress
 from ..errors import DistmemError
-from .checks import did_you_mean, forget_caught_interrupt, from_interrupt, stop_children
+from .checks import did_you_mean, stop_children
 
 __all__ = ["main", "SUBCOMMANDS", "stop_children"]
 

@@ -23,11 +23,12 @@ import tempfile
 import time
 from typing import Callable, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
+from ..console import forget_caught_interrupt, from_interrupt
 from ..errors import ConfigError
 
 __all__ = ["at_least", "positive_number", "input_file", "output_file", "did_you_mean", "k8s_name",
            "k8s_quantity", "where", "rank_step", "parse_example", "run_example",
-           "stop_children", "from_interrupt", "forget_caught_interrupt"]
+           "stop_children"]
 
 
 def at_least(minimum: int = 1) -> Callable[[str], int]:
@@ -179,35 +180,6 @@ def run_example(main: Callable[[], Optional[int]], prog: Optional[str] = None) -
         forget_caught_interrupt()
         code = 130
     sys.exit(code or 0)
-
-
-def from_interrupt(exc: BaseException) -> bool:
-    """True for a Ctrl-C however it reached here: a ``KeyboardInterrupt``, or an error raised because
-    of one (``__cause__`` / ``__context__``: Python 3.11 turns a KeyboardInterrupt raised while a class
-    is being made into ``RuntimeError: Error calling __set_name__``, and an import it stopped may end
-    in an ``ImportError``)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def forget_caught_interrupt() -> None:
-    """Let a process that handled Ctrl-C end with the status it returns (130), not by SIGINT.
-
-    CPython marks a KeyboardInterrupt as unhandled whenever one leaves code run by ``PyRun_String``
-    (what a C extension's embedded Python does: pybind11's ``exec``, which ``import torch`` reaches),
-    even when Python code catches it later; ``python -m`` then ends the process by SIGINT after it
-    finalises (status -2, not 130). Every such run clears the mark first, so an empty one clears it.
-    Nothing happens where ``ctypes`` or the C API is not there."""
-    try:
-        import ctypes
-        ctypes.pythonapi.PyRun_SimpleString(b"")
-    except Exception:  # noqa: BLE001 - another interpreter: no such mark to clear
-        pass
 
 
 def _line(text: str) -> None:

@@ -13,7 +13,7 @@ import sys
 import warnings
 from typing import List, Optional, Sequence
 
-from ..console import say_back
+from ..console import forget_caught_interrupt, from_interrupt, say_back
 from ..errors import DistmemError
 from ..units import format_bytes
 from .loader import load_model, parse_shape
@@ -182,11 +182,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return run(parser.parse_args(argv))
     except DistmemError as exc:
-        sys.stderr.write(f"distmem estimate: error: {exc}\n")
-        return 1
+        if not from_interrupt(exc):
+            sys.stderr.write(f"distmem estimate: error: {exc}\n")
+            return 1
+    except Exception as exc:
+        if not from_interrupt(exc):
+            raise
     except KeyboardInterrupt:
-        sys.stderr.write("distmem estimate: interrupted\n")
-        return 130
+        pass
+    sys.stderr.write("distmem estimate: interrupted\n")
+    forget_caught_interrupt()
+    return 130
 
 
 if __name__ == "__main__":

@@ -157,12 +157,14 @@ _STOPPED_AT = {
 }
 
 
+@pytest.mark.parametrize("door", ["distmem", "distmem.estimate.cli"])
 @pytest.mark.parametrize("where", sorted(_STOPPED_AT))
-def test_ctrl_c_inside_the_work_ends_in_one_line_and_status_130(where, tmp_path):
+def test_ctrl_c_inside_the_work_ends_in_one_line_and_status_130(where, door, tmp_path):
     (tmp_path / "stopped_model.py").write_text(_STOPPED_AT[where])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), DISTMEM_QUIET="1",
                DISTMEM_ESTIMATE_IN_PROCESS="1")  # the factory runs in this process, as torch specs do
-    done = subprocess.run([sys.executable, "-m", "distmem", "estimate", "--model", "stopped_model:build",
+    done = subprocess.run([sys.executable, "-m", door, *(["estimate"] if door == "distmem" else []),
+                           "--model", "stopped_model:build",
                            "--batch-size", "8", "--input-shape", "16"], cwd=str(tmp_path), env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
