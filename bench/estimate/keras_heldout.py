@@ -199,7 +199,7 @@ def again_files(path: str) -> List[str]:
 def scored_rows(path: str) -> List[Dict[str, Any]]:
     """``path``'s lines as scored: a case's reference is the worst over every run that measured it
     (``path`` and :func:`again_files`), the level a job running many steps meets, not one process's
-    draw of the executor's order (one process's reference moves by up to 20% in the next,
+    draw of the executor's order (one process's reference moves by up to 22% in the next,
     ``estimate_keras_heldout_reference_repeat_*.json``); each figure's error against that."""
     got = _done(path)
     runs = again_files(path)

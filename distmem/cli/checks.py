@@ -169,16 +169,17 @@ def run_example(main: Callable[[], Optional[int]], prog: Optional[str] = None) -
     name = prog or os.path.basename(sys.argv[0] or "example")
     try:
         code = main()
-    except DistmemError as exc:
-        _line(f"{name}: error: {exc}")
-        code = 1
-    except BaseException as exc:  # noqa: BLE001 - only a Ctrl-C, however wrapped, is handled here
-        if not from_interrupt(exc):
+    except BaseException as exc:  # noqa: BLE001 - a Ctrl-C however wrapped, and distmem's own errors
+        if from_interrupt(exc):
+            stop_children()
+            _line(f"{name}: interrupted")
+            forget_caught_interrupt()
+            code = 130
+        elif isinstance(exc, DistmemError):
+            _line(f"{name}: error: {exc}")
+            code = 1
+        else:
             raise
-        stop_children()
-        _line(f"{name}: interrupted")
-        forget_caught_interrupt()
-        code = 130
     sys.exit(code or 0)
 
 
