@@ -29,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _COMMENT = "distmem security test (pid {pid})"
 _NAME = re.compile(r"^dms[0-9a-f]{6}[va]$")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The session folders of a user's MPI singletons (:meth:`Users.env`): ``/tmp/PREFIX<uid>-<random>``.
+OMPI_TMP_PREFIX = "dms-ompi-"
 
 
 def unavailable() -> Optional[str]:
@@ -102,6 +104,9 @@ class Users:
             shutil.rmtree(user.home, ignore_errors=True)
             for folder in (f"/dev/shm/distmem-layout-{user.uid}", f"/tmp/distmem-layout-{user.uid}"):
                 shutil.rmtree(folder, ignore_errors=True)
+            for entry in os.listdir("/tmp"):
+                if entry.startswith(f"{OMPI_TMP_PREFIX}{user.uid}-"):
+                    shutil.rmtree(os.path.join("/tmp", entry), ignore_errors=True)
 
     def _needs_read_capability(self) -> bool:
         probe = subprocess.run(self._prefix(self.victim, False) + [sys.executable, "-c", "import numpy"],
@@ -120,6 +125,12 @@ class Users:
         env = {"PATH": SYSTEM_PATH, "HOME": user.home, "USER": user.name, "LOGNAME": user.name, "LANG": "C.UTF-8",
                "PYTHONPATH": ROOT, "PYTHONDONTWRITEBYTECODE": "1", "DISTMEM_QUIET": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
         env.update(extra or {})
+        if "OMPI_COMM_WORLD_RANK" in env and "OMPI_MCA_orte_tmpdir_base" not in env:
+            # A rank given Open MPI's variables without mpirun starts MPI as a singleton, and two
+            # singletons of a new user started together race to make /tmp/ompi.HOST.UID (Open MPI
+            # 4.1: "mkdir ... File exists", orte_init fails): each gets a session folder of its own,
+            # removed with the user (:meth:`remove`).
+            env["OMPI_MCA_orte_tmpdir_base"] = f"/tmp/{OMPI_TMP_PREFIX}{user.uid}-{uuid.uuid4().hex[:8]}"
         return env
 
     def python(self, user: User, code: str, *args: str, env: Optional[Mapping[str, str]] = None,
