@@ -181,18 +181,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))
-    except DistmemError as exc:
-        if not from_interrupt(exc):
+    except BaseException as exc:  # noqa: BLE001 - a Ctrl-C however wrapped, and distmem's own errors
+        if from_interrupt(exc):
+            sys.stderr.write("distmem estimate: interrupted\n")
+            forget_caught_interrupt()
+            return 130
+        if isinstance(exc, DistmemError):
             sys.stderr.write(f"distmem estimate: error: {exc}\n")
             return 1
-    except Exception as exc:
-        if not from_interrupt(exc):
-            raise
-    except KeyboardInterrupt:
-        pass
-    sys.stderr.write("distmem estimate: interrupted\n")
-    forget_caught_interrupt()
-    return 130
+        raise
 
 
 if __name__ == "__main__":
