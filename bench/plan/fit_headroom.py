@@ -29,6 +29,13 @@ modelled path's margin), the figure fit plans from now (``need_over_point`` keep
 The rule is read from the ``fit`` half (fit_scale.half_of: by model, CRC-32) and checked on the
 ``held_out`` half. One JSON line at the end: the headroom the fit half needs, the held-out ranks it
 does not cover, beside the headroom in force.
+
+``run --ratios 1.005,1.015,... --skip-done EARLIER.jsonl``: finer ratios, only those inside each rank's
+bracket (between the largest it ran out under and the smallest it trained under).
+``summarize --figures-from FIT_SCALE.jsonl``: each rank priced by the figure fit gives it in a later
+fit_scale run (the same layout asked again), not the one recorded when it first ran. A rank out of
+memory under every ratio tried has no need, only one it is known to exceed (``need_above``), which the
+rule counts. The rule in force came from both (bench/results/fit_headroom_h200_fine2_summary.json).
 """
 from __future__ import annotations
 
@@ -159,7 +166,7 @@ def after(jobs: List[Dict[str, Any]], rows: List[Dict[str, Any]], done: List[Dic
 def run(args: argparse.Namespace) -> str:
     records = fs.read_records(args.from_)
     rows = ranks(records, args.per_model)[: args.max_specs or None]
-    jobs = jobs_of(rows)
+    jobs = jobs_of(rows, tuple(float(x) for x in args.ratios.split(",")) if args.ratios else RATIOS)
     done = read(args.skip_done) if args.skip_done else []
     if done:
         jobs = after(jobs, rows, done)
@@ -227,7 +234,7 @@ def run(args: argparse.Namespace) -> str:
                 out.flush()
                 written += 1
                 r = line["result"]
-                log(f"{row['case'][:60]} {row['role']} x{job['ratio']:.2f}: "
+                log(f"{row['case'][:60]} {row['role']} x{_fmt(job['ratio'])}: "
                     + ("OOM" if r["oom"] else ("error " + str(r["error"])[:120]) if r["oom"] is None else "trained")
                     + f" ({written}/{len(jobs)})")
     log(f"{written} runs of {len(jobs)} in {time.time() - T0:.0f} s -> {path}")
@@ -241,6 +248,24 @@ def run(args: argparse.Namespace) -> str:
 def read(path: str) -> List[Dict[str, Any]]:
     with open(path) as f:
         return [json.loads(x) for x in f if x.strip()]
+
+
+def _fmt(x: float) -> str:
+    """A ratio as the rows name it: two decimals, three where it has them (1.02, 1.025)."""
+    return f"{x:.2f}" if abs(round(x, 2) - x) < 1e-9 else f"{x:.3f}"
+
+
+def figures_of(path: str) -> Dict[Tuple[Any, ...], Tuple[int, str]]:
+    """Per rank (:func:`_key`) the figure fit gave it in a fit_scale run (``estimated_peak`` and
+    which figure it is): a rank asked again after the estimator changed is priced as fit prices it
+    now, not by the figure recorded when it was first run."""
+    out: Dict[Tuple[Any, ...], Tuple[int, str]] = {}
+    for rec in fs.read_records(path):
+        for run in rec.get("runs", []):
+            spec = run["spec"]
+            if spec.get("estimated_peak"):
+                out[_key(spec)] = (int(spec["estimated_peak"]), figure_of(rec, spec))
+    return out
 
 
 def _up(x: float, step: float = 0.005) -> float:
@@ -273,15 +298,20 @@ def bounded_figure(ln: Dict[str, Any], ratio: Optional[float] = None) -> int:
 
 
 def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
-              budget_s: Optional[float] = None) -> Dict[str, Any]:
+              budget_s: Optional[float] = None,
+              figures: Optional[Dict[Tuple[Any, ...], Tuple[int, str]]] = None) -> Dict[str, Any]:
     """Per rank the smallest ratio it trained under (a ratio counts only when every larger ratio
     measured trained too) and the headroom over the bounded figure fit plans from that it needed;
-    the rule from the fit half, checked on the held-out half."""
+    the rule from the fit half, checked on the held-out half. ``figures`` (:func:`figures_of`): the
+    figure each rank has now, where a later run asked it again."""
     per: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
-    ratio = modelled_bound_ratio() if any(ln.get("figure", "point") != "bounded" for ln in lines) else None
+    if figures:
+        lines = [dict(ln, estimated_peak=figures[tuple(ln["key"])][0], figure=figures[tuple(ln["key"])][1],
+                      figure_from="asked again") if tuple(ln["key"]) in figures else ln for ln in lines]
+    ratio = modelled_bound_ratio() if lines else None
     for ln in lines:
         k = tuple(ln["key"])
-        p = per.setdefault(k, {"case": ln["case"], "role": ln["role"], "half": ln["half"], "model": ln["model"],
+        p = per.setdefault(k, {"figure_from": ln.get("figure_from", "first run"), "case": ln["case"], "role": ln["role"], "half": ln["half"], "model": ln["model"],
                                "true_peak": ln["true_peak"], "estimated_peak": ln["estimated_peak"],
                                "figure": ln.get("figure", "point"), "bounded_peak": bounded_figure(ln, ratio), "runs": {}})
         r = ln["result"]
@@ -297,11 +327,16 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
             if runs[x] != "trained":
                 break
             min_ratio = x
-        truth_over_est = p["true_peak"] / max(1, p["estimated_peak"])
+        point = p["estimated_peak"] if p["figure"] != "bounded" else p["estimated_peak"] / ratio
+        truth_over_est = p["true_peak"] / max(1.0, point)
         truth_over_bounded = p["true_peak"] / max(1, p["bounded_peak"])
         need = None if min_ratio is None else truth_over_bounded * min_ratio - 1
         need_point = None if min_ratio is None else truth_over_est * min_ratio - 1
-        rows.append(dict(p, runs={f"{x:.2f}": v for x, v in sorted(runs.items())}, min_ratio=min_ratio,
+        # a rank that ran out under every ratio tried says nothing about a rule whose limit is above
+        # them all: its need is only known to exceed the largest (over the bounded figure)
+        need_above = None if min_ratio is not None else round(truth_over_bounded * measured[-1] - 1, 4)
+        rows.append(dict(p, runs={_fmt(x): v for x, v in sorted(runs.items())}, min_ratio=min_ratio,
+                         need_above=need_above,
                          truth_over_estimate=round(truth_over_est, 4),
                          truth_over_bounded=round(truth_over_bounded, 4),
                          need=None if need is None else round(need, 4),
@@ -314,6 +349,7 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
         needs = [r["need"] for r in hr if r["need"] is not None]
         return {"ranks": len(hr), "trained_at_1.00": sum(1 for r in hr if r["runs"].get("1.00") == "trained"),
                 "none_trained": [r["case"] + " " + r["role"] for r in hr if r["none_trained"]],
+                "none_trained_need_above_max": max((r["need_above"] for r in hr if r["none_trained"]), default=None),
                 "min_ratio_max": max(mins) if mins else None,
                 "allocator_slack_max": round(max(mins) - 1, 4) if mins else None,
                 "need_max": max(needs) if needs else None,
@@ -325,11 +361,19 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
     fit, held = half("fit"), half("held_out")
     rule = None
     if fit["need_max"] is not None:
-        rule = _up(max(fit["need_max"], 0.0) + 0.005)  # half a point over the worst need, to the half point
+        # half a point over the worst need, to the half point; a fit rank out of memory under every
+        # ratio tried counts with the need it is known to exceed
+        worst = max(fit["need_max"], fit["none_trained_need_above_max"] if fit["none_trained"] else -1.0, 0.0)
+        rule = _up(worst + 0.005)
     held_rows = [r for r in rows if r["half"] == "held_out" and r["need"] is not None]
     uncovered = [f"{r['case']} {r['role']}: needs {r['need']:+.2%}" for r in held_rows if rule is not None
                  and r["need"] > rule]
-    return {"bench": "fit_headroom", "ratios": list(RATIOS), "ranks": len(rows), "runs": len(lines),
+    # held-out ranks out of memory under every ratio tried: uncovered where that already proves a need
+    # at or above the rule
+    uncovered += [f"{r['case']} {r['role']}: needs over {r['need_above']:+.2%}" for r in rows
+                  if r["half"] == "held_out" and r["none_trained"] and rule is not None and r["need_above"] >= rule]
+    return {"bench": "fit_headroom", "ratios": sorted({ln["ratio"] for ln in lines}), "ranks": len(rows),
+            "runs": len(lines), "figures_asked_again": sum(1 for r in rows if r["figure_from"] == "asked again"),
             "fit": fit, "held_out": held, "headroom_in_force": in_force(lines),
             "headroom_from_fit_half": rule,
             "over": "the bounded (high) figure fit plans from: the point figure x (1 + its path's under margin)",
@@ -369,6 +413,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--name", default=NAME)
     ap.add_argument("--skip-done", default=None, metavar="FILE", help="run: an earlier run's .jsonl: its runs are "
                     "kept, the ranks it left unbracketed go first")
+    ap.add_argument("--ratios", default=None, help="run: the limits to try, over each rank's true peak, comma-separated "
+                    f"(default {','.join(f'{r:.2f}' for r in RATIOS)}); with --skip-done only those inside a rank's "
+                    "bracket run")
+    ap.add_argument("--figures-from", default=None, metavar="FILE", help="summarize: a later fit_scale run's .jsonl; "
+                    "each rank's figure is the one fit gives it there (the same layout), where it was asked again")
     ap.add_argument("--per-model", type=int, default=3, help="ranks per model at most (default 3)")
     ap.add_argument("--max-specs", type=int, default=0, help="only the first N ranks")
     ap.add_argument("--workers", type=int, default=10)
@@ -380,7 +429,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.mode == "summarize":
         lines = [x for p in a.files for x in read(p)]
-        s = summarize(lines)
+        s = summarize(lines, figures=figures_of(a.figures_from) if a.figures_from else None)
         if a.summary_out:
             with open(a.summary_out, "w") as f:
                 json.dump(s, f, indent=1)

@@ -501,12 +501,19 @@ def _candidate(cand: Any, stage: Any) -> Dict[str, Any]:
             "outside_parts": parts, "outside_nccl": int(nccl)}
 
 
+#: ``run --headroom H``: every case asked as ``fit(..., headroom=H)`` (a headroom on trial, beside the
+#: default in force); the askers read it from the environment
+HEADROOM_ENV = "FIT_SCALE_HEADROOM"
+
+
 def _fit_kwargs(case: Case, estimate: str) -> Dict[str, Any]:
     m = MODELS[case.model]
     kw: Dict[str, Any] = dict(global_batch_size=case.batch, gpus=case.fleet, hosts=case.hosts,
                               precision=case.precision, estimate=estimate, top=3, rejected=8)
     if case.shardings != "auto":
         kw["shardings"] = case.shardings
+    if os.environ.get(HEADROOM_ENV):
+        kw["headroom"] = float(os.environ[HEADROOM_ENV])  # fit(headroom=...): a rule on trial
     if not m.sequential:
         kw["pipelines"] = [1]  # its children do not run in sequence: data parallel, sharded or not
     if m.kind in ("image", "vector"):
@@ -1434,8 +1441,8 @@ def coordinate(args: argparse.Namespace) -> Dict[str, Any]:
             if args.cpu:
                 specs = [dict(sp, device="cpu", micro_batch=1, accumulation=min(2, sp["accumulation"]), steps=1)
                          for sp in specs]
-            open_cases[i] = {"case": c.id, "order": i, "tag": args.tag, "answer": answer, "runs": [],
-                             "left": len(specs)}
+            open_cases[i] = {"case": c.id, "order": i, "tag": args.tag, "headroom": args.headroom, "answer": answer,
+                             "runs": [], "left": len(specs)}
             for k, s in enumerate(specs):
                 pending.append(Job((i, k), s, job_need(s), now))
             pending.sort(key=lambda j: j.order)
@@ -1518,7 +1525,8 @@ def selected(args: argparse.Namespace) -> List[Case]:
     ``--redo FILE``: FILE's cases that count against the targets (:func:`to_redo`), then the first
     ``--new`` cases FILE does not hold."""
     cases = [c for c in order_cases(all_cases(getattr(args, "set", "scale")))
-             if not args.only or re.search(args.only, c.id)]
+             if (not args.only or re.search(args.only, c.id))
+             and getattr(args, "half", "all") in ("all", half_of(c.model))]
     if getattr(args, "redo", None):
         earlier = read_records(args.redo)
         again, held = to_redo(earlier), {r["case"] for r in earlier}
@@ -1651,6 +1659,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--set", default="scale", choices=SETS, help="the cases: scale (default, 200+) or pairs (the "
                     "(model, fleet) pairs of bench/plan/fit.py, results fit_h200.json)")
     ap.add_argument("--max-cases", type=int, default=0, help="only the first N cases in running order")
+    ap.add_argument("--half", default="all", choices=["all", "fit", "held_out"], help="only the cases of one half "
+                    "(half_of: by model): a rule fitted on one half is run on the other")
+    ap.add_argument("--headroom", type=float, default=None, help="run: ask fit(..., headroom=H) instead of the "
+                    "default in force (a rule on trial; recorded in every record)")
     ap.add_argument("--only", default=None, metavar="REGEX", help="only the cases whose id matches")
     ap.add_argument("--workers", type=int, default=9, help="runs at once on the GPU (default 9)")
     ap.add_argument("--askers", type=int, default=6, help="processes asking fit at once (default 6)")
@@ -1701,6 +1713,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("run needs --budget-s SECONDS (the device time this run may take)")
     if not a.out:
         ap.error("run needs --out FOLDER (or $OUT)")
+    if a.headroom is not None:
+        os.environ[HEADROOM_ENV] = repr(float(a.headroom))
     if a.redo and a.skip_done:
         ap.error("--redo and --skip-done: give one (--redo writes this run's cases alone; --skip-done copies the "
                  "earlier file's cases first)")

@@ -227,3 +227,51 @@ def test_a_pipeline_stage_before_the_last_trains_under_float16_loss_scaling():
     finally:
         os.environ.pop(fs.SMOKE_SEQ_ENV, None)
     assert r["oom"] is False and r["error"] is None, r
+
+
+def test_a_rule_on_trial_is_asked_of_one_half_through_fits_own_argument(monkeypatch):
+    """``run --half held_out --headroom H``: the held-out half's cases alone, each asked as
+    ``fit(..., headroom=H)`` (the askers are other processes: the environment carries it); without
+    it fit's default is left alone."""
+    base = dict(only=None, max_cases=0, redo=None, set="scale")
+    held = fs.selected(argparse.Namespace(half="held_out", **base))
+    fit = fs.selected(argparse.Namespace(half="fit", **base))
+    every = fs.selected(argparse.Namespace(half="all", **base))
+    assert held and fit and len(held) + len(fit) == len(every)
+    assert {fs.half_of(c.model) for c in held} == {"held_out"} and {fs.half_of(c.model) for c in fit} == {"fit"}
+    monkeypatch.delenv(fs.HEADROOM_ENV, raising=False)
+    assert "headroom" not in fs._fit_kwargs(held[0], "model")
+    monkeypatch.setenv(fs.HEADROOM_ENV, "0.01")
+    assert fs._fit_kwargs(held[0], "model")["headroom"] == 0.01
+
+
+def test_the_headroom_bench_prices_each_rank_as_fit_prices_it_now(tmp_path, monkeypatch):
+    """fit_headroom's need is over the figure fit plans from: a rank asked again by a later fit_scale
+    run (the same layout) takes that run's figure, not the one recorded when it was first run; the
+    finer ratios keep their three decimals."""
+    spec_ = importlib.util.spec_from_file_location("fit_headroom", os.path.join(ROOT, "bench", "plan", "fit_headroom.py"))
+    fh = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(fh)
+    monkeypatch.setattr(fh, "modelled_bound_ratio", lambda: 1.03)
+    s0 = dict(spec(), micro_batch=8, accumulation=1, shard="", world=4, pipeline=1, schedule=None,
+              recompute=False, first_block=0, stop_block=3, in_flight=1)
+    key = list(fh._key(s0))
+
+    def line(ratio, oom):
+        return {"case": "c", "role": "chosen", "half": "fit", "model": "tv:vgg16", "key": key, "ratio": ratio,
+                "true_peak": 100 * MiB, "estimated_peak": 90 * MiB, "figure": "point", "planned_bytes": 95 * MiB,
+                "result": {"oom": oom}}
+
+    lines = [line(1.00, True), line(1.005, True), line(1.015, False), line(1.02, False)]
+    first = fh.summarize(lines)["rows"][0]
+    assert first["min_ratio"] == 1.015 and set(first["runs"]) == {"1.00", "1.005", "1.015", "1.02"}
+    assert first["need"] == round(100 / (90 * 1.03) * 1.015 - 1, 4) and first["figure_from"] == "first run"
+    later = tmp_path / "later.jsonl"
+    later.write_text(json.dumps({"case": "c", "runs": [{"spec": dict(s0, estimated_peak=103 * MiB, figure="bounded"),
+                                                        "result": {}, "verdict": {}}]}) + "\n")
+    again = fh.summarize(lines, figures=fh.figures_of(str(later)))
+    row = again["rows"][0]
+    assert row["figure_from"] == "asked again" and again["figures_asked_again"] == 1
+    assert row["need"] == round(100 / 103 * 1.015 - 1, 4)  # over the bounded figure fit gives now
+    assert row["need_over_point"] == round(100 / (103 / 1.03) * 1.015 - 1, 4)
+    assert again["ratios"] == [1.0, 1.005, 1.015, 1.02]
