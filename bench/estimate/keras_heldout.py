@@ -387,36 +387,46 @@ def margins(rows: List[Dict[str, Any]], fit_also: Optional[List[List[Dict[str, A
     return out
 
 
-def repeat(first: List[Dict[str, Any]], again: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The reference measured again in fresh processes (``again``) against the first run's
-    (``first``), case by case: how far one process's worst step moves between processes, beside the
-    default estimate's error against the first reference on the same cases. The second is no better
-    than the first can be reproduced."""
+def repeat(first: List[Dict[str, Any]], again: List[Dict[str, Any]], part: str = "reference") -> Dict[str, Any]:
+    """A part measured again in fresh processes (``again``) against the first run's (``first``),
+    case by case. ``part="reference"``: how far one process's worst step moves between processes,
+    beside the default estimate's error against the first reference on the same cases (the second is
+    no better than the first can be reproduced). ``part="default"``: how far the default estimate's
+    own figure moves between processes (same code), and its error in each run against the first
+    reference."""
+    key = "reference" if part == "reference" else "figure"
     refs = {r["id"]: r for r in first if r["part"] == "reference" and "reference" in r}
-    more = {r["id"]: r for r in again if r["part"] == "reference" and "reference" in r}
+    firsts = {r["id"]: r for r in first if r["part"] == part and key in r}
+    more = {r["id"]: r for r in again if r["part"] == part and key in r}
     est = {r["id"]: r for r in first if r["part"] == "default" and "figure" in r}
-    ids = sorted(i for i in more if i in refs)
-    out: Dict[str, Any] = {"cases": len(ids)}
+    ids = sorted(i for i in more if i in firsts and i in refs)
+    out: Dict[str, Any] = {"cases": len(ids), "part": part}
+
+    def stats(errs: List[Any]) -> Optional[Dict[str, Any]]:
+        return ({"mean_abs": round(sum(abs(e) for e, _ in errs) / len(errs), 4), "worst": round(min(errs)[0], 4),
+                 "max": round(max(errs)[0], 4), "beyond_5_percent": sum(abs(e) > 0.05 for e, _ in errs)}
+                if errs else None)
+
     for half in ("fit", "held", "all"):
         sel = [i for i in ids if half == "all" or refs[i]["half"] == half]
-        moved = [(more[i]["reference"] / refs[i]["reference"] - 1, i) for i in sel]
+        moved = [(more[i][key] / firsts[i][key] - 1, i) for i in sel]
         errs = [(est[i]["figure"] / refs[i]["reference"] - 1, i) for i in sel if i in est]
         if not moved:
             continue
         out[half] = {
             "cases": len(moved),
-            "reference_moved": {"mean_abs": round(sum(abs(e) for e, _ in moved) / len(moved), 4),
-                                "worst": round(min(moved)[0], 4), "worst_case": min(moved)[1],
-                                "max": round(max(moved)[0], 4), "max_case": max(moved)[1],
-                                "beyond_5_percent": sum(abs(e) > 0.05 for e, _ in moved)},
-            "default_error": ({"mean_abs": round(sum(abs(e) for e, _ in errs) / len(errs), 4),
-                               "worst": round(min(errs)[0], 4), "max": round(max(errs)[0], 4),
-                               "beyond_5_percent": sum(abs(e) > 0.05 for e, _ in errs)} if errs else None),
+            f"{part}_moved": {"mean_abs": round(sum(abs(e) for e, _ in moved) / len(moved), 4),
+                              "worst": round(min(moved)[0], 4), "worst_case": min(moved)[1],
+                              "max": round(max(moved)[0], 4), "max_case": max(moved)[1],
+                              "beyond_5_percent": sum(abs(e) > 0.05 for e, _ in moved)},
+            "default_error": stats(errs),
             "cases_moved": {i: round(e, 4) for e, i in sorted(moved)},
         }
-        out[half]["percent"] = {"moved_mean_abs": round(100 * out[half]["reference_moved"]["mean_abs"], 1),
-                                "moved_worst": round(100 * out[half]["reference_moved"]["worst"], 1),
-                                "moved_max": round(100 * out[half]["reference_moved"]["max"], 1)}
+        if part == "default":
+            out[half]["default_again_error"] = stats([(more[i]["figure"] / refs[i]["reference"] - 1, i) for i in sel])
+        out[half]["percent"] = {"moved_mean_abs": round(100 * out[half][f"{part}_moved"]["mean_abs"], 1),
+                                "moved_worst": round(100 * out[half][f"{part}_moved"]["worst"], 1),
+                                "moved_max": round(100 * out[half][f"{part}_moved"]["max"], 1)}
     return out
 
 
@@ -444,11 +454,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.out:
         p.error("--out is required")
     if args.score and args.repeat_of:
-        got = repeat(list(_done(args.repeat_of).values()), list(_done(args.out).values()))
+        again = list(_done(args.out).values())
+        part = "reference" if any(r["part"] == "reference" for r in again) else "default"
+        got = repeat(list(_done(args.repeat_of).values()), again, part)
         every = got.get("all", {})
-        moved, err = every.get("reference_moved") or {}, every.get("default_error") or {}
-        line = {"bench": "estimate_keras_heldout_reference_repeat", "cases": got["cases"],
-                "figure": {"reference_moved_mean_abs": moved.get("mean_abs"), "worst": moved.get("worst"),
+        moved, err = every.get(f"{part}_moved") or {}, every.get("default_error") or {}
+        line = {"bench": f"estimate_keras_heldout_{part}_repeat", "cases": got["cases"],
+                "figure": {f"{part}_moved_mean_abs": moved.get("mean_abs"), "worst": moved.get("worst"),
                            "max": moved.get("max"), "beyond_5_percent": moved.get("beyond_5_percent")},
                 "peer": {"default_error_mean_abs": err.get("mean_abs"), "worst": err.get("worst"), "max": err.get("max")},
                 "ratio": round(err["mean_abs"] / moved["mean_abs"], 2) if err.get("mean_abs") and moved.get("mean_abs")
