@@ -37,7 +37,8 @@ the ``held`` half is what is reported.
 ``--score --repeat-of FIRST.jsonl --out AGAIN.jsonl``: ``AGAIN`` holds the reference part measured
 again in fresh processes (``--parts reference`` into a new file); how far each case's reference
 moved between processes, beside the default estimate's error on the same cases: the noise floor
-that any estimate is scored against.
+that any estimate is scored against. Where ``AGAIN`` holds the ``default`` part run again instead, the
+same for the estimate's own figure (``estimate_keras_heldout_default_repeat_*.json``).
 
 The margins are fitted on the fit half of every TensorFlow version run (``--fit-also``: the other
 versions' lines), so each version's summary scores its held-out half under the same margins.

@@ -308,10 +308,13 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
     if figures:
         lines = [dict(ln, estimated_peak=figures[tuple(ln["key"])][0], figure=figures[tuple(ln["key"])][1],
                       figure_from="asked again") if tuple(ln["key"]) in figures else ln for ln in lines]
+    # the modelled path's bound, read from the estimator once where a figure must be carried between
+    # point and bounded (it imports torch)
     ratio = modelled_bound_ratio() if lines else None
     for ln in lines:
         k = tuple(ln["key"])
-        p = per.setdefault(k, {"figure_from": ln.get("figure_from", "first run"), "case": ln["case"], "role": ln["role"], "half": ln["half"], "model": ln["model"],
+        p = per.setdefault(k, {"figure_from": ln.get("figure_from", "first run"), "case": ln["case"],
+                               "role": ln["role"], "half": ln["half"], "model": ln["model"],
                                "true_peak": ln["true_peak"], "estimated_peak": ln["estimated_peak"],
                                "figure": ln.get("figure", "point"), "bounded_peak": bounded_figure(ln, ratio), "runs": {}})
         r = ln["result"]

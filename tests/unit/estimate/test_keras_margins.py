@@ -82,3 +82,29 @@ def test_the_summary_reports_the_held_out_half_under_the_margins_in_the_table(so
             f"{f.name}: {recorded['held_inside']} recorded, {inside}/{len(cases)} under the table's {source} margin")
     if not got:
         pytest.skip(f"no scored held-out {source} figures under bench/results")
+
+
+def test_a_part_measured_again_is_compared_case_by_case():
+    """keras_heldout's --repeat-of: a reference measured again moves against the first reference; a
+    default estimate run again moves against the first figure, and each run's error is read against
+    the first reference (the noise floor docs/estimate.md quotes)."""
+    import importlib.util
+
+    path = RESULTS.parent / "estimate" / "keras_heldout.py"
+    spec = importlib.util.spec_from_file_location("keras_heldout_bench", path)
+    kh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kh)
+    first = [{"id": "a", "part": "reference", "half": "held", "reference": 100},
+             {"id": "a", "part": "default", "half": "held", "figure": 90},
+             {"id": "b", "part": "reference", "half": "fit", "reference": 200},
+             {"id": "b", "part": "default", "half": "fit", "figure": 210}]
+    ref = kh.repeat(first, [{"id": "a", "part": "reference", "half": "held", "reference": 110}])
+    assert ref["part"] == "reference" and ref["cases"] == 1
+    assert ref["held"]["reference_moved"]["max"] == 0.1 and ref["held"]["default_error"]["worst"] == -0.1
+    again = [{"id": "a", "part": "default", "half": "held", "figure": 81},
+             {"id": "b", "part": "default", "half": "fit", "figure": 231}]
+    got = kh.repeat(first, again, "default")
+    assert got["cases"] == 2 and got["all"]["default_moved"]["worst"] == -0.1
+    assert got["all"]["default_moved"]["worst_case"] == "a" and got["all"]["default_moved"]["max"] == 0.1
+    assert got["held"]["default_error"]["worst"] == -0.1 and got["held"]["default_again_error"]["worst"] == -0.19
+    assert got["fit"]["default_again_error"]["max"] == 0.155
