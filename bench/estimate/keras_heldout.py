@@ -416,10 +416,7 @@ def repeat(first: List[Dict[str, Any]], again: List[Dict[str, Any]], part: str =
             continue
         out[half] = {
             "cases": len(moved),
-            f"{part}_moved": {"mean_abs": round(sum(abs(e) for e, _ in moved) / len(moved), 4),
-                              "worst": round(min(moved)[0], 4), "worst_case": min(moved)[1],
-                              "max": round(max(moved)[0], 4), "max_case": max(moved)[1],
-                              "beyond_5_percent": sum(abs(e) > 0.05 for e, _ in moved)},
+            f"{part}_moved": dict(stats(moved), worst_case=min(moved)[1], max_case=max(moved)[1]),
             "default_error": stats(errs),
             "cases_moved": {i: round(e, 4) for e, i in sorted(moved)},
         }

@@ -305,6 +305,7 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
     the rule from the fit half, checked on the held-out half. ``figures`` (:func:`figures_of`): the
     figure each rank has now, where a later run asked it again."""
     per: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    recorded = lines  # what each run was planned with, as it ran (the headroom in force)
     if figures:
         lines = [dict(ln, estimated_peak=figures[tuple(ln["key"])][0], figure=figures[tuple(ln["key"])][1],
                       figure_from="asked again") if tuple(ln["key"]) in figures else ln for ln in lines]
@@ -377,7 +378,7 @@ def summarize(lines: List[Dict[str, Any]], seconds: Optional[float] = None,
                   if r["half"] == "held_out" and r["none_trained"] and rule is not None and r["need_above"] >= rule]
     return {"bench": "fit_headroom", "ratios": sorted({ln["ratio"] for ln in lines}), "ranks": len(rows),
             "runs": len(lines), "figures_asked_again": sum(1 for r in rows if r["figure_from"] == "asked again"),
-            "fit": fit, "held_out": held, "headroom_in_force": in_force(lines),
+            "fit": fit, "held_out": held, "headroom_in_force": in_force(recorded),
             "headroom_from_fit_half": rule,
             "over": "the bounded (high) figure fit plans from: the point figure x (1 + its path's under margin)",
             "held_out_covered": f"{len(held_rows) - len(uncovered)}/{len(held_rows)}",
