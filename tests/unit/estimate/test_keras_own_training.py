@@ -125,3 +125,36 @@ def test_a_step_that_needs_its_batch_known_is_measured_as_train_on_batch_runs_it
     got = keras_step_peaks(model, [4], "sgd", steps=2, input_shape=(8, 8, 3))
     assert got["peaks"][4] > 0 and got["loss"].startswith("compiled")
     assert "batch dimension known only" in got["loss"], got["loss"]
+
+
+def test_the_open_trace_is_a_second_trace_of_the_static_ones_function(monkeypatch):
+    """A job that runs ``train_on_batch`` and then ``fit`` holds both traces of one train function,
+    and its ``fit`` steps read higher than a fresh function's (the held-out VAE of
+    bench/estimate/keras_heldout.py at batch 32: 24.5-25.4 MB with a 29.2 MB step, against 23.1-24.9
+    MB), so each fresh trace's ``fit`` runs on the function its ``train_on_batch`` steps built; the
+    bug handed ``fit`` a fresh function and read the lower level."""
+    from distmem.estimate.measure.keras_steps import keras_step_peaks
+    monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
+    K, L = tf.keras, tf.keras.layers
+    seen = []
+
+    class Recorded(K.Model):
+        def train_on_batch(self, *args, **kwargs):
+            out = super().train_on_batch(*args, **kwargs)
+            seen.append(("train_on_batch", self.train_function))
+            return out
+
+        def fit(self, *args, **kwargs):
+            seen.append(("fit", self.train_function))
+            return super().fit(*args, **kwargs)
+
+    inp = K.Input((16,))
+    model = Recorded(inp, L.Dense(4)(L.Dense(32, activation="relu")(inp)))
+    model.compile("sgd", "mse")
+    got = keras_step_peaks(model, [8], "sgd", steps=2)
+    assert got["peaks"][8] > 0 and got["loss"].startswith("compiled"), got
+    fits = [i for i, (what, _) in enumerate(seen) if what == "fit"]
+    assert fits and all(i > 0 and seen[i - 1][0] == "train_on_batch" for i in fits), seen
+    for i in fits:
+        assert seen[i][1] is not None and seen[i][1] is seen[i - 1][1], \
+            f"fit ran on a function its train_on_batch steps did not build: {seen[i - 1][1]} then {seen[i][1]}"
