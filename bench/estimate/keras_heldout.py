@@ -38,7 +38,8 @@ the ``held`` half is what is reported.
 again in fresh processes (``--parts reference`` into a new file); how far each case's reference
 moved between processes, beside the default estimate's error on the same cases: the noise floor
 that any estimate is scored against. Where ``AGAIN`` holds the ``default`` part run again instead, the
-same for the estimate's own figure (``estimate_keras_heldout_default_repeat_*.json``).
+same for the estimate's own figure (``estimate_keras_heldout_default_repeat_*.json``), both runs'
+errors against each case's worst reference over every process, as ``--score`` takes it.
 
 The margins are fitted on the fit half of every TensorFlow version run (``--fit-also``: the other
 versions' lines), so each version's summary scores its held-out half under the same margins.
@@ -425,6 +426,10 @@ def repeat(first: List[Dict[str, Any]], again: List[Dict[str, Any]], part: str =
         out[half]["percent"] = {"moved_mean_abs": round(100 * out[half][f"{part}_moved"]["mean_abs"], 1),
                                 "moved_worst": round(100 * out[half][f"{part}_moved"]["worst"], 1),
                                 "moved_max": round(100 * out[half][f"{part}_moved"]["max"], 1)}
+        for name, errors in (("first", "default_error"), ("again", "default_again_error")):
+            if out[half].get(errors):
+                out[half]["percent"].update({f"{name}_{k}": round(100 * out[half][errors][k], 1)
+                                             for k in ("mean_abs", "worst", "max")})
     return out
 
 
@@ -443,6 +448,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "comma-separated, whose fit half the margins are fitted on too")
     p.add_argument("--repeat-of", default=None, help="with --score: --out holds the reference measured again in "
                    "fresh processes; score how far it moved from this jsonl's (the first run's)")
+    p.add_argument("--references", default=None, help="with --score --repeat-of of a default part: score both runs "
+                   "against this jsonl's references (and its _again files) instead of --repeat-of's")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reference", type=int, default=None, help=argparse.SUPPRESS)
@@ -454,7 +461,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.score and args.repeat_of:
         again = list(_done(args.out).values())
         part = "reference" if any(r["part"] == "reference" for r in again) else "default"
-        got = repeat(list(_done(args.repeat_of).values()), again, part)
+        # a reference measured again is compared with the first process's; a default part run again is
+        # scored as --score scores the first one: against each case's worst reference over every process
+        first = list(_done(args.repeat_of).values()) if part == "reference" else scored_rows(args.repeat_of)
+        refs_from = args.references or args.repeat_of
+        if part == "default" and args.references:  # the first run's references are kept beside another file's
+            first = [r for r in first if r["part"] != "reference"] + [r for r in scored_rows(args.references)
+                                                                     if r["part"] == "reference"]
+        got = repeat(first, again, part)
         every = got.get("all", {})
         moved, err = every.get(f"{part}_moved") or {}, every.get("default_error") or {}
         line = {"bench": f"estimate_keras_heldout_{part}_repeat", "cases": got["cases"],
@@ -467,7 +481,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.summary:
             with open(args.summary, "w", encoding="utf-8") as f:
                 json.dump({**line, "summary": got, "first": os.path.basename(args.repeat_of),
-                           "again": os.path.basename(args.out)}, f, indent=1)
+                           "again": os.path.basename(args.out),
+                           "references": ("the first process's" if part == "reference" else
+                                          "each case's worst over every process that measured it: "
+                                          + ", ".join([os.path.basename(refs_from)]
+                                                      + [os.path.basename(x) for x in again_files(refs_from)]))},
+                      f, indent=1)
                 f.write("\n")
         return 0
     if args.score:

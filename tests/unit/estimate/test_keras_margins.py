@@ -108,3 +108,34 @@ def test_a_part_measured_again_is_compared_case_by_case():
     assert got["all"]["default_moved"]["worst_case"] == "a" and got["all"]["default_moved"]["max"] == 0.1
     assert got["held"]["default_error"]["worst"] == -0.1 and got["held"]["default_again_error"]["worst"] == -0.19
     assert got["fit"]["default_again_error"]["max"] == 0.155
+    assert got["held"]["percent"]["again_worst"] == -19.0 and got["held"]["percent"]["first_worst"] == -10.0
+
+
+def test_a_default_part_run_again_is_scored_against_every_processs_reference(tmp_path):
+    """``--score --repeat-of FIRST --out AGAIN`` of a default part scores both runs as ``--score``
+    does: against each case's worst reference over every process (``NAME_again*.jsonl``), from
+    ``--references`` where the first run's rows were moved beside the main file; the bug scored
+    them against the first process's reference alone, and quoted errors ``--score`` never gives."""
+    import importlib.util
+
+    path = RESULTS.parent / "estimate" / "keras_heldout.py"
+    spec = importlib.util.spec_from_file_location("keras_heldout_bench", path)
+    kh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kh)
+
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+    ref = {"id": "a", "part": "reference", "half": "held", "reference": 100}
+    main = write("run.jsonl", [ref, {"id": "a", "part": "default", "half": "held", "figure": 95}])
+    write("run_again1.jsonl", [{**ref, "reference": 120}])
+    old = write("run_old.jsonl", [ref, {"id": "a", "part": "default", "half": "held", "figure": 90}])
+    again = write("run_default_again1.jsonl", [{"id": "a", "part": "default", "half": "held", "figure": 108}])
+    for first, extra, want in ((main, [], (95 / 120 - 1, 108 / 120 - 1)),
+                               (old, ["--references", main], (90 / 120 - 1, 108 / 120 - 1))):
+        out = str(tmp_path / "repeat.json")
+        assert kh.main(["--score", "--repeat-of", first, "--out", again, "--summary", out, *extra]) == 0
+        got = json.loads(open(out).read())
+        held = got["summary"]["held"]
+        assert (held["default_error"]["worst"], held["default_again_error"]["worst"]) == tuple(round(w, 4) for w in want)
+        assert "run_again1.jsonl" in got["references"], got["references"]
