@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=at_least(1), default=None,
                    help="hosts with --gpus each (default 1; a per-host fleet a=...;b=... names its hosts)")
     p.add_argument("--framework", choices=FRAMEWORKS + sorted(FRAMEWORK_ALIASES), default=None,
-                   help="whose allocator and overhead to model (default: the model's)")
+                   help="whose allocator and overhead to model (default: the model's; one the model contradicts is refused)")
     p.add_argument("--precision", default="auto",
                    help="auto (tries fp32 and bf16), float32, mixed_bfloat16 or mixed_float16")
     p.add_argument("--optimizer", default="adam", help="optimizer whose state is counted (default adam)")

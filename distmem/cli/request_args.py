@@ -59,7 +59,8 @@ def add_request_arguments(p: argparse.ArgumentParser, argv: Optional[Sequence[st
                         "lists its options)")
     p.add_argument("--framework", default=None, choices=FRAMEWORKS + sorted(FRAMEWORK_ALIASES),
                    help="whose allocator defaults apply (default: the one --model names - a torchvision:, hf: or keras: "
-                        "spec, a saved Keras file - else what init() detects here: the framework installed)")
+                        "spec, a saved Keras file - else what init() detects here: the framework installed; one the model "
+                        "contradicts is refused)")
     p.add_argument("--gpus", "--fleet", dest="gpus", metavar="FLEET",
                    help="declared GPUs per host, e.g. 4x80GiB, 2x80GiB,2x40GiB or a=2x80GiB;b=2x16GiB (default: "
                         "DISTMEM_FLEET, else this machine's GPUs from NVML)")

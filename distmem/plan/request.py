@@ -33,7 +33,7 @@ from .strategy import Strategy, get, make_options
 from .types import Allocation, Plan
 
 __all__ = ["PlanRequest", "JobLayout", "Context", "MAPPINGS", "MAX_RANKS", "REQUEST_ARGUMENTS", "worst_host", "job_hosts",
-           "used_gpus", "plan_in", "ESTIMATE_METHODS"]
+           "used_gpus", "plan_in", "ESTIMATE_METHODS", "refuse_framework_mismatch"]
 
 #: How a launcher maps ranks to hosts: ``block`` fills each host in turn (mpirun --map-by slot,
 #: horovodrun -H, srun --distribution=block); ``cyclic`` deals ranks round the hosts (mpirun
@@ -365,10 +365,10 @@ class PlanRequest:
         """The framework given, else the one the model names (its spec's kind, or the object), else the
         one imported or installed here: ``distmem plan --model torchvision:resnet50`` on a node with
         TensorFlow installed plans a torch model's stages, not TensorFlow's."""
+        named = _model_framework(self.options.get("model"))
         if self.framework is None:
-            named = _model_framework(self.options.get("model"))
-            if named:
-                return named
+            return named or runtime.detect_framework(None)
+        refuse_framework_mismatch(self.framework, self.options.get("model"), named)
         return runtime.detect_framework(self.framework)
 
     def resolved_fleet(self) -> Tuple[Optional[str], str]:
@@ -571,6 +571,23 @@ def _modelled_overhead(framework: str, how: str) -> int:
     return outside_allocator_bytes(framework if framework in ("torch", "tensorflow") else "torch",
                                    nccl_communicators=runtime.nccl_communicators(),
                                    nccl_buffsize=nccl_env(os.environ)["buffsize"])
+
+
+def refuse_framework_mismatch(asked: Any, model: Any, named: Optional[str] = None) -> None:
+    """Refuse a framework given explicitly (``--framework``, ``framework=``; ``asked``) that the
+    model contradicts (a ``torchvision:`` spec planned as TensorFlow was priced with TensorFlow's
+    rules without a word); ``named``: what the model is, where known otherwise (a built model's
+    costs), else what its spec or object says (nothing: no refusal)."""
+    if asked is None or model is None:
+        return
+    given = runtime.detect_framework(asked)
+    named = named or _model_framework(model)
+    both = ("torch", "tensorflow")
+    if named in both and given in both and named != given:
+        shown = model if isinstance(model, str) else type(model).__name__
+        raise ConfigError(f"framework={asked!r} was given, but the model {shown!r} is a {named} model: its memory is "
+                          f"planned by {named}'s rules; give framework={named!r} or leave the framework out (the "
+                          f"model names its own)")
 
 
 def _model_framework(model: Any) -> Optional[str]:

@@ -95,6 +95,9 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
     is at hand, ``"measure"``, ``"model"``). ``units``: the FSDP2 units of a torch model (class names,
     module paths or a policy callable; default its repeated block), as ``fully_shard`` is applied."""
     gl, source, hosts = _gpus_of(gpus, hosts)
+    from ..request import refuse_framework_mismatch
+
+    refuse_framework_mismatch(framework, model)  # before anything is estimated, where the model says
     precisions = precision_choices(precision)
     if isinstance(options.get("wrapper"), str):
         # a replicating wrapper by name, as the strategies take it ("ddp", "ddp_bucket_view",
@@ -121,7 +124,9 @@ def fit(model: Any = None, *, global_batch_size: int, gpus: Any, hosts: Optional
                     if v is not None and not (k == "loss" and v == "auto")}
             costs = costs_from_model(model, precisions, optimizer=optimizer, input_shape=input_shape,
                                      batch_size=b, device=device, method=estimate, units=units, **more)
-    fw = framework or next(iter(costs.values())).framework
+    fw = next(iter(costs.values())).framework
+    refuse_framework_mismatch(framework, model, fw)  # a module:factory spec says it once built
+    fw = framework or fw
     label = name or (model if isinstance(model, str) else type(model).__name__ if model is not None else "layers")
     return solve_fit(costs, global_batch_size=global_batch_size, gpus=gl, hosts=hosts, model_name=str(label),
                      framework=fw, fleet=source if not isinstance(gpus, str) else gpus, **options)

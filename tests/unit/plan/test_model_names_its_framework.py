@@ -17,12 +17,16 @@ from distmem.plan.request import _model_framework
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _plan(*extra):
+def _run(*extra, model="torchvision:resnet18"):
     env = dict(os.environ, PYTHONPATH=ROOT, DISTMEM_QUIET="1", DISTMEM_MEASURE_CACHE="off", TF_CPP_MIN_LOG_LEVEL="3")
-    got = subprocess.run([sys.executable, "-m", "distmem", "plan", "--gpus", "2x16GiB", "--ranks", "2", "--strategy",
-                          "pipeline", "--num-stages", "2", "--model", "torchvision:resnet18", "--input-shape",
-                          "3,64,64", "--micro-batch-size", "8", "--estimate", "model", "--json", *extra],
-                         env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "distmem", "plan", "--gpus", "2x16GiB", "--ranks", "2", "--strategy",
+                           "pipeline", "--num-stages", "2", "--model", model, "--input-shape",
+                           "3,64,64", "--micro-batch-size", "8", "--estimate", "model", "--json", *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def _plan(*extra):
+    got = _run(*extra)
     assert got.returncode == 0, got.stderr
     return got.stdout
 
@@ -31,11 +35,28 @@ def test_a_torchvision_spec_is_planned_as_torch_whatever_is_installed():
     pytest.importorskip("torchvision")
     named = _plan()
     assert named == _plan("--framework", "torch")
-    try:
-        import tensorflow  # noqa: F401
-    except ImportError:
-        return  # nothing else installed to be taken instead
-    assert named != _plan("--framework", "tensorflow"), "the two frameworks plan this model alike: no check here"
+
+
+def test_a_framework_the_model_contradicts_is_refused_with_both_named():
+    """``--framework tensorflow`` with a torchvision spec was planned with TensorFlow's rules
+    without a word; it is refused, naming both and the remedy, before anything is built."""
+    got = _run("--framework", "tensorflow")
+    assert got.returncode != 0 and not got.stdout.strip(), (got.returncode, got.stdout[-300:])
+    said = got.stderr
+    assert "framework='tensorflow'" in said and "torchvision:resnet18" in said and "torch model" in said, said
+    assert "framework='torch'" in said and "leave the framework out" in said, said
+
+
+def test_fit_refuses_a_framework_the_model_contradicts():
+    torch = pytest.importorskip("torch")
+    from distmem.errors import ConfigError
+    from distmem.plan.fit import fit
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    with pytest.raises(ConfigError, match=r"framework='tf' was given, but the model 'Sequential' is a torch model"):
+        fit(model, global_batch_size=16, gpus="2x16GiB", input_shape=(64,), framework="tf", estimate="model")
+    got = fit(model, global_batch_size=16, gpus="2x16GiB", input_shape=(64,), framework="torch", estimate="model")
+    assert got.framework == "torch"
 
 
 def test_what_a_model_says_of_its_framework():
