@@ -4,7 +4,8 @@
 took the framework from what was installed, not from the model, and priced the torch model's stages
 with TensorFlow's rules (the last stage's transient 53.2 MiB where torch's is 18.2 MiB). Without
 ``--framework`` the plan is now the one ``--framework torch`` gives; a ``module:factory`` spec (known
-only once built) still takes the installed one.
+only once built) still takes the installed one. A ``--framework`` (or ``framework=``) the model
+contradicts is refused, at the plan request and in ``fit``, naming both.
 """
 import os
 import subprocess
