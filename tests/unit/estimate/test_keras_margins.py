@@ -135,7 +135,7 @@ def test_a_default_part_run_again_is_scored_against_every_processs_reference(tmp
                                (old, ["--references", main], (90 / 120 - 1, 108 / 120 - 1))):
         out = str(tmp_path / "repeat.json")
         assert kh.main(["--score", "--repeat-of", first, "--out", again, "--summary", out, *extra]) == 0
-        got = json.loads(open(out).read())
+        got = json.loads(pathlib.Path(out).read_text())
         held = got["summary"]["held"]
         assert (held["default_error"]["worst"], held["default_again_error"]["worst"]) == tuple(round(w, 4) for w in want)
         assert "run_again1.jsonl" in got["references"], got["references"]

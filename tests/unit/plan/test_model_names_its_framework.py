@@ -18,10 +18,10 @@ from distmem.plan.request import _model_framework
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _run(*extra, model="torchvision:resnet18"):
+def _run(*extra):
     env = dict(os.environ, PYTHONPATH=ROOT, DISTMEM_QUIET="1", DISTMEM_MEASURE_CACHE="off", TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run([sys.executable, "-m", "distmem", "plan", "--gpus", "2x16GiB", "--ranks", "2", "--strategy",
-                           "pipeline", "--num-stages", "2", "--model", model, "--input-shape",
+                           "pipeline", "--num-stages", "2", "--model", "torchvision:resnet18", "--input-shape",
                            "3,64,64", "--micro-batch-size", "8", "--estimate", "model", "--json", *extra],
                           env=env, capture_output=True, text=True, timeout=600)
 
