@@ -1571,7 +1571,7 @@ def merge(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[Dict[str, An
         side = _summary_of(path)
         runs.append({"file": os.path.basename(path), "cases": len(recs),
                      "tags": sorted({str(r.get("tag") or UNTAGGED) for r in recs}),
-                     "seconds": side.get("seconds"), "torch": side.get("torch")})
+                     "seconds": side.get("seconds"), "torch": side.get("torch"), "device": side.get("device")})
     return list(merged.values()), runs
 
 
@@ -1690,6 +1690,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for p in a.files:  # the environment of the last run that says it
             side = _summary_of(p)
             env.update({k: side[k] for k in ("device", "driver", "torch", "cuda") if k in side})
+        devices = sorted({r["device"] for r in runs if r.get("device")})
+        if len(devices) > 1:  # the cards differ between files: say so, with which file ran where (runs)
+            env["device"] = " and ".join(devices)
         s = summarize(recs, env=env)
         ids = {c.id for c in all_cases(a.set)}
         s.update(seconds=None, budget_s=None, runs=runs, cases_left=len(ids - {r["case"] for r in recs}))

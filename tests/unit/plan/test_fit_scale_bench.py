@@ -211,6 +211,12 @@ def test_summarize_merges_each_cases_latest_run(tmp_path):
     assert s["chosen_failed"] == 0 and s["cases"] == 2 and s["device"] == "NVIDIA H200"
     assert s["cases_by_tag"] == {"h200-2": 1, fs.UNTAGGED: 1}
     assert [r["cases"] for r in s["runs"]] == [2, 1] and s["runs"][1]["seconds"] == 140
+    # files run on different cards: the summary names both, and each file's card
+    (tmp_path / "first_summary.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3"}))
+    assert fs.main(["summarize", str(a), str(b), "--summary-out", str(summary)]) == 0
+    s = json.loads(summary.read_text())
+    assert s["device"] == "NVIDIA H100 80GB HBM3 and NVIDIA H200"
+    assert [r["device"] for r in s["runs"]] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
 
 
 def test_a_pipeline_stage_before_the_last_trains_under_float16_loss_scaling():
