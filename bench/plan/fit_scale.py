@@ -139,6 +139,27 @@ def _hf_config(name: str) -> Tuple[Any, Any, bool]:
                 T.GemmaForCausalLM, ckpt)
     if base == "bert-base":
         return T.BertConfig(), T.BertForMaskedLM, ckpt
+    # the unseen set (--set unseen): architectures the scale set does not hold
+    if base == "opt-350m":  # OPT-350M's shape: embeddings projected from 512 to the body's 1024
+        return (T.OPTConfig(vocab_size=50272, hidden_size=1024, num_hidden_layers=24, ffn_dim=4096,
+                            num_attention_heads=16, word_embed_proj_dim=512, max_position_embeddings=2048),
+                T.OPTForCausalLM, ckpt)
+    if base == "pythia-160m":  # GPT-NeoX: parallel attention and MLP, partial rotary
+        return (T.GPTNeoXConfig(vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                intermediate_size=3072, rotary_pct=0.25, max_position_embeddings=2048),
+                T.GPTNeoXForCausalLM, ckpt)
+    if base == "phi-350m":
+        return (T.PhiConfig(vocab_size=51200, hidden_size=1024, num_hidden_layers=16, intermediate_size=4096,
+                            num_attention_heads=16, max_position_embeddings=2048),
+                T.PhiForCausalLM, ckpt)
+    if base == "bloom-560m":  # BLOOM's 251k vocabulary, ALiBi
+        return T.BloomConfig(vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16), T.BloomForCausalLM, ckpt
+    if base == "distilbert":
+        return T.DistilBertConfig(), T.DistilBertForMaskedLM, ckpt
+    if base == "roberta-base":
+        return T.RobertaConfig(vocab_size=50265, max_position_embeddings=514), T.RobertaForMaskedLM, ckpt
+    if base == "bart-base":
+        return T.BartConfig(), T.BartForConditionalGeneration, ckpt
     if base == "t5-small":
         return T.T5Config(), T.T5ForConditionalGeneration, ckpt
     raise KeyError(name)
@@ -229,6 +250,58 @@ def _resnet_seq(depth: int):
     return nn.Sequential(parts)
 
 
+def _lstm_lm(vocab: int, seq: int, d: int = 1024, layers: int = 2):
+    """A hand-written LSTM language model (cuDNN's RNN kernels and their reserve space)."""
+    import torch
+    import torch.nn as nn
+
+    class LSTMLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.rnn = nn.LSTM(d, d, num_layers=layers, batch_first=True)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, idx):
+            return self.head(self.rnn(self.embed(idx))[0])
+
+        def example_input(self, batch):  # what the estimator feeds it: token ids
+            return torch.zeros((batch, seq), dtype=torch.long)
+
+    return LSTMLM()
+
+
+def _unet(classes: int = 19, base: int = 64):
+    """A hand-written U-Net (skip connections held across the whole forward; not a sequence)."""
+    import torch
+    import torch.nn as nn
+
+    def conv(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+                             nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = [base, base * 2, base * 4, base * 8]
+            self.downs = nn.ModuleList([conv(3, w[0])] + [conv(w[i], w[i + 1]) for i in range(3)])
+            self.pool = nn.MaxPool2d(2)
+            self.ups = nn.ModuleList([nn.ConvTranspose2d(w[i + 1], w[i], 2, stride=2) for i in reversed(range(3))])
+            self.dec = nn.ModuleList([conv(w[i] * 2, w[i]) for i in reversed(range(3))])
+            self.out = nn.Conv2d(w[0], classes, 1)
+
+        def forward(self, x):
+            skips = []
+            for i, down in enumerate(self.downs):
+                x = down(x if i == 0 else self.pool(x))
+                skips.append(x)
+            for up, dec, skip in zip(self.ups, self.dec, reversed(skips[:-1])):
+                x = dec(torch.cat([up(x), skip], dim=1))
+            return self.out(x)
+
+    return UNet()
+
+
 def _mlp(width: int, depth: int, inputs: int, classes: int):
     import torch.nn as nn
 
@@ -252,8 +325,38 @@ _HF = [("gpt2", "tokens", 1024, 50257, True, 124), ("gpt2-medium", "tokens", 102
        ("bert-base", "tokens", 512, 30522, True, 110), ("t5-small", "seq2seq", 512, 32128, True, 60)]
 
 
+#: ``--set unseen``: models the scale set does not hold (chosen after its rules were fitted, none of
+#: them read by a rule): torchvision and timm models by name, Hugging Face configs, hand-written ones
+_UNSEEN_TV = [("inception_v3", 27.2, 299), ("googlenet", 6.6, 224), ("resnext50_32x4d", 25.0, 224),
+              ("regnet_y_1_6gf", 11.2, 224), ("shufflenet_v2_x1_0", 2.3, 224), ("efficientnet_v2_s", 21.5, 224),
+              ("convnext_base", 88.6, 224), ("maxvit_t", 30.9, 224), ("swin_v2_t", 28.4, 256),
+              ("vit_l_16", 304.3, 224), ("squeezenet1_1", 1.2, 224), ("mnasnet1_0", 4.4, 224)]
+_UNSEEN_TIMM = [("deit_small_patch16_224", 22.1), ("beit_base_patch16_224", 86.5), ("resnet152", 60.2),
+                ("efficientnetv2_rw_s", 23.9), ("poolformer_s12", 11.9), ("cait_xxs24_224", 12.0),
+                ("nfnet_l0", 35.1), ("edgenext_small", 5.6), ("repvgg_a2", 28.2), ("coat_lite_mini", 11.0)]
+_UNSEEN_HF = [("opt-350m", "tokens", 1024, 50272, True, 331), ("pythia-160m", "tokens", 1024, 50304, False, 162),
+              ("pythia-160m+ckpt", "tokens", 1024, 50304, False, 162), ("phi-350m", "tokens", 1024, 51200, False, 310),
+              ("bloom-560m", "tokens", 1024, 250880, True, 559), ("distilbert", "tokens", 512, 30522, True, 66),
+              ("roberta-base", "tokens", 512, 50265, True, 125), ("bart-base", "seq2seq", 512, 50265, True, 140)]
+
+
 def _models() -> Dict[str, Model]:
     out: Dict[str, Model] = {}
+    for name, pm, size in _UNSEEN_TV:
+        out[f"tv:{name}"] = Model(f"tv:{name}", "torchvision", "image", size, spec=f"torchvision:{name}", params_m=pm,
+                                  tags=("attention",) if name.startswith(("vit", "swin", "maxvit")) else ("conv",))
+    for name, pm in _UNSEEN_TIMM:
+        out[f"timm:{name}"] = Model(f"timm:{name}", "timm", "image", 224, params_m=pm,
+                                    tags=("conv",) if name.startswith(("resnet", "efficientnet", "nfnet", "repvgg"))
+                                    else ("attention",))
+    for name, kind, seq, vocab, tied, pm in _UNSEEN_HF:
+        tags = ["attention"] + (["large-vocab"] if vocab >= 100000 else []) + (["checkpointing"] if "+ckpt" in name
+                                                                              else [])
+        out[f"hf:{name}"] = Model(f"hf:{name}", "huggingface", kind, seq, vocab=vocab, tied=tied, tags=tuple(tags),
+                                  params_m=pm)
+    out["hand:lstm-lm"] = Model("hand:lstm-lm", "hand-written", "tokens", 512, vocab=32000, tags=("rnn",),
+                                params_m=82)
+    out["hand:unet"] = Model("hand:unet", "hand-written", "image", 256, tags=("conv", "skips"), params_m=7.8)
     for name, pm in _TV:
         out[f"tv:{name}"] = Model(f"tv:{name}", "torchvision", "image", 224, spec=f"torchvision:{name}", params_m=pm,
                                   tags=("conv",) if not name.startswith(("vit", "swin")) else ("attention",))
@@ -308,6 +411,10 @@ def build(key: str):
         return _vgg16_seq()
     if name.startswith("resnet") and name.endswith("-seq"):
         return _resnet_seq(int(name[len("resnet"):-len("-seq")]))
+    if name == "lstm-lm":
+        return _lstm_lm(m.vocab, m.size)
+    if name == "unet":
+        return _unet()
     return _mlp(8192, 6, m.size, m.classes)
 
 
@@ -438,16 +545,37 @@ PAIR_CASES = [
     Case("hand:resnet50-seq", 128, 2, 6, 1, "float32"),
 ]
 
-SETS = ("scale", "pairs")
+SETS = ("scale", "pairs", "unseen")
+
+#: ``--set unseen``: per model (global batch, GPUs per host, GiB per GPU[, hosts]); precision and
+#: shardings rotate as in the scale set
+_UNSEEN_QUESTIONS: Dict[str, List[Tuple[int, ...]]] = {
+    "tv:inception_v3": [(256, 4, 16), (512, 8, 12)], "tv:googlenet": [(512, 4, 10), (256, 2, 8)],
+    "tv:resnext50_32x4d": [(256, 4, 12), (512, 8, 24)], "tv:regnet_y_1_6gf": [(512, 4, 12)],
+    "tv:shufflenet_v2_x1_0": [(1024, 4, 8)], "tv:efficientnet_v2_s": [(256, 4, 16), (512, 8, 20)],
+    "tv:convnext_base": [(256, 8, 16), (128, 2, 24)], "tv:maxvit_t": [(256, 4, 24)],
+    "tv:swin_v2_t": [(256, 4, 24)], "tv:vit_l_16": [(128, 8, 40), (256, 8, 80)],
+    "tv:squeezenet1_1": [(1024, 2, 8)], "tv:mnasnet1_0": [(512, 4, 8)],
+    "timm:deit_small_patch16_224": [(512, 4, 12), (256, 2, 8)], "timm:beit_base_patch16_224": [(256, 8, 16)],
+    "timm:resnet152": [(256, 4, 16), (512, 8, 32)], "timm:efficientnetv2_rw_s": [(256, 4, 16)],
+    "timm:poolformer_s12": [(512, 4, 12)], "timm:cait_xxs24_224": [(256, 4, 10)],
+    "timm:nfnet_l0": [(256, 4, 16)], "timm:edgenext_small": [(512, 4, 10)], "timm:repvgg_a2": [(512, 4, 12)],
+    "timm:coat_lite_mini": [(256, 4, 10)],
+    "hf:opt-350m": [(32, 4, 24), (64, 8, 40)], "hf:pythia-160m": [(32, 4, 12), (64, 8, 16)],
+    "hf:pythia-160m+ckpt": [(64, 4, 12)], "hf:phi-350m": [(32, 4, 24), (64, 8, 32)],
+    "hf:bloom-560m": [(16, 4, 40), (32, 8, 80)], "hf:distilbert": [(128, 4, 10)],
+    "hf:roberta-base": [(64, 4, 12), (128, 8, 16)], "hf:bart-base": [(64, 4, 16)],
+    "hand:lstm-lm": [(128, 4, 12), (256, 8, 16)], "hand:unet": [(64, 4, 16), (32, 2, 10)],
+}
 
 
 def all_cases(which: str = "scale") -> List[Case]:
     """Every case of the bench (in a fixed order; :func:`order_cases` decides the running order);
-    ``which="pairs"``: :data:`PAIR_CASES`."""
+    ``which="pairs"``: :data:`PAIR_CASES`; ``"unseen"``: models the scale set does not hold."""
     if which == "pairs":
         return list(PAIR_CASES)
     out: List[Case] = []
-    for key, questions in _QUESTIONS.items():
+    for key, questions in (_UNSEEN_QUESTIONS if which == "unseen" else _QUESTIONS).items():
         m = MODELS[key]
         for i, q in enumerate(questions):
             batch, count, gib = q[:3]
@@ -1656,8 +1784,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--merge-to", default=None, metavar="FILE", help="summarize: write every case's latest record "
                     "over the files given (later files win) to FILE")
     ap.add_argument("--summary-out", default=None, metavar="FILE", help="summarize: write the summary to FILE")
-    ap.add_argument("--set", default="scale", choices=SETS, help="the cases: scale (default, 200+) or pairs (the "
-                    "(model, fleet) pairs of bench/plan/fit.py, results fit_h200.json)")
+    ap.add_argument("--set", default="scale", choices=SETS, help="the cases: scale (default, 200+), pairs (the "
+                    "(model, fleet) pairs of bench/plan/fit.py, results fit_h200.json) or unseen (models the scale set "
+                    "does not hold, none read by a rule)")
     ap.add_argument("--max-cases", type=int, default=0, help="only the first N cases in running order")
     ap.add_argument("--half", default="all", choices=["all", "fit", "held_out"], help="only the cases of one half "
                     "(half_of: by model): a rule fitted on one half is run on the other")
