@@ -28,8 +28,10 @@ packed so that their caps and contexts fit the GPU):
 
 * ``chosen``: the chosen layout's heaviest rank (rank 0 of N through torch's fake process group
   ``torch.testing._internal.distributed.fake_pg``; a pipeline stage alone with the micro-batches its
-  schedule keeps in flight) trains 4 optimizer steps under its planned limit, with the allocator
-  settings ``init()`` gives the job (expandable segments where fit says it needs them);
+  schedule keeps in flight) trains 4 steps under its planned limit, with the allocator settings
+  ``init()`` gives the job (expandable segments where fit says it needs them); where float16's loss
+  scaler skips steps, more, until the optimizer has stepped and a whole step has run with its state
+  (a run whose optimizer never stepped proves nothing: booked as an error);
 * ``best_rejected``: the best rejected layout's binding rank under its GPU's share;
 * ``mb_up``: the chosen layout with the next micro-batch up (fit's own verdict on it: asked again
   where it was not among the rejected), under its share, when fit rejects it;
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -75,6 +78,8 @@ MiB = 1024 ** 2
 GiB = 1024 ** 3
 NAME = "fit_scale_h200"
 STEPS = 4
+#: steps a run takes past STEPS, at most, waiting for the loss scaler to let the optimizer step
+MAX_SKIPPED = 12
 T0 = time.time()
 
 
@@ -1039,8 +1044,10 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             else:
                 # the gradient arriving from the next stage, scaled there by its GradScaler (this
-                # stage's scaler then unscales its gradients in step(), as every stage's does)
-                grad = torch.randn_like(o)
+                # stage's scaler then unscales its gradients in step(), as every stage's does); of
+                # unit norm, as a mean-reduced loss's is (a unit normal per element, times the loss
+                # scale, overflowed float16 and the scaler skipped every step: no optimizer state)
+                grad = torch.randn_like(o) / math.sqrt(max(1, o.numel()))
                 o.backward(scaler.scale(grad) if scaler is not None else grad)
 
         in_flight = max(1, int(spec.get("in_flight") or 1))
@@ -1050,7 +1057,15 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
             out["reserved_before_steps"] = int(torch.cuda.memory_reserved())
             out["allocated_before_steps"] = int(torch.cuda.memory_allocated())
             nvml.start()
-        for _ in range(int(spec.get("steps", STEPS))):
+        # a step the scaler skips (float16 overflow) creates no optimizer state: the job's steady
+        # state is not reached until one is taken. Steps go on past ``steps`` until the optimizer
+        # has stepped and a whole step has run after it (at most MAX_SKIPPED more)
+        want = int(spec.get("steps", STEPS))
+        stepped = skipped = 0
+        first_taken: Optional[int] = None
+        step_no = 0
+        while step_no < want or ((first_taken is None or step_no <= first_taken) and step_no < want + MAX_SKIPPED):
+            step_no += 1
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             pending: List[Any] = []
@@ -1070,16 +1085,25 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
                 backward(o)
                 del o
             if scaler is not None:
+                before = scaler.get_scale()
                 scaler.step(opt)
                 scaler.update()
+                taken = scaler.get_scale() >= before  # the scale falls only where the step was skipped
             else:
                 opt.step()
+                taken = True
+            if taken:
+                stepped += 1
+                first_taken = step_no if first_taken is None else first_taken
+            else:
+                skipped += 1
             opt.zero_grad(set_to_none=True)
             del kept
             if cuda:
                 torch.cuda.synchronize()
                 peaks.append(int(torch.cuda.max_memory_allocated()))
         out["steps_allocated"] = peaks
+        out.update(optimizer_steps=stepped, skipped_steps=skipped)
     except torch.cuda.OutOfMemoryError as exc:
         msg = str(exc).split("\n")[0][:400]
         out.update(oom=True, error=msg, physical_oom=physical_oom(msg))
@@ -1164,6 +1188,11 @@ def judge(spec: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:
     v: Dict[str, Any] = {}
     if r.get("physical_oom") or r.get("oom") is None:
         v["status"] = "error"
+        return v
+    if not r["oom"] and r.get("optimizer_steps") == 0:
+        # every step skipped by the loss scaler: no optimizer state was ever held, so the run did
+        # not reach the job's steady state and proves nothing either way
+        v.update(status="error", why="the optimizer never stepped (every step skipped by the loss scaler)")
         return v
     nv = r.get("nvml_peak")
     whole = (nv + int(spec.get("outside_nccl", 0))) if nv else None

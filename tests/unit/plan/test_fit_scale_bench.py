@@ -233,6 +233,21 @@ def test_a_pipeline_stage_before_the_last_trains_under_float16_loss_scaling():
     finally:
         os.environ.pop(fs.SMOKE_SEQ_ENV, None)
     assert r["oom"] is False and r["error"] is None, r
+    # the optimizer stepped (a skipped step holds no optimizer state: not the job's steady state)
+    # and a whole step ran after its first one (the spec asks 1: 2 ran)
+    assert r["optimizer_steps"] >= 1 and r["optimizer_steps"] + r["skipped_steps"] == 2, r
+
+
+def test_a_run_whose_optimizer_never_stepped_proves_nothing():
+    """Every step skipped by float16's loss scaler: no optimizer state was held, so the run is booked
+    as an error, neither trained nor out of memory (on the H200 a ConvNeXt's chosen rank 'trained'
+    4 steps without its Adam state: steps 3.91 GiB each, no growth)."""
+    s = spec()
+    skipped = dict(result(), optimizer_steps=0, skipped_steps=4)
+    v = fs.judge(s, skipped)
+    assert v["status"] == "error" and "never stepped" in v["why"] and not v.get("trained")
+    assert fs.judge(s, dict(result(), optimizer_steps=1, skipped_steps=3))["status"] == "trained"
+    assert fs.judge(s, result())["status"] == "trained"  # records from before the count
 
 
 def test_a_rule_on_trial_is_asked_of_one_half_through_fits_own_argument(monkeypatch):
