@@ -580,12 +580,14 @@ def all_cases(which: str = "scale") -> List[Case]:
     if which == "pairs":
         return list(PAIR_CASES)
     out: List[Case] = []
-    for key, questions in (_UNSEEN_QUESTIONS if which == "unseen" else _QUESTIONS).items():
+    unseen = which == "unseen"
+    for j, (key, questions) in enumerate((_UNSEEN_QUESTIONS if unseen else _QUESTIONS).items()):
         m = MODELS[key]
         for i, q in enumerate(questions):
             batch, count, gib = q[:3]
             hosts = q[3] if len(q) > 3 else 1
-            prec = _PRECISIONS[i % len(_PRECISIONS)]
+            # the unseen set asks each model once or twice: its precisions rotate over the models too
+            prec = _PRECISIONS[(i + (j if unseen else 0)) % len(_PRECISIONS)]
             shard = _SHARDINGS[(i + len(key)) % len(_SHARDINGS)]
             if (m.tied or m.family == "huggingface") and shard in ("auto", "fsdp2,fsdp2_keep"):
                 # fit prices FSDP2 with one unit per block, and a block is a top-level child: a
