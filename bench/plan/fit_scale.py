@@ -165,6 +165,11 @@ def _hf_config(name: str) -> Tuple[Any, Any, bool]:
         return T.RobertaConfig(vocab_size=50265, max_position_embeddings=514), T.RobertaForMaskedLM, ckpt
     if base == "bart-base":
         return T.BartConfig(), T.BartForConditionalGeneration, ckpt
+    if base == "mixtral-tiny":  # a mixture of experts: 8 experts, 2 per token, routed by the data
+        return (T.MixtralConfig(vocab_size=32000, hidden_size=768, intermediate_size=1536, num_hidden_layers=8,
+                                num_attention_heads=12, num_key_value_heads=4, num_local_experts=8,
+                                num_experts_per_tok=2, max_position_embeddings=2048),
+                T.MixtralForCausalLM, ckpt)
     if base == "t5-small":
         return T.T5Config(), T.T5ForConditionalGeneration, ckpt
     raise KeyError(name)
@@ -362,6 +367,12 @@ def _models() -> Dict[str, Model]:
     out["hand:lstm-lm"] = Model("hand:lstm-lm", "hand-written", "tokens", 512, vocab=32000, tags=("rnn",),
                                 params_m=82)
     out["hand:unet"] = Model("hand:unet", "hand-written", "image", 256, tags=("conv", "skips"), params_m=7.8)
+    out["hand:resnet50-frozen"] = Model("hand:resnet50-frozen", "hand-written", "image", 224, tags=("conv", "frozen"),
+                                        params_m=25.6)
+    out["hf:llama-160m+lora"] = Model("hf:llama-160m+lora", "huggingface", "tokens", 1024, vocab=32000,
+                                      tags=("attention", "frozen"), params_m=134)
+    out["hf:mixtral-tiny"] = Model("hf:mixtral-tiny", "huggingface", "tokens", 1024, vocab=32000,
+                                   tags=("attention", "experts"), params_m=330)
     for name, pm in _TV:
         out[f"tv:{name}"] = Model(f"tv:{name}", "torchvision", "image", 224, spec=f"torchvision:{name}", params_m=pm,
                                   tags=("conv",) if not name.startswith(("vit", "swin")) else ("attention",))
@@ -403,10 +414,17 @@ def build(key: str):
 
         return timm.create_model(key.split(":", 1)[1], pretrained=False)
     if m.family == "huggingface":
-        cfg, cls, ckpt = _hf_config(key.split(":", 1)[1])
+        name = key.split(":", 1)[1]
+        lora = name.endswith("+lora")
+        cfg, cls, ckpt = _hf_config(name[:-len("+lora")] if lora else name)
         model = cls(cfg)
         if ckpt:
             model.gradient_checkpointing_enable()
+        if lora:  # PEFT's LoRA on the attention's query and value projections: the body frozen
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                                               task_type="CAUSAL_LM"))
         return model
     name = key.split(":", 1)[1]
     if name.startswith("gpt-"):
@@ -420,6 +438,15 @@ def build(key: str):
         return _lstm_lm(m.vocab, m.size)
     if name == "unet":
         return _unet()
+    if name == "resnet50-frozen":  # fine-tuning the head alone: the backbone frozen
+        import torchvision
+
+        model = torchvision.models.resnet50(weights=None)
+        for prm in model.parameters():
+            prm.requires_grad_(False)
+        for prm in model.fc.parameters():
+            prm.requires_grad_(True)
+        return model
     return _mlp(8192, 6, m.size, m.classes)
 
 
@@ -571,6 +598,8 @@ _UNSEEN_QUESTIONS: Dict[str, List[Tuple[int, ...]]] = {
     "hf:bloom-560m": [(16, 4, 40), (32, 8, 80)], "hf:distilbert": [(128, 4, 10)],
     "hf:roberta-base": [(64, 4, 12), (128, 8, 16)], "hf:bart-base": [(64, 4, 16)],
     "hand:lstm-lm": [(128, 4, 12), (256, 8, 16)], "hand:unet": [(64, 4, 16), (32, 2, 10)],
+    "hand:resnet50-frozen": [(512, 4, 8), (1024, 2, 10)], "hf:llama-160m+lora": [(32, 4, 12), (64, 2, 16)],
+    "hf:mixtral-tiny": [(32, 4, 16), (64, 8, 24)],
 }
 
 
@@ -589,7 +618,7 @@ def all_cases(which: str = "scale") -> List[Case]:
             # the unseen set asks each model once or twice: its precisions rotate over the models too
             prec = _PRECISIONS[(i + (j if unseen else 0)) % len(_PRECISIONS)]
             shard = _SHARDINGS[(i + len(key)) % len(_SHARDINGS)]
-            if (m.tied or m.family == "huggingface") and shard in ("auto", "fsdp2,fsdp2_keep"):
+            if (m.tied or m.family == "huggingface" or "frozen" in m.tags) and shard in ("auto", "fsdp2,fsdp2_keep"):
                 # fit prices FSDP2 with one unit per block, and a block is a top-level child: a
                 # Hugging Face model's two children (the body, the head; tied weights between them)
                 # are not the units its users shard (decoder layers), so its users are asked as ZeRO's
