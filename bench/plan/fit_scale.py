@@ -1222,7 +1222,8 @@ def judge(spec: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:
         return v
     if not r["oom"] and r.get("optimizer_steps") == 0:
         # every step skipped by the loss scaler: no optimizer state was ever held, so the run did
-        # not reach the job's steady state and proves nothing either way
+        # not reach the job's steady state and proves it trains nothing (a run out of memory without
+        # the state would be so with it: that verdict stands)
         v.update(status="error", why="the optimizer never stepped (every step skipped by the loss scaler)")
         return v
     nv = r.get("nvml_peak")
