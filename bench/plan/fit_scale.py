@@ -350,16 +350,19 @@ _UNSEEN_HF = [("opt-350m", "tokens", 1024, 50272, True, 331), ("pythia-160m", "t
               ("roberta-base", "tokens", 512, 50265, True, 125), ("bart-base", "seq2seq", 512, 50265, True, 140)]
 
 
+#: image models whose names start so are tagged ``attention`` (token mixers), the others ``conv``
+_ATTENTION = ("vit", "swin", "maxvit", "mixer", "deit", "beit", "cait", "coat", "poolformer", "edgenext")
+
+
 def _models() -> Dict[str, Model]:
     out: Dict[str, Model] = {}
-    for name, pm, size in _UNSEEN_TV:
+    for name, pm, size in [(n, p, 224) for n, p in _TV] + _UNSEEN_TV:
         out[f"tv:{name}"] = Model(f"tv:{name}", "torchvision", "image", size, spec=f"torchvision:{name}", params_m=pm,
-                                  tags=("attention",) if name.startswith(("vit", "swin", "maxvit")) else ("conv",))
-    for name, pm in _UNSEEN_TIMM:
+                                  tags=("attention",) if name.startswith(_ATTENTION) else ("conv",))
+    for name, pm in _TIMM + _UNSEEN_TIMM:
         out[f"timm:{name}"] = Model(f"timm:{name}", "timm", "image", 224, params_m=pm,
-                                    tags=("conv",) if name.startswith(("resnet", "efficientnet", "nfnet", "repvgg"))
-                                    else ("attention",))
-    for name, kind, seq, vocab, tied, pm in _UNSEEN_HF:
+                                    tags=("attention",) if name.startswith(_ATTENTION) else ("conv",))
+    for name, kind, seq, vocab, tied, pm in _HF + _UNSEEN_HF:
         tags = ["attention"] + (["large-vocab"] if vocab >= 100000 else []) + (["checkpointing"] if "+ckpt" in name
                                                                               else [])
         out[f"hf:{name}"] = Model(f"hf:{name}", "huggingface", kind, seq, vocab=vocab, tied=tied, tags=tuple(tags),
@@ -373,17 +376,6 @@ def _models() -> Dict[str, Model]:
                                       tags=("attention", "frozen"), params_m=134)
     out["hf:mixtral-tiny"] = Model("hf:mixtral-tiny", "huggingface", "tokens", 1024, vocab=32000,
                                    tags=("attention", "experts"), params_m=330)
-    for name, pm in _TV:
-        out[f"tv:{name}"] = Model(f"tv:{name}", "torchvision", "image", 224, spec=f"torchvision:{name}", params_m=pm,
-                                  tags=("conv",) if not name.startswith(("vit", "swin")) else ("attention",))
-    for name, pm in _TIMM:
-        out[f"timm:{name}"] = Model(f"timm:{name}", "timm", "image", 224, params_m=pm,
-                                    tags=("attention",) if name.startswith(("vit", "swin", "mixer")) else ("conv",))
-    for name, kind, seq, vocab, tied, pm in _HF:
-        tags = ["attention"] + (["large-vocab"] if vocab >= 100000 else []) + (["checkpointing"] if "+ckpt" in name
-                                                                              else [])
-        out[f"hf:{name}"] = Model(f"hf:{name}", "huggingface", kind, seq, vocab=vocab, tied=tied, tags=tuple(tags),
-                                  params_m=pm)
     for key, d, layers, heads, pm in (("gpt-125m", 768, 12, 12, 124), ("gpt-350m", 1024, 24, 16, 355),
                                       ("gpt-1b", 1600, 32, 25, 1040)):
         out[f"hand:{key}"] = Model(f"hand:{key}", "hand-written", "tokens", 1024, vocab=32768, sequential=True,
@@ -1092,7 +1084,7 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
         # state is not reached until one is taken. Steps go on past ``steps`` until the optimizer
         # has stepped and a whole step has run after it (at most MAX_SKIPPED more)
         want = int(spec.get("steps", STEPS))
-        stepped = skipped = 0
+        stepped = 0
         first_taken: Optional[int] = None
         step_no = 0
         while step_no < want or ((first_taken is None or step_no <= first_taken) and step_no < want + MAX_SKIPPED):
@@ -1125,16 +1117,15 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
                 taken = True
             if taken:
                 stepped += 1
-                first_taken = step_no if first_taken is None else first_taken
-            else:
-                skipped += 1
+                if first_taken is None:
+                    first_taken = step_no
             opt.zero_grad(set_to_none=True)
             del kept
             if cuda:
                 torch.cuda.synchronize()
                 peaks.append(int(torch.cuda.max_memory_allocated()))
         out["steps_allocated"] = peaks
-        out.update(optimizer_steps=stepped, skipped_steps=skipped)
+        out.update(optimizer_steps=stepped, skipped_steps=step_no - stepped)
     except torch.cuda.OutOfMemoryError as exc:
         msg = str(exc).split("\n")[0][:400]
         out.update(oom=True, error=msg, physical_oom=physical_oom(msg))
