@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
 from .extrapolate import Ladder
@@ -393,7 +393,7 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
         opt = _optimizer(optimizer, K, scaled)
         with _standing_in(model, opt):
             loss = _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks,
-                            per_step, np, K, tf)
+                            per_step, np, K, tf, renew=lambda: _optimizer(optimizer, K, scaled))
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model whose step cannot run here: said, not hidden
@@ -411,10 +411,11 @@ def keras_step_peaks(model: Any, batches: Any, optimizer: Any = "adam", *, steps
 
 
 def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
-             np, K, tf) -> str:
+             np, K, tf, renew=None) -> str:
     """Run the ladder (or batches) with the first step that runs: the model's compiled step with
     labels as its loss names them, then with class indices, then with values, then the generic loss.
-    Returns which one ran."""
+    ``renew()``: a new optimizer like ``opt``, for each fresh trace of the target batch
+    (:class:`_Renewal`). Returns which one ran."""
     tried: List[str] = []
     candidates = []
     if _compiled(model) and (getattr(model, "loss", None) is not None or getattr(model, "losses", None)):
@@ -429,9 +430,12 @@ def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, ot
     candidates.append(("generic (mean square of every output)", None, None))
     for what, specs, struct in candidates:
         own = _OwnTraining(model, in_specs, specs, struct, tf) if specs is not None else None
-        step = own.steps if own is not None else _generic_steps(lambda: _generic_step(model, opt, in_specs, tf), tf)
+        renewal = _Renewal(model, opt, renew, dev, tf)
+        step = own.steps if own is not None else _generic_steps(
+            lambda: _generic_step(model, renewal.opt, in_specs, tf), tf)
         try:
-            _run(step, in_specs, specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step, np, tf)
+            _run(step, in_specs, specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step, np, tf,
+                 renewal=renewal)
             if own is not None and own.open_refused:
                 what += f" (the batch dimension known only: traced open it failed, {own.open_refused})"
             return what if not tried else f"{what}; not {', '.join(tried)}"
@@ -470,6 +474,57 @@ def _generic_steps(make, tf):
     return steps
 
 
+def _variable_bytes(variables: Iterable[Any]) -> int:
+    """Bytes of ``variables`` (tf.Variable or Keras 3 variables)."""
+    import numpy as np
+    total = 0
+    for v in variables:
+        try:
+            shape = tuple(int(d) for d in tuple(v.shape))
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(getattr(v.dtype, "name", str(v.dtype))).itemsize
+        except (TypeError, ValueError):  # a variable of unknown shape or a dtype numpy does not name
+            continue
+    return total
+
+
+def _optimizer_variables(opt: Any) -> List[Any]:
+    got = getattr(opt, "variables", [])
+    got = got() if callable(got) else got
+    return list(got or [])
+
+
+class _Renewal:
+    """A new optimizer for each fresh trace of the target batch: its slots are made again by the
+    trace's first step, as a job's first step makes them, so the allocator's layout of the state is
+    drawn again with the executor's order (a process's "level": the held-out FPNSeg of
+    bench/estimate/keras_heldout.py at batch 8, TF 2.15, steps at 33.5 MB in most processes and at
+    39-40 MB in some; a new function alone re-draws the order and not the layout of the state).
+
+    TensorFlow does not free every old slot when the old optimizer goes (a traced function keeps
+    some of its variables alive: 0.85-1.45 MB a renewal on FPNSeg): what the renewal left alive
+    beyond the model's own state is foreign to the later traces, as what the process held before
+    the steps is (``renew()`` returns the bytes to subtract from them)."""
+
+    def __init__(self, model, opt, make, dev, tf):
+        self.model, self.opt, self.make, self.dev, self.tf = model, opt, make, dev, tf
+        self.left = 0
+
+    def renew(self) -> int:
+        if self.make is None:
+            return self.left
+        info = self.tf.config.experimental.get_memory_info
+        gc.collect()
+        before = int(info(self.dev)["current"])
+        slots = _variable_bytes(_optimizer_variables(self.opt))
+        if not slots:  # not built (no step ran with it): nothing of it to draw again
+            return self.left
+        self.opt = self.make()
+        self.model.optimizer = self.opt
+        gc.collect()
+        self.left += max(0, int(info(self.dev)["current"]) - (before - slots))
+        return self.left
+
+
 def _first_line(exc: Exception) -> str:
     """The line of a TensorFlow error that says what went wrong (not "in user code:")."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
@@ -478,7 +533,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
-         np, tf) -> None:
+         np, tf, renewal=None) -> None:
     todo = list(batches) if ladder is None else None
     while True:
         b = ladder.next() if ladder is not None else (todo.pop(0) if todo else None)
@@ -493,7 +548,8 @@ def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev,
             seen = step(xs, ys, n, dev, other)
             traces = 1
             while target and time.time() - t0 < TARGET_SECONDS and traces < TARGET_TRACES:
-                seen = seen + step(xs, ys, TRACE_STEPS, dev, other, fresh=True)
+                left = renewal.renew() if renewal is not None else 0
+                seen = seen + step(xs, ys, TRACE_STEPS, dev, other + left, fresh=True)
                 traces += 1
         except tf.errors.ResourceExhaustedError as exc:
             if ladder is None:

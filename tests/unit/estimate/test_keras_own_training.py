@@ -158,3 +158,44 @@ def test_the_open_trace_is_a_second_trace_of_the_static_ones_function(monkeypatc
     for i in fits:
         assert seen[i][1] is not None and seen[i][1] is seen[i - 1][1], \
             f"fit ran on a function its train_on_batch steps did not build: {seen[i - 1][1]} then {seen[i][1]}"
+
+
+def test_each_fresh_trace_of_the_target_draws_the_optimizer_state_again_and_what_it_leaves_is_foreign(monkeypatch):
+    """A job's first step makes the optimizer's slots; where they land in the BFC allocator is part
+    of the process's level (the held-out FPNSeg at batch 8, TF 2.15: 33.5 MB in most processes,
+    39-40 MB in some; with the state drawn again in each fresh trace, 7 of 8 processes' estimates
+    reached the high level, against 3 of 8 with one optimizer for every trace). So every fresh
+    trace of the target batch runs on a new optimizer, and the model's own is back afterwards. What
+    a renewal leaves alive (TensorFlow keeps some old slots) is foreign to the later traces: here
+    every old optimizer is kept alive, its slots (2 x 4 MiB of Adam moments) stay in the allocator,
+    and the later traces must not read them as the step's."""
+    from distmem.estimate.measure import keras_steps as ks
+    from distmem.estimate.measure.extrapolate import Ladder
+    monkeypatch.setenv("DISTMEM_MEASURE_CACHE", "off")
+    monkeypatch.setattr(ks, "TARGET_SECONDS", 1e9)
+    monkeypatch.setattr(ks, "TARGET_TRACES", 4)
+    made = []  # every optimizer made for the steps, kept alive: each renewal leaks all of its slots
+    real = ks._optimizer
+    monkeypatch.setattr(ks, "_optimizer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    K, L = tf.keras, tf.keras.layers
+    used = []
+
+    class Recorded(K.Model):
+        def train_on_batch(self, *args, **kwargs):
+            used.append(self.optimizer)
+            return super().train_on_batch(*args, **kwargs)
+
+    inp = K.Input((1024,))
+    model = Recorded(inp, L.Dense(8)(L.Dense(1024, use_bias=False)(inp)))
+    model.compile("adam", "mse")
+    own = model.optimizer
+    got = ks.keras_step_peaks(model, Ladder(8, 10 ** 10, lambda b: 10 ** 6 * b), "adam")
+    assert model.optimizer is own
+    traces = [used[i] for i in range(len(used)) if i == 0 or used[i] is not used[i - 1]]
+    assert len(traces) == 4 and len({id(o) for o in traces}) == 4, \
+        f"the target's fresh traces ran on {len({id(o) for o in traces})} optimizer(s) over {len(traces)} traces"
+    steps = got["steps"][8]
+    first, later = max(steps[:12]), max(steps[12:])
+    slots = 2 * 1024 * 1024 * 4
+    assert later < first + slots / 4, \
+        f"a later trace read {later} B against the first's {first} B: the old optimizers' slots ({slots} B) counted"
