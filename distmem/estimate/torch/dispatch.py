@@ -227,7 +227,12 @@ def _mode_class() -> Any:
                 tracker.blas = True
             if name == "_local_scalar_dense" and args and torch.is_tensor(args[0]) and args[0].device.type == "meta":
                 return _read_value(tracker, args[0])
-            out = self.memo.run(func, args, kwargs)
+            try:
+                out = self.memo.run(func, args, kwargs)
+            except RuntimeError:
+                out = _meta_refused(name, args, kwargs)
+                if out is None:
+                    raise
             for t in tree_flatten(out)[0]:
                 tracker.register(t)
             if tracker.cudnn and name in ("convolution", "convolution_backward"):
@@ -238,6 +243,32 @@ def _mode_class() -> Any:
             return out
     _MODE_CLASS = Mode
     return Mode
+
+
+def _meta_refused(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The output of a kernel whose meta function refuses what its CUDA kernel runs, or None.
+
+    ``_grouped_mm`` (a mixture of experts' experts, Hugging Face's ``grouped_mm`` backend): its
+    meta function accepts bfloat16 alone, while CUDA runs float32 too, and autocast does not cast
+    it (both measured on an H200, torch 2.11: float32 in and out under bf16 autocast), so a
+    mixed-precision step with float32 expert weights reaches it in float32. Its output is shaped
+    by the operands' ranks: (M, K) x (G, K, N) -> (M, N); (G, M, K) x (G, K, N) -> (G, M, N);
+    (M, K) x (K, N) with ``offs`` over K -> (G, M, N), in ``out_dtype`` or the first operand's."""
+    if name not in ("_grouped_mm", "grouped_mm"):
+        return None
+    torch = import_torch()
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    out_dtype = (args[4] if len(args) > 4 else None) or kwargs.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    else:
+        return None
+    return torch.empty(shape, dtype=out_dtype, device="meta")
 
 
 def dispatch_mode(tracker: Tracker, memo: bool = True):

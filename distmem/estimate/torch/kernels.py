@@ -10,6 +10,7 @@ from ...units import MiB
 from .inputs import import_torch
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "CUBLAS_WORKSPACES", "CUDNN_ROWS_PER_PARTIAL", "split_k_partials", "cudnn_workspace",
+           "half_forward_workspace", "POINTWISE_NHWC_WEIGHT",
            "CudaDropout", "EFFICIENT_ATTENTION_GROUPED_KV", "efficient_attention_takes_grouped_kv", "sdpa_kernel", "fused_sdpa"]
 
 #: cuBLAS workspace torch allocates through its caching allocator, so it is part of
@@ -59,8 +60,10 @@ def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
       from one float32 partial per image, ``batch x weight elements x 4`` bytes (float32 and
       bfloat16; fp16 layers took engines without them);
     * any other convolution goes through NHWC copies of its input, output (or output gradient)
-      and weight: their bytes together (float32 only: fp16/bf16 kernels of this kind took none,
-      except a first layer's weight gradient, not modelled).
+      and weight: their bytes together (float32 only: fp16/bf16 backward kernels of this kind took
+      none, except a first layer's weight gradient, not modelled);
+    * forward under fp16/bf16 (:func:`half_forward_workspace`): NHWC copies too, measured on the
+      forward of a frozen ResNet-50 (its peak), where the backward-only probes saw none.
 
     cuDNN picks among engines by its own performance model, so this is the engine it chose for
     most shapes measured, not a rule it keeps (large 1x1 layers on 7x7 maps took the NHWC copies
@@ -83,6 +86,8 @@ def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
 
     def nbytes(t):
         return t.numel() * t.element_size()
+    if grad_out is None and x.dtype != _float32():
+        return half_forward_workspace(x, w, stride, padding, args[5], pointwise)
     if pointwise:
         half = x.dtype == import_torch().float16  # fp16 layers took other engines (ShuffleNet's, MobileNetV3's)
         if not need_weight_grad or half:
@@ -97,6 +102,36 @@ def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
             out_numel *= (size + 2 * padding[i] - k) // stride[i] + 1
         return nbytes(x) + out_numel * x.element_size() + nbytes(w)
     return nbytes(x) + nbytes(grad_out) + nbytes(w)
+
+
+#: A 1x1, stride-1 half-precision forward convolution went through NHWC copies where its weight
+#: had at least this many elements (ResNet-50's last stage: 512x1024, 2048x512, 512x2048), and read
+#: NCHW as it is below it (256x1024 and smaller, on every map size): frozen ResNet-50, bf16 and fp16,
+#: batches 64 and 128, H200, cuDNN 9 (bench/results/estimate_half_forward_probe_h200.json; held out: _h100.json).
+POINTWISE_NHWC_WEIGHT = 1 << 19
+
+
+def half_forward_workspace(x, w, stride, padding, dilation, pointwise: bool) -> int:
+    """Bytes cuDNN holds beside one fp16/bf16 forward convolution's output while it runs, as
+    measured (bench/results/estimate_half_forward_probe_h200.json: every convolution of a frozen
+    ResNet-50's forward, bf16 and fp16, batches 64 and 128, H200, cuDNN 9; each matched to the byte):
+    NHWC copies of its input, its output and its weight in the compute dtype, the input's channels
+    padded to a multiple of 8 under bf16 and of 4 under fp16 (the 3-channel stem: 8 and 4); a 1x1,
+    stride-1 one only where its weight has :data:`POINTWISE_NHWC_WEIGHT` elements or more. The
+    peak this sets is a forward one: a frozen backbone's, or any step whose forward holds the most
+    (the backward's probes, above, saw no copies in half precision)."""
+    if pointwise and w.numel() < POINTWISE_NHWC_WEIGHT:
+        return 0
+    torch = import_torch()
+    size = x.element_size()
+    pad = 8 if x.dtype == torch.bfloat16 else 4
+    channels = -(-int(x.shape[1]) // pad) * pad
+    x_bytes = x.numel() // max(1, int(x.shape[1])) * channels * size
+    out_numel = int(x.shape[0]) * int(w.shape[0])
+    for i, n in enumerate(x.shape[2:]):
+        k = (int(w.shape[2 + i]) - 1) * int(dilation[i]) + 1
+        out_numel *= (int(n) + 2 * int(padding[i]) - k) // int(stride[i]) + 1
+    return x_bytes + out_numel * size + w.numel() * size
 
 
 class CudaDropout:

@@ -372,3 +372,81 @@ def test_the_dispatch_mode_lets_its_tracker_go_without_a_collection():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_half_precision_forward_convolutions_take_the_nhwc_copies_measured_on_h200():
+    """A frozen backbone's peak is a forward one, where cuDNN's half-precision convolutions hold
+    NHWC copies of their input (channels padded to 8 under bf16, 4 under fp16), output and weight
+    (frozen ResNet-50, batch 128, H200: each convolution's hidden bytes matched to the byte,
+    bench/results/estimate_half_forward_probe_h200.json). The rule before gave none in half precision,
+    and fit planned the frozen ResNet-50 at batch 128 under bf16 at 889 MiB where it held 938 MiB:
+    its chosen layout ran out of memory (the unseen set of bench/plan/fit_scale.py)."""
+    import torch
+    from distmem.estimate.torch.kernels import cudnn_workspace
+    MiB = 2 ** 20
+
+    def conv(x_shape, w_shape, stride, padding, dt):
+        x = torch.empty(x_shape, dtype=dt, device="meta")
+        w = torch.empty(w_shape, dtype=dt, device="meta")
+        return (x, w, None, stride, padding, [1, 1], False, [0, 0], 1)
+    bf, fp = torch.bfloat16, torch.float16
+    # measured hidden bytes minus the autocast cast of the stem's float32 input (36.75 MiB), which
+    # the step's simulation counts as its own buffer
+    stem_bf = cudnn_workspace("convolution", conv((128, 3, 224, 224), (64, 3, 7, 7), [2, 2], [3, 3], bf))
+    stem_fp = cudnn_workspace("convolution", conv((128, 3, 224, 224), (64, 3, 7, 7), [2, 2], [3, 3], fp))
+    assert round(stem_bf / MiB + 36.75, 1) == 330.8 and round(stem_fp / MiB + 36.75, 1) == 281.8
+    # 3x3 (layer1.x.conv2), 1x1 stride 2 (layer2.0.downsample.0), large 1x1 (layer4.0.conv1)
+    assert round(cudnn_workspace("convolution", conv((128, 64, 56, 56), (64, 64, 3, 3), [1, 1], [1, 1], bf)) / MiB, 1) == 98.1
+    assert round(cudnn_workspace("convolution", conv((128, 256, 56, 56), (512, 256, 1, 1), [2, 2], [0, 0], bf)) / MiB, 1) == 294.2
+    assert round(cudnn_workspace("convolution", conv((128, 1024, 14, 14), (512, 1024, 1, 1), [1, 1], [0, 0], fp)) / MiB, 1) == 74.5
+    # a smaller 1x1 stride-1 (layer3.x.conv1) read NCHW as it is; float32 keeps its own rule
+    assert cudnn_workspace("convolution", conv((128, 1024, 14, 14), (256, 1024, 1, 1), [1, 1], [0, 0], bf)) == 0
+    f32 = conv((2, 16, 8, 8), (32, 16, 3, 3), [1, 1], [1, 1], torch.float32)
+    assert cudnn_workspace("convolution", f32) == (2 * 16 * 64 + 2 * 32 * 64 + 32 * 16 * 9) * 4
+
+
+def test_a_frozen_backbones_forward_peak_under_autocast_is_what_the_h200_held():
+    """ResNet-50 fine-tuning its head alone, batch 128: the H200 held 938.4 MiB at the peak under
+    bf16 and fp16 autocast (bench/results/estimate_half_forward_probe_h200.json); the model answered 888.7
+    MiB before the half-precision forward rule."""
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("fc."))
+    for precision in ("mixed_bfloat16", "mixed_float16"):
+        est = estimate_torch(model, input_shape=(3, 224, 224), batch_size=128, optimizer="adam",
+                             precision=precision, device="cuda")
+        assert abs(est.train_bytes(128) / 2 ** 20 / 938.4 - 1) < 0.01, (precision, est.train_bytes(128) / 2 ** 20)
+
+
+def test_grouped_mm_experts_in_float32_are_sized_where_the_meta_kernel_refuses_them():
+    """Hugging Face's ``grouped_mm`` experts call ``torch._grouped_mm`` on float32 expert weights;
+    CUDA runs it in float32 and autocast leaves it so (H200, torch 2.11), but its meta function
+    takes bfloat16 alone: the estimate (and ``fit`` on a Mixtral config) refused the model. Its
+    output is sized from the operands' ranks, forward and backward."""
+    class Experts(nn.Module):
+        def __init__(self, d=64, f=128, e=4):
+            super().__init__()
+            self.router = nn.Linear(d, e)
+            self.up = nn.Parameter(torch.randn(e, f, d) * 0.02)
+            self.down = nn.Parameter(torch.randn(e, d, f) * 0.02)
+
+        def forward(self, x):
+            t = x.reshape(-1, x.shape[-1])
+            idx = self.router(t).argmax(-1)
+            perm = torch.argsort(idx, stable=True)
+            counts = torch.histc(idx.float(), bins=self.up.shape[0], min=0, max=self.up.shape[0] - 1)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = torch._grouped_mm(t[perm], self.up.transpose(-2, -1), offs=offs)
+            y = torch._grouped_mm(torch.relu(h), self.down.transpose(-2, -1), offs=offs)
+            return y[torch.argsort(perm)].reshape(x.shape)
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    model = nn.Sequential(nn.Linear(32, 64), Experts(), nn.Linear(64, 10))
+    tokens = 16 * 8
+    for precision in ("float32", "mixed_bfloat16"):
+        est = estimate_torch(model, input_shape=(8, 32), batch_size=16, optimizer="adam", precision=precision,
+                             device="cuda")
+        # at least the experts' two float32 outputs, kept for the backward
+        assert est.train_bytes(16) > est.state_floor + tokens * (128 + 64) * 4, precision
