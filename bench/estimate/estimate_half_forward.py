@@ -27,6 +27,7 @@ import warnings
 from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.estimate.estimate_measure import torch_train_peaks  # noqa: E402  one step's peak, as every torch bench reads it
 
 FITTED = ("resnet50",)
 HELD_OUT = ("resnet18", "resnet101", "resnext50_32x4d", "wide_resnet50_2", "densenet121", "vgg16_bn",
@@ -65,10 +66,8 @@ def true_peak(name: str, batch: int, precision: str) -> int:
     y = torch.randint(0, 1000, (batch,), device="cuda")
     dtype = torch.bfloat16 if precision == "mixed_bfloat16" else torch.float16
     scaler = torch.amp.GradScaler("cuda") if precision == "mixed_float16" else None
-    peak = 0
-    for step in range(4):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+
+    def step() -> None:
         with torch.autocast("cuda", dtype=dtype):
             loss = F.cross_entropy(model(x).float(), y)
         if scaler is not None:
@@ -79,13 +78,10 @@ def true_peak(name: str, batch: int, precision: str) -> int:
             loss.backward()
             opt.step()
         opt.zero_grad(set_to_none=True)
-        del loss
-        torch.cuda.synchronize()
-        if step >= 1:
-            peak = max(peak, int(torch.cuda.max_memory_allocated()))
+    peaks = torch_train_peaks(step, 4)["peaks"]
     del model, opt, x, y
     torch.cuda.empty_cache()
-    return peak
+    return max(peaks[1:])  # after the first step, which makes Adam's state
 
 
 def modelled(name: str, batch: int, precision: str) -> Tuple[int, int]:
