@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import ConfigError
 from .extrapolate import Ladder
@@ -318,17 +318,18 @@ def own_state_held_most(model: Any) -> int:
     table built in a fresh process holds 4-5.3 MB, and the model's state so held is alive in every
     step of the job; only what the process holds beyond this is another's."""
     from ..allocators import bfc_held_most
-    from ..keras.access import numel
-    import tensorflow as tf
     seen: Dict[int, Any] = {}
     for v in list(getattr(model, "weights", None) or []) + list(getattr(model, "variables", None) or []):
         seen.setdefault(id(v), v)
-    total = 0
-    for v in seen.values():
-        dtype = getattr(v, "dtype", None)
-        size = tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size
-        total += bfc_held_most(numel(tuple(v.shape)) * size)
-    return total
+    return sum(bfc_held_most(_variable_nbytes(v)) for v in seen.values())
+
+
+def _variable_nbytes(v: Any) -> int:
+    """Bytes of one variable (tf.Variable or Keras 3's)."""
+    from ..keras.access import numel
+    import tensorflow as tf
+    dtype = getattr(v, "dtype", None)
+    return numel(tuple(v.shape)) * tf.as_dtype(getattr(dtype, "name", None) or str(dtype)).size
 
 
 #: Steps measured at the target batch (the worst kept: TensorFlow's executor order moves one step's
@@ -474,19 +475,6 @@ def _generic_steps(make, tf):
     return steps
 
 
-def _variable_bytes(variables: Iterable[Any]) -> int:
-    """Bytes of ``variables`` (tf.Variable or Keras 3 variables)."""
-    import numpy as np
-    total = 0
-    for v in variables:
-        try:
-            shape = tuple(int(d) for d in tuple(v.shape))
-            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(getattr(v.dtype, "name", str(v.dtype))).itemsize
-        except (TypeError, ValueError):  # a variable of unknown shape or a dtype numpy does not name
-            continue
-    return total
-
-
 def _optimizer_variables(opt: Any) -> List[Any]:
     got = getattr(opt, "variables", [])
     got = got() if callable(got) else got
@@ -500,10 +488,11 @@ class _Renewal:
     bench/estimate/keras_heldout.py at batch 8, TF 2.15, steps at 33.5 MB in most processes and at
     39-40 MB in some; a new function alone re-draws the order and not the layout of the state).
 
-    TensorFlow does not free every old slot when the old optimizer goes (a traced function keeps
-    some of its variables alive: 0.85-1.45 MB a renewal on FPNSeg): what the renewal left alive
-    beyond the model's own state is foreign to the later traces, as what the process held before
-    the steps is (``renew()`` returns the bytes to subtract from them)."""
+    TensorFlow does not free the old slots when the old optimizer goes (the held-out MLP3: the
+    allocator's ``current`` grows by every byte of them, 537,688 B, at each renewal; FPNSeg by
+    0.85-1.45 MB): what the renewal left alive beyond the model's own state is foreign to the later
+    traces, as what the process held before the steps is (``renew()`` returns the bytes to
+    subtract from them)."""
 
     def __init__(self, model, opt, make, dev, tf):
         self.model, self.opt, self.make, self.dev, self.tf = model, opt, make, dev, tf
@@ -515,7 +504,7 @@ class _Renewal:
         info = self.tf.config.experimental.get_memory_info
         gc.collect()
         before = int(info(self.dev)["current"])
-        slots = _variable_bytes(_optimizer_variables(self.opt))
+        slots = sum(_variable_nbytes(v) for v in _optimizer_variables(self.opt))
         if not slots:  # not built (no step ran with it): nothing of it to draw again
             return self.left
         self.opt = self.make()

@@ -96,11 +96,7 @@ def cudnn_workspace(name: str, args: Sequence[Any]) -> int:
     if x.dtype != _float32():
         return 0  # half-precision kernels read NCHW as it is
     if grad_out is None:
-        out_numel = x.shape[0] * w.shape[0]
-        for i, size in enumerate(x.shape[2:]):
-            k = (w.shape[2 + i] - 1) * args[5][i] + 1  # dilated kernel
-            out_numel *= (size + 2 * padding[i] - k) // stride[i] + 1
-        return nbytes(x) + out_numel * x.element_size() + nbytes(w)
+        return nbytes(x) + _conv_out_numel(x, w, stride, padding, args[5]) * x.element_size() + nbytes(w)
     return nbytes(x) + nbytes(grad_out) + nbytes(w)
 
 
@@ -127,11 +123,16 @@ def half_forward_workspace(x, w, stride, padding, dilation, pointwise: bool) -> 
     pad = 8 if x.dtype == torch.bfloat16 else 4
     channels = -(-int(x.shape[1]) // pad) * pad
     x_bytes = x.numel() // max(1, int(x.shape[1])) * channels * size
-    out_numel = int(x.shape[0]) * int(w.shape[0])
+    return x_bytes + _conv_out_numel(x, w, stride, padding, dilation) * size + w.numel() * size
+
+
+def _conv_out_numel(x, w, stride, padding, dilation) -> int:
+    """Elements of a convolution's output over input ``x`` (N, C, spatial...) and weight ``w``."""
+    out = int(x.shape[0]) * int(w.shape[0])
     for i, n in enumerate(x.shape[2:]):
-        k = (int(w.shape[2 + i]) - 1) * int(dilation[i]) + 1
-        out_numel *= (int(n) + 2 * int(padding[i]) - k) // int(stride[i]) + 1
-    return x_bytes + out_numel * size + w.numel() * size
+        k = (int(w.shape[2 + i]) - 1) * int(dilation[i]) + 1  # dilated kernel
+        out *= (int(n) + 2 * int(padding[i]) - k) // int(stride[i]) + 1
+    return out
 
 
 class CudaDropout:
