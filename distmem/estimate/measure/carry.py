@@ -12,7 +12,7 @@ from ...units import format_bytes
 from ..table import SOURCES, Bound, Estimate, LayerEstimate, path_margin
 from .extrapolate import RULE, extrapolate, least_squares, physical_interval, residual_terms
 
-__all__ = ["with_measurement", "CARRY_RULE", "DISAGREEMENT", "MODEL_SHARE", "GUESS_AGREES"]
+__all__ = ["with_measurement", "CARRY_RULE", "DISAGREEMENT", "MODEL_SHARE", "GUESS_AGREES", "GUESS_FLAT"]
 
 #: The rule a framework carries its measured points with once it has three or more of them (chosen
 #: on the fit half of its benchmark, docs/estimate.md); with fewer, :data:`extrapolate.RULE`.
@@ -30,14 +30,16 @@ DISAGREEMENT = 2.0
 MODEL_SHARE = 0.25
 
 #: A model that ran its step on values it had to guess (``data_dependent``: a branch on ``.item()``,
-#: Hugging Face's mask shortcuts) still carries the measured points where its growth per sample
-#: between the two largest agrees with theirs within this factor either way: the guess took the path
-#: the measured step took. A step's growth is not one line (a language model's peak moves from the
+#: Hugging Face's mask shortcuts) still carries the measured points where its growth between the two
+#: largest is within this share of theirs either way, or within :data:`GUESS_FLAT` of the larger
+#: point's bytes (points that barely grew, a step whose peak is its update there): the guess took
+#: the path the measured step took. A step's growth is not one line (a language model's peak moves from the
 #: update to the logits' backward as the batch grows: GPT-2 with checkpointing, bf16, on an H200,
 #: 1.77 GB at batch 2 and 1.88 GB at 4, 2.62 GB at 8), so the points' own line alone was 19.9% under
 #: at 8 where the model, agreeing to 3% between 2 and 4, carried them to within 0.1%
 #: (bench/results/estimate_measured_torch_h200.jsonl); such a figure is never below the points' line.
-GUESS_AGREES = 1.25
+GUESS_AGREES = 0.25
+GUESS_FLAT = 0.02
 
 
 def _fw(framework: str) -> str:
@@ -75,18 +77,16 @@ class _Carry:
         self._memo: Dict[int, Tuple[int, str, str]] = {}
 
     def _agrees(self, prior: Estimate) -> bool:
-        """Whether ``prior``'s growth per sample between the two largest measured points is within
-        :data:`GUESS_AGREES` of the measured growth (either way); False with fewer than two points
-        or a growth that is not positive."""
+        """Whether ``prior``'s growth between the two largest measured points is within
+        :data:`GUESS_AGREES` of the measured growth either way, or within :data:`GUESS_FLAT` of the
+        larger point's bytes; False with fewer than two points."""
         pts = sorted(self.points)[-2:]
         if len(pts) < 2 or pts[0][0] == pts[1][0]:
             return False
         (b1, y1), (b2, y2) = pts
         grew = y2 - y1
         modelled = int(prior.train_bytes(b2)) - int(prior.train_bytes(b1))
-        if grew <= 0 or modelled <= 0:
-            return False
-        return 1.0 / GUESS_AGREES <= modelled / grew <= GUESS_AGREES
+        return abs(modelled - grew) <= max(GUESS_AGREES * abs(grew), GUESS_FLAT * abs(y2))
 
     def _line(self, batch: int, lo: float, hi: float) -> int:
         """The least-squares line through the three largest measured points at ``batch``, inside ``[lo, hi]``."""
