@@ -36,8 +36,9 @@ MODEL_SHARE = 0.25
 #: the path the measured step took. A step's growth is not one line (a language model's peak moves from the
 #: update to the logits' backward as the batch grows: GPT-2 with checkpointing, bf16, on an H200,
 #: 1.77 GB at batch 2 and 1.88 GB at 4, 2.62 GB at 8), so the points' own line alone was 19.9% under
-#: at 8 where the model, agreeing to 3% between 2 and 4, carried them to within 0.1%
-#: (bench/results/estimate_measured_torch_h200.jsonl); such a figure is never below the points' line.
+#: at 8 where the model, agreeing to 3% between 2 and 4, carries them to +0.2%
+#: (bench/results/estimate_measured_torch4_h200.jsonl, then estimate_measured_torch5_h100.jsonl); such a
+#: figure is never below the points' line.
 GUESS_AGREES = 0.25
 GUESS_FLAT = 0.02
 
