@@ -158,6 +158,28 @@ def _int_choices(value: Any, what: str, default: Sequence[int]) -> List[int]:
     return sorted(set(out))
 
 
+#: At most this many of an estimate's own warnings in a fit's (the rest counted).
+ESTIMATE_WARNINGS_SHOWN = 5
+
+
+def _estimate_warnings(costs: Dict[str, Costs], first: List[Candidate]) -> List[str]:
+    """The estimate's own warnings (a value its step read that the model guessed, a measurement
+    that fell back to the model, a carry refused), of the precision of the first layout answered
+    (else of every precision), each once, prefixed ``estimate (<precision>):``: the doors that print
+    a fit (``distmem fit``) silence the estimator's Python warnings and show these instead."""
+    precs = [first[0].layout.precision] if first and first[0].layout.precision in costs else list(costs)
+    out: List[str] = []
+    for prec in precs:
+        est = getattr(costs[prec], "est", None)
+        seen = [str(w) for w in (getattr(est, "warnings", None) or [])]
+        for w in seen[:ESTIMATE_WARNINGS_SHOWN]:
+            out.append(f"estimate ({prec}): {w}")
+        if len(seen) > ESTIMATE_WARNINGS_SHOWN:
+            out.append(f"estimate ({prec}): and {len(seen) - ESTIMATE_WARNINGS_SHOWN} more warnings "
+                       f"(distmem estimate on the model lists them all)")
+    return out
+
+
 def _remedies(cand: Candidate, fits: List[Candidate], headroom: float, budget: Budget) -> List[str]:
     b = cand.binding
     if b is None:
@@ -368,6 +390,9 @@ def solve_fit(costs: Dict[str, Costs], *, global_batch_size: int, gpus: Sequence
         for w in cand.outside.get("warnings", []):
             if w not in warnings:
                 warnings.append(w)
+    for w in _estimate_warnings(costs, (fits or rej)[:1]):
+        if w not in warnings:
+            warnings.append(w)
     advice = _allocator_advice(fits[0], costs, fw) if fits and expandable and memory != "growth" else None
     if advice:
         warnings.append(advice["warning"])
