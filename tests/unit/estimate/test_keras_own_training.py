@@ -94,8 +94,14 @@ def test_each_trace_the_job_makes_is_measured_as_the_job_runs_it(tmp_path):
 
         pytest.skip(f"TensorFlow {tf.__version__} plans the two traces of this model within 20% of each other "
                     f"({static:,} and {opened:,} B): the test cannot tell which one was measured")
-    assert 0.85 <= got["static"] / static <= 1.15, (got["static"], static)
-    assert 0.85 <= got["open"] / opened <= 1.15, (got["open"], opened)
+    # each trace measured apart, as the user's process plans them apart: the bug's two figures were one
+    # trace's (a ratio near 1); here they are 1.42-1.49 apart, the user's more than 1.2
+    assert got["open"] >= 1.1 * got["static"], (got["static"], got["open"], static, opened)
+    # and each near the user's own: a process's level of this model moves from process to process (its
+    # known-batch trace read 33.4-39.2 MB in five processes, the open one 47.6-50.4 MB), so one process
+    # is held to another within that spread, not within the 15% two draws of one level keep
+    assert 0.75 <= got["static"] / static <= 1.3, (got["static"], static)
+    assert 0.75 <= got["open"] / opened <= 1.3, (got["open"], opened)
     assert got["n"] == 12 and got["loss"] == "compiled" and got["peak"] == max(got["static"], got["open"])
     assert got["train_function"], "the model's own train function (none built yet) was not put back"
 
