@@ -98,7 +98,7 @@ def test_each_trace_the_job_makes_is_measured_as_the_job_runs_it(tmp_path):
     # trace's (a ratio near 1); here they are 1.42-1.49 apart, the user's more than 1.2
     assert got["open"] >= 1.1 * got["static"], (got["static"], got["open"], static, opened)
     # and each near the user's own: a process's level of this model moves from process to process (its
-    # known-batch trace read 33.4-39.2 MB in five processes, the open one 47.6-50.4 MB), so one process
+    # known-batch trace read 33.4-39.2 MB over eight processes, the open one 47.6-50.4 MB), so one process
     # is held to another within that spread, not within the 15% two draws of one level keep
     assert 0.75 <= got["static"] / static <= 1.3, (got["static"], static)
     assert 0.75 <= got["open"] / opened <= 1.3, (got["open"], opened)
