@@ -63,7 +63,7 @@ class _Carry:
         self.measured = dict(self.points)
         # a model that could not run the step (its state alone, ``model_ran`` False) carries nothing:
         # the measured points' own line; one that ran it on values it had to guess (``data_dependent``)
-        # carries them only where its growth agrees with theirs (GUESS_AGREES), never below their line
+        # carries them only where its growth agrees with theirs (GUESS_AGREES, GUESS_FLAT), never below their line
         self.guessed = bool(getattr(prior, "data_dependent", False))
         self.trusted = bool(getattr(prior, "model_ran", True)) and (not self.guessed or self._agrees(prior))
         self.modelled = [(b, y, int(prior.train_bytes(b)) if self.trusted else 0) for b, y in self.points]
@@ -148,7 +148,8 @@ def with_measurement(target: Estimate, prior: Estimate, got: Dict[str, Any]) -> 
     breakdowns and rows. ``prior``: the model at the measured device (``target`` itself there).
     Where the model could not run the step (``model_ran`` False: a torch model the meta device
     cannot run, a Keras model without a layer graph), or guessed values the step reads
-    (``data_dependent``) and grew otherwise than the measured points (:data:`GUESS_AGREES`), the
+    (``data_dependent``) and grew otherwise than the measured points (:data:`GUESS_AGREES`,
+    :data:`GUESS_FLAT`), the
     measured points' own line (rule ``measured``, or ``lsq`` from three)."""
     carry = _Carry(target, prior, got)
     b0 = target.batch_size
