@@ -419,9 +419,6 @@ def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, ot
     (:class:`_Renewal`). Returns which one ran."""
     tried: List[str] = []
     candidates = []
-    # what the first step finds alive, before any candidate ran (one that failed may have left some)
-    gc.collect()
-    base = int(tf.config.experimental.get_memory_info(dev)["current"])
     if _compiled(model) and (getattr(model, "loss", None) is not None or getattr(model, "losses", None)):
         struct, outs, names = _outputs(model, in_specs, np, tf)
         fns = [_loss_fn(x, K) for x in _losses_of(getattr(model, "loss", None), names, len(outs))]
@@ -434,7 +431,7 @@ def _run_any(model, opt, in_specs, ladder, batches, steps, target_steps, dev, ot
     candidates.append(("generic (mean square of every output)", None, None))
     for what, specs, struct in candidates:
         own = _OwnTraining(model, in_specs, specs, struct, tf) if specs is not None else None
-        renewal = _Renewal(model, opt, renew, dev, tf, base=base)
+        renewal = _Renewal(model, opt, renew, dev, tf)
         step = own.steps if own is not None else _generic_steps(
             lambda: _generic_step(model, renewal.opt, in_specs, tf), tf)
         try:
@@ -485,42 +482,55 @@ def _optimizer_variables(opt: Any) -> List[Any]:
 
 
 class _Renewal:
-    """A new optimizer for each batch and for each fresh trace of the target batch: its slots are
-    made again by the first step, as a job's first step makes them, so the allocator's layout of the
-    state is drawn again with the executor's order (a process's "level": the held-out FPNSeg of
+    """A new optimizer for each fresh trace of the target batch: its slots are made again by the
+    trace's first step, as a job's first step makes them, so the allocator's layout of the state is
+    drawn again with the executor's order (a process's "level": the held-out FPNSeg of
     bench/estimate/keras_heldout.py at batch 8, TF 2.15, steps at 33.5 MB in most processes and at
     39-40 MB in some; a new function alone re-draws the order and not the layout of the state).
 
-    What the earlier steps left alive is foreign to the next ones, as what the process held before
-    the steps is: TensorFlow does not free an old optimizer's slots (the held-out MLP3: the
+    TensorFlow does not free the old slots when the old optimizer goes (the held-out MLP3: the
     allocator's ``current`` grows by every byte of them, 537,688 B, at each renewal; FPNSeg by
-    0.85-1.45 MB), and each trace leaves more beside them (its function's and its dataset's, 156 KB
-    a trace for MLP3: counted, its later traces climbed from 1.29-1.44 MB to 1.78 MB and its
-    batches measured after the target read 3.1 MB at batch 4 against 1.6 MB at batch 16). So
-    ``renew()`` returns everything alive beyond what the first step found (``base``, read here),
-    less what the caller keeps for the next step (its batch): the bytes to subtract from the next
-    steps' peaks."""
+    0.85-1.45 MB): what the renewal left alive beyond the model's own state is foreign to the later
+    traces, as what the process held before the steps is (``renew()`` returns the bytes to
+    subtract from them). Each batch after the first starts afresh (:meth:`fresh_start`)."""
 
-    def __init__(self, model, opt, make, dev, tf, base: Optional[int] = None):
+    def __init__(self, model, opt, make, dev, tf):
         self.model, self.opt, self.make, self.dev, self.tf = model, opt, make, dev, tf
         self.left = 0
-        self.base = self.current() if base is None else int(base)
+        self.base = self.current()
 
     def current(self) -> int:
         """The allocator's bytes in use, garbage collected first."""
         gc.collect()
         return int(self.tf.config.experimental.get_memory_info(self.dev)["current"])
 
-    def renew(self, keep: int = 0) -> int:
-        """A new optimizer where the old one was built (without ``make``: the old one, and what was
-        left counted as before); returns the bytes alive beyond ``base`` and ``keep``."""
+    def fresh_start(self) -> int:
+        """Before another batch of the ladder: a new optimizer (where the old one was built), as a job
+        starts, and every byte alive beyond what the first step found is foreign to it — the earlier
+        batches' and traces' slots and what each trace leaves beside them (its function's, its
+        dataset's). Counted, the three-layer MLP of issue 37 read 3.1 MB at batch 4 after its target's
+        traces against 1.6 MB at batch 16: the figures ``fit`` priced its micro-batches at. Call it
+        before the batch's inputs exist (they are the step's)."""
         if self.make is None:
             return self.left
         if sum(_variable_nbytes(v) for v in _optimizer_variables(self.opt)):
             self.opt = self.make()
             self.model.optimizer = self.opt
-        # not built (no step ran with it): nothing of it to draw again, and nothing of it alive
-        self.left = max(0, self.current() - self.base - int(keep))
+        return max(0, self.current() - self.base)
+
+    def renew(self) -> int:
+        if self.make is None:
+            return self.left
+        info = self.tf.config.experimental.get_memory_info
+        gc.collect()
+        before = int(info(self.dev)["current"])
+        slots = sum(_variable_nbytes(v) for v in _optimizer_variables(self.opt))
+        if not slots:  # not built (no step ran with it): nothing of it to draw again
+            return self.left
+        self.opt = self.make()
+        self.model.optimizer = self.opt
+        gc.collect()
+        self.left += max(0, int(info(self.dev)["current"]) - (before - slots))
         return self.left
 
 
@@ -534,27 +544,26 @@ def _first_line(exc: Exception) -> str:
 def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
          np, tf, renewal=None) -> None:
     todo = list(batches) if ladder is None else None
+    started: List[int] = []
     while True:
         b = ladder.next() if ladder is not None else (todo.pop(0) if todo else None)
         if b is None:
             return
-        # every batch starts as a job does (a new optimizer, a new trace), and what the earlier
-        # batches left alive is subtracted from its steps (read before its batch exists: the batch is
-        # the step's, as the job's input is)
-        left = renewal.renew() if renewal is not None else 0
-        held = renewal.current() if renewal is not None else 0
+        # a batch after others starts as a job does, what they left alive not its own
+        later = renewal is not None and bool(started)
+        before = renewal.fresh_start() if later else 0
+        started.append(int(b))
         xs = [tf.constant(a) for a in _inputs(in_specs, int(b), np)]
         ys = [tf.constant(a) for a in _labels(label_specs, int(b), np)] if label_specs is not None else []
-        inputs = max(0, renewal.current() - held) if renewal is not None else 0
         target = ladder is not None and int(b) == ladder.target
         n = target_steps if target else steps
         try:
             t0 = time.time()
-            seen = step(xs, ys, n, dev, other + left, fresh=True)
+            seen = step(xs, ys, n, dev, other + before, fresh=True) if later else step(xs, ys, n, dev, other)
             traces = 1
             while target and time.time() - t0 < TARGET_SECONDS and traces < TARGET_TRACES:
-                left = renewal.renew(keep=inputs) if renewal is not None else 0
-                seen = seen + step(xs, ys, TRACE_STEPS, dev, other + left, fresh=True)
+                left = renewal.renew() if renewal is not None else 0
+                seen = seen + step(xs, ys, TRACE_STEPS, dev, other + before + left, fresh=True)
                 traces += 1
         except tf.errors.ResourceExhaustedError as exc:
             if ladder is None:
