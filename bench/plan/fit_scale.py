@@ -894,6 +894,26 @@ _OOM_ASK = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|bytes)")
 _UNIT = {"GiB": GiB, "MiB": MiB, "KiB": 1024, "bytes": 1}
 
 
+_OOM_HELD = re.compile(r"([\d.]+) (GiB|MiB|KiB|bytes) is allocated by PyTorch, and ([\d.]+) (GiB|MiB|KiB|bytes) "
+                       r"is reserved by PyTorch but unallocated")
+
+
+def oom_parts(message: str) -> Dict[str, int]:
+    """What an out-of-memory message says the allocator held when it gave up: the request
+    (``oom_request``), the bytes allocated (``oom_allocated``) and those reserved but unallocated
+    (``oom_stranded``: after it released what it could, what a hard limit must leave room for beside
+    the allocations). Read from the whole message before it is shortened for the record; {} where
+    it does not say."""
+    got: Dict[str, int] = {}
+    ask_, held = _OOM_ASK.search(message or ""), _OOM_HELD.search(message or "")
+    if ask_:
+        got["oom_request"] = int(float(ask_.group(1)) * _UNIT[ask_.group(2)])
+    if held:
+        got["oom_allocated"] = int(float(held.group(1)) * _UNIT[held.group(2)])
+        got["oom_stranded"] = int(float(held.group(3)) * _UNIT[held.group(4)])
+    return got
+
+
 def physical_oom(message: str) -> bool:
     """Whether an out-of-memory message says the GPU itself had no room (other runs of the bench),
     not this process's cap: its free memory was below the request."""
@@ -1128,7 +1148,7 @@ def gpu_run(spec: Dict[str, Any], device: str = "cuda") -> Dict[str, Any]:
         out.update(optimizer_steps=stepped, skipped_steps=step_no - stepped)
     except torch.cuda.OutOfMemoryError as exc:
         msg = str(exc).split("\n")[0][:400]
-        out.update(oom=True, error=msg, physical_oom=physical_oom(msg))
+        out.update(oom=True, error=msg, physical_oom=physical_oom(msg), **oom_parts(str(exc)))
     except Exception as exc:  # noqa: BLE001 - booked as an error, not an out-of-memory
         out.update(oom=None, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     finally:

@@ -99,6 +99,21 @@ def test_a_run_is_judged_by_the_allocator_and_by_nvml_for_the_whole_process():
     assert fs.judge(spec(), dict(result(oom=True, error=msg), physical_oom=True))["status"] == "error"
 
 
+def test_an_out_of_memory_run_keeps_what_the_allocator_held_when_it_gave_up():
+    """The record keeps the message's first 400 characters, which a full GPU's list of processes
+    fills before the allocator's own figures: they are read from the whole message first."""
+    procs = " ".join(f"Process {600 + i} has 2.26 GiB memory in use." for i in range(12))
+    msg = ("CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+           f"40.00 GiB is free. {procs} 16.73 GiB allowed; Of the allocated memory 13.84 GiB is allocated by "
+           "PyTorch, and 639.44 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory "
+           "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert "reserved by PyTorch" not in msg[:400]
+    got = fs.oom_parts(msg)
+    assert got == {"oom_request": int(2.32 * GiB), "oom_allocated": int(13.84 * GiB),
+                   "oom_stranded": int(639.44 * 1024 ** 2)}, got
+    assert fs.oom_parts("CUDA out of memory") == {}
+
+
 def record(case, runs, chosen=True, fit_seconds=2.0):
     answer = {"family": "torchvision", "fit_seconds": fit_seconds}
     if chosen:
