@@ -504,6 +504,15 @@ class _Renewal:
         gc.collect()
         return int(self.tf.config.experimental.get_memory_info(self.dev)["current"])
 
+    def _replace(self) -> int:
+        """A new optimizer where the old one was built (a step ran with it); returns the old one's
+        slot bytes (0: not built, nothing of it to draw again, nothing replaced)."""
+        slots = sum(_variable_nbytes(v) for v in _optimizer_variables(self.opt))
+        if slots:
+            self.opt = self.make()
+            self.model.optimizer = self.opt
+        return slots
+
     def fresh_start(self) -> int:
         """Before another batch of the ladder: a new optimizer (where the old one was built), as a job
         starts, and every byte alive beyond what the first step found is foreign to it — the earlier
@@ -513,24 +522,16 @@ class _Renewal:
         before the batch's inputs exist (they are the step's)."""
         if self.make is None:
             return self.left
-        if sum(_variable_nbytes(v) for v in _optimizer_variables(self.opt)):
-            self.opt = self.make()
-            self.model.optimizer = self.opt
+        self._replace()
         return max(0, self.current() - self.base)
 
     def renew(self) -> int:
         if self.make is None:
             return self.left
-        info = self.tf.config.experimental.get_memory_info
-        gc.collect()
-        before = int(info(self.dev)["current"])
-        slots = sum(_variable_nbytes(v) for v in _optimizer_variables(self.opt))
-        if not slots:  # not built (no step ran with it): nothing of it to draw again
-            return self.left
-        self.opt = self.make()
-        self.model.optimizer = self.opt
-        gc.collect()
-        self.left += max(0, int(info(self.dev)["current"]) - (before - slots))
+        before = self.current()
+        slots = self._replace()
+        if slots:
+            self.left += max(0, self.current() - (before - slots))
         return self.left
 
 
@@ -544,15 +545,15 @@ def _first_line(exc: Exception) -> str:
 def _run(step, in_specs, label_specs, ladder, batches, steps, target_steps, dev, other, peaks, per_step,
          np, tf, renewal=None) -> None:
     todo = list(batches) if ladder is None else None
-    started: List[int] = []
+    first = True
     while True:
         b = ladder.next() if ladder is not None else (todo.pop(0) if todo else None)
         if b is None:
             return
         # a batch after others starts as a job does, what they left alive not its own
-        later = renewal is not None and bool(started)
+        later = renewal is not None and not first
         before = renewal.fresh_start() if later else 0
-        started.append(int(b))
+        first = False
         xs = [tf.constant(a) for a in _inputs(in_specs, int(b), np)]
         ys = [tf.constant(a) for a in _labels(label_specs, int(b), np)] if label_specs is not None else []
         target = ladder is not None and int(b) == ladder.target
